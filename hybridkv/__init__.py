@@ -1,0 +1,32 @@
+"""hybridkv: paged KV cache for hybrid LLMs, and an engine that serves them.
+
+`import hybridkv` stays light: the core names load eagerly (no torch), the
+engine names (Engine, SamplingParams) load on first use.
+"""
+
+from .core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheLayout, KVCacheManager, MambaSpec,
+                   SlidingWindowSpec, plan_layout)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": ("hybridkv.engine.engine", "Engine"),
+    "SamplingParams": ("hybridkv.engine.sampling_params", "SamplingParams"),
+    "RequestOutput": ("hybridkv.engine.outputs", "RequestOutput"),
+    "CompletionOutput": ("hybridkv.engine.outputs", "CompletionOutput"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")
+
+
+__all__ = ["ChunkedLocalSpec", "Engine", "FullAttentionSpec", "KVCacheLayout", "KVCacheManager",
+           "MambaSpec", "SamplingParams", "SlidingWindowSpec", "plan_layout"]

@@ -1,0 +1,98 @@
+"""Where Mamba (recurrent) layers save state checkpoints for prefix hits.
+
+A recurrent state after token L stands for the whole prefix [0, L): it cannot
+be rebuilt from a later state, and every checkpoint costs a whole state. So a
+model with recurrent layers only hits at positions where some request saved
+its state, and saving everywhere floods the pool with states nobody reuses.
+
+The admission rule of hybridkv ("hybridkv" below) saves a state where reuse is
+likely, after the Marconi paper's observation that reuse concentrates at a
+few positions:
+* the end of the prompt, rounded down to the block size (a request with the
+  same prompt, or one that extends it, hits there);
+* the branch point: the end of the longest prefix this prompt shares with an
+  earlier request (a shared system prompt or chat history shows up as such a
+  prefix from its second use on, and is then likely to be shared again);
+* the end of the sequence: while decoding, a rolling checkpoint at each block
+  boundary, each one replacing the request's previous one, so that when the
+  request finishes its latest state is cached for the next turn of a chat,
+  at the price of one state per request.
+The baselines for comparison (benchmarks/hybrid_prefix.py): "every_block"
+saves at every block boundary, "prompt_end" only at the end of the prompt.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    name: str
+    every_block: bool = False  # plan a checkpoint at every block boundary of the prompt
+    branch_points: bool = False  # plan one where the prompt leaves the prefixes seen before
+    rolling: bool = False  # checkpoint at block boundaries past the prompt
+    supersede: bool = False  # a rolling checkpoint drops the request's previous one
+
+    def plan(self, num_tokens: int, block_size: int, hit: int, shared: int) -> list[int]:
+        """Checkpoint positions inside the prompt (ascending, all > hit).
+        `shared` is the length of the longest prefix seen in earlier prompts."""
+        last = (num_tokens - 1) // block_size * block_size  # a later hit can reach at most this
+        if self.every_block:
+            return list(range(hit + block_size, last + 1, block_size))
+        positions = {last}
+        if self.branch_points:
+            positions.add(min(shared, last))
+        return sorted(p for p in positions if p > hit)
+
+
+POLICIES = {
+    "hybridkv": CheckpointPolicy("hybridkv", branch_points=True, rolling=True, supersede=True),
+    "prompt_end": CheckpointPolicy("prompt_end"),
+    "every_block": CheckpointPolicy("every_block", every_block=True, rolling=True),
+}
+
+
+def get_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
+    if isinstance(policy, CheckpointPolicy):
+        return policy
+    try:
+        return POLICIES[policy]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown checkpoint policy {policy!r}; expected one of {sorted(POLICIES)}") from None
+
+
+class PrefixSightings:
+    """A bounded LRU set of the block keys of recent prompts, to find branch
+    points: the prefix a new prompt shares with any earlier one."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self._seen: OrderedDict = OrderedDict()
+
+    def shared_blocks(self, keys: list) -> int:
+        """Number of leading keys seen before. Keys chain, so seen prefixes
+        are prefix-closed and a binary search finds the boundary."""
+        lo, hi = 0, len(keys)
+        seen = self._seen
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in seen:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def record(self, keys: list) -> None:
+        seen = self._seen
+        for key in keys:
+            if key in seen:
+                seen.move_to_end(key)
+            else:
+                seen[key] = None
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+    def clear(self) -> None:
+        self._seen.clear()

@@ -1,0 +1,176 @@
+"""The coordinator: all groups of one model acting as one.
+
+It owns the pool and one manager per group, finds the longest prefix hit that
+every group can serve, and makes allocation all-or-nothing across groups.
+
+The hit rule for any number of groups and types (DESIGN section 4) is a fixed
+point: start from the longest candidate, let each group lower it to its own
+longest valid hit at most that long, and repeat until a whole pass lowers it
+no more. Each pass strictly lowers the candidate or ends, and each group's
+answer is the longest it can serve, so the result is the longest hit valid
+for all groups (tests/test_hit_rule.py checks it against brute force).
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .checkpoints import CheckpointPolicy, PrefixSightings
+from .hashing import BlockHasher
+from .layout import KVCacheLayout
+from .managers import make_manager
+from .request import CacheRequest
+
+# Groups whose hits are sparsest go first, so the candidate drops fastest.
+_LOOKUP_ORDER = {"mamba": 0, "full": 1, "chunked_local": 2, "sliding_window": 3}
+
+
+class Coordinator:
+    def __init__(self, layout: KVCacheLayout, caching: bool, hasher: BlockHasher, policy: CheckpointPolicy):
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.caching = caching
+        self.hasher = hasher
+        self.policy = policy
+        self.pool = BlockPool(layout.num_pages, len(layout.groups))
+        self.managers = [make_manager(g, self.pool, caching, hasher.verifies, policy) for g in layout.groups]
+        self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
+        self.has_mamba = any(m.kind == "mamba" for m in self.managers)
+        self.sightings = PrefixSightings() if caching and self.has_mamba and policy.branch_points else None
+        self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
+
+    def new_request(self, request_id: str, tokens: list[int], root) -> CacheRequest:
+        return CacheRequest(request_id, tokens, [m.empty_table() for m in self.managers], root)
+
+    # -- prefix hits -------------------------------------------------------
+    def find_hit(self, req: CacheRequest) -> int:
+        """Longest valid hit in tokens: a multiple of the block size, at most
+        len(tokens) - 1 so that at least one token is computed."""
+        if not self.caching:
+            return 0
+        limit = (len(req.tokens) - 1) // self.block_size
+        self.extend_keys(req, limit)
+        order = self._lookup_order
+        if len(order) == 1:
+            return order[0].longest_hit(req, limit) * self.block_size
+        candidate = limit
+        while candidate > 0:
+            lowered = candidate
+            for manager in order:
+                lowered = manager.longest_hit(req, lowered)
+            if lowered == candidate:
+                break
+            candidate = lowered
+        return candidate * self.block_size
+
+    def extend_keys(self, req: CacheRequest, num_blocks: int) -> None:
+        if len(req.keys) < num_blocks:
+            self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks)
+
+    # -- allocation --------------------------------------------------------
+    def allocate(self, req: CacheRequest, num_new_tokens: int, hit: int | None) -> bool:
+        """Room for `num_new_tokens` more tokens, or False and no change.
+        `hit` is the prefix hit to take on the request's first allocation."""
+        managers = self.managers
+        if req.started:
+            target = req.num_computed + num_new_tokens
+            pages = 0
+            for manager in managers:
+                pages += manager.pages_needed(req, target)
+            if pages > self.pool.num_free_pages:
+                return False
+            copies = self.pending_copies
+            for manager in managers:
+                manager.allocate(req, target, copies)
+            if target > req.num_allocated:
+                req.num_allocated = target
+            return True
+
+        bs = self.block_size
+        hit_blocks = hit // bs
+        target = hit + num_new_tokens
+        found = [m.hit_blocks(req, hit_blocks) for m in managers] if hit_blocks else None
+        req.num_computed = hit  # as it will be once the hit is taken
+        pages = 0
+        for g, manager in enumerate(managers):
+            if found is None:
+                pages += manager.pages_for_start(req, target, [])
+            else:
+                blocks = found[g]
+                pages += manager.pages_for_start(req, target, blocks)
+                for block in blocks:
+                    if block.ref_count == 0:  # free in the queue: taking it uses free pages
+                        pages += len(block.pages)
+        if pages > self.pool.num_free_pages:
+            req.num_computed = 0
+            return False
+        for g, manager in enumerate(managers):
+            manager.install_hit(req, found[g] if found else [], hit_blocks)
+        req.started = True
+        self.plan_checkpoints(req, hit, record=True)
+        copies = self.pending_copies
+        for manager in managers:
+            manager.allocate(req, target, copies)
+        req.num_allocated = target
+        return True
+
+    def plan_checkpoints(self, req: CacheRequest, hit: int, record: bool) -> None:
+        """Choose where the request saves Mamba states inside its prompt;
+        `record`: remember its prefix for later branch points (on start)."""
+        if not (self.has_mamba and self.caching):
+            return
+        bs = self.block_size
+        prompt_blocks = len(req.tokens) // bs
+        self.extend_keys(req, prompt_blocks)
+        keys = req.keys[:prompt_blocks]
+        shared = 0
+        if self.sightings is not None:
+            shared = self.sightings.shared_blocks(keys) * bs
+            if record:
+                self.sightings.record(keys)
+        req.checkpoints = self.policy.plan(len(req.tokens), bs, hit, shared)
+
+    def next_checkpoint(self, req: CacheRequest, hit: int) -> int | None:
+        """The next planned checkpoint after the computed tokens (or, before
+        the first allocation, after the hit it will take)."""
+        if not req.started:
+            self.plan_checkpoints(req, hit, record=False)
+            done = hit
+        else:
+            done = req.num_computed
+        for position in req.checkpoints:
+            if position > done:
+                return position
+        return None
+
+    # -- progress ------------------------------------------------------------
+    def mark_computed(self, req: CacheRequest, num_tokens: int) -> None:
+        req.num_computed += num_tokens
+        if self.caching:
+            self.extend_keys(req, req.num_computed // self.block_size)
+        for manager in self.managers:
+            manager.on_computed(req)
+
+    def free(self, req: CacheRequest) -> None:
+        for manager in self.managers:
+            manager.free(req)
+
+    def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.num_computed = parent.num_computed
+        child.num_allocated = parent.num_allocated
+        child.started = parent.started
+        child.keys = list(parent.keys)
+        child.checkpoints = list(parent.checkpoints)
+        child.num_cached = list(parent.num_cached)
+        child.num_released = list(parent.num_released)
+        for manager in self.managers:
+            manager.fork(parent, child)
+
+    def take_copies(self) -> dict[int, list[tuple[int, int]]]:
+        """Page copies (src, dst) per group that the runner must make before
+        the next forward pass (copy-on-write after a fork)."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for group, src, dst in self.pending_copies:
+            out.setdefault(group, []).extend(zip(src, dst))
+        self.pending_copies = []
+        return out

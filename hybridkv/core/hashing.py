@@ -1,0 +1,92 @@
+"""Chained block hashes: the key under which a computed block is cached.
+
+`h_k = H(h_{k-1} || tokens of block k)` with the chain's root
+`h_{-1} = H(domain || extra)`, where `extra` holds everything besides the
+tokens that changes the KV (the tenant's `cache_salt`, an adapter id ...).
+Putting `extra` into the root makes every key of the chain depend on it, so
+two requests with different salts can never share a block.
+
+The default H is SHA-256 over a canonical byte encoding (tokens as
+little-endian int64): collision resistant, so a key names its whole prefix
+and a hit is safe without looking at the tokens. `hash_function="builtin"`
+uses Python's 64-bit tuple hash instead: faster, but anyone who can choose
+prompts can make two prefixes collide, so it is only for a single trusted
+tenant; with it the manager also checks a hit's stored token ids (see
+`BlockHasher.verifies`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+
+_DOMAIN = b"hybridkv/block-hash/v1\x00"
+_SWAP = sys.byteorder != "little"
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Canonical encoding of token ids: little-endian int64."""
+    arr = array("q", tokens)
+    if _SWAP:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _canonical_extra(cache_salt: str | None, extra_keys: Sequence | None) -> bytes:
+    return json.dumps([cache_salt, list(extra_keys or ())], sort_keys=True, default=str).encode()
+
+
+class BlockHasher:
+    """Computes chain roots and block keys for one hash function."""
+
+    FUNCTIONS = ("sha256", "builtin")
+
+    def __init__(self, hash_function: str | Callable[[bytes, bytes], object] = "sha256"):
+        if callable(hash_function):
+            # Test hook: any function (parent_key_bytes, token_bytes) -> key.
+            # Treated as unsafe: hits are verified against stored tokens.
+            self._custom = hash_function
+            self.name = getattr(hash_function, "__name__", "custom")
+            self.verifies = True
+        elif hash_function in self.FUNCTIONS:
+            self._custom = None
+            self.name = hash_function
+            self.verifies = hash_function != "sha256"
+        else:
+            raise ValueError(f"unknown hash_function {hash_function!r}; expected one of {self.FUNCTIONS} or a callable")
+
+    def root(self, cache_salt: str | None = None, extra_keys: Sequence | None = None):
+        extra = _canonical_extra(cache_salt, extra_keys)
+        if self._custom is not None:
+            return self._custom(_DOMAIN, extra)
+        if self.name == "sha256":
+            return hashlib.sha256(_DOMAIN + extra).digest()
+        return hash((_DOMAIN, extra))
+
+    def extend(self, keys: list, root, tokens: Sequence[int], block_size: int, upto: int) -> None:
+        """Append the keys of blocks len(keys) .. upto-1 (each block's tokens
+        must be known) to `keys`, chaining from the last key (or `root`)."""
+        start = len(keys)
+        if upto <= start:
+            return
+        parent = keys[-1] if keys else root
+        lo, hi = start * block_size, upto * block_size
+        if self.name == "sha256" and self._custom is None:
+            data = memoryview(token_bytes(tokens[lo:hi]))
+            step = 8 * block_size
+            sha = hashlib.sha256
+            for off in range(0, len(data), step):
+                parent = sha(parent + data[off:off + step]).digest()
+                keys.append(parent)
+        elif self._custom is None:
+            for pos in range(lo, hi, block_size):
+                parent = hash((parent, tuple(tokens[pos:pos + block_size])))
+                keys.append(parent)
+        else:
+            for pos in range(lo, hi, block_size):
+                parent_bytes = parent if isinstance(parent, bytes) else repr(parent).encode()
+                parent = self._custom(parent_bytes, token_bytes(tokens[pos:pos + block_size]))
+                keys.append(parent)

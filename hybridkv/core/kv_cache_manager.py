@@ -1,0 +1,282 @@
+"""KVCacheManager: the face a scheduler sees.
+
+It checks every input at the boundary (a clear ValueError, nothing changed),
+keeps the request records, and hands the work to the coordinator. See
+docs/api.md for the contract and an example scheduler loop.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .checkpoints import CheckpointPolicy, get_policy
+from .coordinator import Coordinator
+from .hashing import BlockHasher
+from .layout import KVCacheLayout
+from .request import CacheRequest  # noqa: F401  (the record type, for readers)
+
+
+class UnknownRequestError(ValueError, KeyError):
+    """An id the manager does not hold (a ValueError, and a KeyError for
+    code that treats the manager as a mapping)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    requests: int  # requests that took their first allocation
+    queried_tokens: int  # prompt tokens of those requests
+    hit_tokens: int  # of which served from the prefix cache
+    cached_blocks: int  # blocks now findable by key (free or in use)
+    evictions: int  # cache keys dropped to reuse their blocks
+    free_pages: int
+    total_pages: int  # usable pages (the null page excluded)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_pages / self.total_pages
+
+
+def _token_list(token_ids, what: str) -> list[int]:
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__"):
+        raise ValueError(f"{what} must be a sequence of token ids (ints), got {type(token_ids).__name__}")
+    try:
+        arr = array("q", token_ids)
+    except (TypeError, OverflowError):
+        raise ValueError(f"{what} must hold only integer token ids in int64 range") from None
+    if arr and min(arr) < 0:
+        raise ValueError(f"{what} holds a negative token id ({min(arr)})")
+    return arr.tolist()
+
+
+def _count(value, what: str) -> int:
+    if type(value) is not int:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise ValueError(f"{what} must be an integer, got {value!r}")
+        value = value.__index__()
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        enable_prefix_caching: bool = True,
+        hash_function="sha256",
+        checkpoint_policy: str | CheckpointPolicy = "hybridkv",
+    ):
+        if not isinstance(layout, KVCacheLayout):
+            raise ValueError(f"KVCacheManager needs a KVCacheLayout (from plan_layout), got {type(layout).__name__}")
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.hasher = BlockHasher(hash_function)
+        self.coordinator = Coordinator(layout, self.enable_prefix_caching, self.hasher, get_policy(checkpoint_policy))
+        self.pool = self.coordinator.pool
+        self._requests: dict[str, CacheRequest] = {}
+        self._num_started = 0
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    # -- requests ------------------------------------------------------------
+    def _get(self, request_id) -> CacheRequest:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    cache_salt: str | None = None, extra_keys: Sequence | None = None) -> None:
+        """Register a request with its prompt; no blocks are taken yet."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        tokens = _token_list(prompt_token_ids, "prompt_token_ids")
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        root = self.hasher.root(cache_salt, extra_keys) if self.enable_prefix_caching else None
+        self._requests[request_id] = self.coordinator.new_request(request_id, tokens, root)
+
+    def get_computed_tokens(self, request_id: str) -> int:
+        """Tokens the request has computed, or, before its first allocation,
+        the longest prefix hit it would take. No side effect."""
+        req = self._get(request_id)
+        if req.started:
+            return req.num_computed
+        return self._hit(req)
+
+    def _hit(self, req: CacheRequest) -> int:
+        memo = req.hit_memo
+        if memo is not None and memo[0] == self.pool.version:
+            return memo[1]
+        hit = self.coordinator.find_hit(req)
+        req.hit_memo = (self.pool.version, hit)
+        return hit
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
+        """Room for the next `num_new_tokens` tokens (beyond the computed ones
+        and, on the first call, beyond the prefix hit, which it takes).
+        False, with nothing changed, if the pool cannot hold them now."""
+        req = self._get(request_id)
+        num_new_tokens = _count(num_new_tokens, "num_new_tokens")
+        hit = None if req.started else self._hit(req)
+        start = req.num_computed if req.started else hit
+        if start + num_new_tokens > len(req.tokens):
+            raise ValueError(
+                f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
+                f"but only {len(req.tokens)} token ids are known (append them first)")
+        ok = self.coordinator.allocate(req, num_new_tokens, hit)
+        if ok and hit is not None:
+            self._num_started += 1
+            self._queried_tokens += len(req.tokens)
+            self._hit_tokens += hit
+            req.hit_memo = None
+        return ok
+
+    def mark_computed(self, request_id: str, num_tokens: int) -> None:
+        """The forward pass computed the next `num_tokens` tokens: cache the
+        blocks they complete and release what the layers no longer read."""
+        req = self._get(request_id)
+        num_tokens = _count(num_tokens, "num_tokens")
+        if req.num_computed + num_tokens > req.num_allocated:
+            raise ValueError(
+                f"request {request_id!r}: {num_tokens} tokens marked computed, but only "
+                f"{req.num_allocated - req.num_computed} have slots")
+        if num_tokens:
+            self.coordinator.mark_computed(req, num_tokens)
+
+    def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Sampled tokens join the request (their slots come with the next
+        allocate_slots)."""
+        req = self._get(request_id)
+        req.tokens.extend(_token_list(token_ids, "token_ids"))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A child sharing the parent's blocks (parallel sampling). A partly
+        filled block is copied when either one first writes into it; the
+        copies appear in `take_copies()`."""
+        parent = self._get(parent_id)
+        if not isinstance(child_id, str) or not child_id:
+            raise ValueError(f"request id must be a non-empty string, got {child_id!r}")
+        if child_id in self._requests:
+            raise ValueError(f"duplicate request id {child_id!r}")
+        if not parent.started or parent.num_allocated != parent.num_computed:
+            raise ValueError(f"request {parent_id!r} can be forked only between steps, once it has computed tokens")
+        child = self.coordinator.new_request(child_id, list(parent.tokens), parent.root)
+        self.coordinator.fork(parent, child)
+        self._requests[child_id] = child
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (cached content stays, LRU)."""
+        req = self._get(request_id)
+        self.coordinator.free(req)
+        del self._requests[request_id]
+
+    # -- what the runner reads -------------------------------------------------
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """Per group, the page ids of the request's blocks in order (a block
+        spans `group.pages_per_block` pages; the null page 0 where a layer no
+        longer needs the tokens). For a Mamba group: the pages of the block
+        holding its state (empty before the first pass)."""
+        req = self._get(request_id)
+        out = []
+        for manager, table in zip(self.coordinator.managers, req.tables):
+            if manager.kind == "mamba":
+                read, write = table
+                block = write if write is not None else read
+                out.append(list(block.pages) if block is not None else [])
+            elif manager.width == 1:
+                out.append([b.pages[0] for b in table])
+            else:
+                out.append([p for b in table for p in b.pages])
+        return out
+
+    def get_state_blocks(self, request_id: str) -> dict[int, tuple]:
+        """Per Mamba group: (pages to read the state from, or None for the
+        zero state; pages to write the next state into, or None before
+        allocate_slots)."""
+        req = self._get(request_id)
+        out = {}
+        for manager in self.coordinator.managers:
+            if manager.kind == "mamba":
+                read, write = req.tables[manager.index]
+                out[manager.index] = (read.pages if read is not None else None,
+                                      write.pages if write is not None else None)
+        return out
+
+    def take_copies(self) -> dict[int, list[tuple[int, int]]]:
+        """Page copies (src, dst) per group to make before the next forward."""
+        return self.coordinator.take_copies()
+
+    def next_checkpoint(self, request_id: str) -> int | None:
+        """The next position where the request saves a Mamba state: a prefill
+        chunk must end there (also before the first allocation: the first
+        chunk starts at the hit). None if there is none ahead."""
+        req = self._get(request_id)
+        return self.coordinator.next_checkpoint(req, 0 if req.started else self._hit(req))
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._get(request_id).tokens)
+
+    def pages_per_request(self, num_tokens: int, chunk: int = 1) -> int:
+        return self.layout.pages_per_request(num_tokens, chunk)
+
+    # -- the pool --------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free pages (DESIGN's pool blocks); the null page is not counted."""
+        return self.pool.num_free_pages
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_pages - 1
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_pages / (self.pool.num_pages - 1)
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(self._num_started, self._queried_tokens, self._hit_tokens,
+                          self.pool.num_cached_blocks, self.pool.num_evictions,
+                          self.pool.num_free_pages, self.pool.num_pages - 1)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (e.g. after weights change). Blocks in
+        use stay with their requests. Returns the number of keys dropped."""
+        dropped = self.pool.reset_cache()
+        if self.coordinator.sightings is not None:
+            self.coordinator.sightings.clear()
+        return dropped
+
+    def check_invariants(self) -> None:
+        """Assert the pool invariants against every request's references
+        (for tests; O(pool))."""
+        held: dict = {}
+        for req in self._requests.values():
+            for manager in self.coordinator.managers:
+                for block in manager.held_blocks(req):
+                    held[block] = held.get(block, 0) + 1
+        self.pool.check_invariants(held)

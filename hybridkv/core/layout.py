@@ -1,0 +1,273 @@
+"""Layout planning: from per-layer specs and a byte budget to KV cache
+groups, one page size and the views each layer takes of the pool.
+
+The rule (docs/architecture.md, "Layout") in short:
+
+* Layers with the same spec form one group (one block table per request).
+* The pool is `num_pages` pages of `page_size_bytes`. A group's block covers
+  `block_size` tokens of every layer in the group (or one recurrent state
+  for a Mamba group) and spans `pages_per_block` whole pages.
+* The page size is the largest size that divides every attention group's
+  block exactly and holds whole per-layer blocks, so attention blocks keep
+  `block_size` tokens whatever the layer counts are (Gemma-3-27B: 52 sliding
+  + 10 full layers -> pages of 2 layers, blocks of 26 and 5 pages) and no
+  padding layer is ever allocated. A Mamba state is rounded up to whole
+  pages; the page is chosen small enough that this rounding stays under
+  `MAX_STATE_ROUNDING` of a state.
+
+Every page can serve every group, so one LRU queue and one free count cover
+the whole pool, and no type can starve while another holds idle pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import reduce
+
+from .specs import ATTENTION_KINDS, AttentionSpec, LayerSpec, MambaSpec
+
+# A Mamba state is rounded up to whole pages; pick pages small enough that
+# the rounding costs at most this fraction of the state.
+MAX_STATE_ROUNDING = 0.005
+# Byte alignment of every tensor part inside a page (vector loads, dtype views).
+ALIGN = 16
+NULL_PAGE = 0
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request."""
+
+    index: int
+    spec: LayerSpec
+    layer_names: tuple[str, ...]
+    block_size: int
+    pages_per_block: int
+    # Bytes of one block that layers use (the rest of its pages is rounding).
+    block_bytes: int
+    # Attention: per-layer bytes of one block; Mamba: padded bytes of one layer's state.
+    layer_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """Where one layer's cache lives inside a block of its group.
+
+    Attention: the layer's K/V rows for a block are `layer_bytes` bytes at
+    byte `offset` of page `column` of the block (never straddling pages).
+    Mamba: the layer's state parts start at byte `offset` of the block's
+    pages taken as one byte string (a state may straddle pages);
+    `part_offsets` are relative to `offset`.
+    """
+
+    layer_name: str
+    group: int
+    column: int
+    offset: int
+    part_offsets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    groups: tuple[KVCacheGroup, ...]
+    page_size_bytes: int
+    num_pages: int
+    block_size: int
+    memory_bytes: int
+    layer_views: dict[str, LayerView]
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the pool, the null page included (DESIGN's pool blocks)."""
+        return self.num_pages
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_size_bytes
+
+    @property
+    def static_waste_bytes(self) -> int:
+        """Budget bytes no layer can ever use: the remainder under one page and
+        the reserved null page."""
+        return self.memory_bytes - self.pool_bytes + self.page_size_bytes
+
+    def group_rounding_bytes(self, group: KVCacheGroup) -> int:
+        """Bytes of each block of this group that its layers leave unused."""
+        return group.pages_per_block * self.page_size_bytes - group.block_bytes
+
+    def pages_per_request(self, num_tokens: int, chunk: int = 1) -> int:
+        """Pages one request holds at `num_tokens` tokens, computing `chunk`
+        tokens per step (no prefix sharing, no checkpoints)."""
+        return sum(_blocks_held(g, num_tokens, chunk) * g.pages_per_block for g in self.groups)
+
+    def max_requests(self, num_tokens: int, chunk: int = 1) -> int:
+        return (self.num_pages - 1) // max(1, self.pages_per_request(num_tokens, chunk))
+
+    def describe(self) -> str:
+        lines = [
+            f"page size {self.page_size_bytes:,} B x {self.num_pages:,} pages "
+            f"({self.pool_bytes / 2**30:.2f} GiB of {self.memory_bytes / 2**30:.2f} GiB); "
+            f"block size {self.block_size} tokens"
+        ]
+        for g in self.groups:
+            lines.append(
+                f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<28} {g.num_layers:3d} layers, "
+                f"{g.pages_per_block} page(s)/block, rounding {self.group_rounding_bytes(g):,} B/block"
+            )
+        return "\n".join(lines)
+
+
+def _spec_brief(spec: LayerSpec) -> str:
+    if isinstance(spec, MambaSpec):
+        return f"state {spec.state_bytes:,} B"
+    extra = ""
+    if spec.kind == "sliding_window":
+        extra = f" W={spec.sliding_window}"
+    elif spec.kind == "chunked_local":
+        extra = f" C={spec.chunk_size}"
+    return f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype}{extra}"
+
+
+def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
+    bs = group.block_size
+    all_blocks = -(-num_tokens // bs)
+    spec = group.spec
+    if spec.kind == "full":
+        return all_blocks
+    if spec.kind == "sliding_window":
+        return min(all_blocks, -(-(spec.sliding_window - 1 + chunk) // bs) + 1)
+    if spec.kind == "chunked_local":
+        return min(all_blocks, -(-(spec.chunk_size + chunk) // bs) + 1)
+    return 1  # one live recurrent state
+
+
+def _mamba_layer_layout(spec: MambaSpec) -> tuple[int, tuple[int, ...]]:
+    """Padded bytes of one layer's state and the offsets of its parts."""
+    offsets, pos = [], 0
+    for nbytes in spec.part_bytes:
+        offsets.append(pos)
+        pos += _round_up(nbytes, ALIGN)
+    return pos, tuple(offsets)
+
+
+def _choose_page_size(attn_layer_bytes: list[int], attn_block_bytes: list[int], state_bytes: list[int]) -> int:
+    """Largest page that splits attention blocks exactly into whole per-layer
+    blocks and rounds each recurrent state by at most MAX_STATE_ROUNDING."""
+
+    def rounding_ok(page: int) -> bool:
+        return all(_round_up(s, page) - s <= MAX_STATE_ROUNDING * s for s in state_bytes)
+
+    if attn_block_bytes:
+        unit = reduce(math.lcm, attn_layer_bytes)
+        whole = reduce(math.gcd, attn_block_bytes)
+        if whole % unit:
+            # Layer blocks of different sizes that no common page splits
+            # exactly: fall back to the smallest page holding any layer block.
+            return unit
+        quotient = whole // unit
+        pages = [unit * d for d in range(quotient, 0, -1) if quotient % d == 0]
+        for page in pages:
+            if rounding_ok(page):
+                return page
+        # States too small for the threshold (tiny test models): least rounding.
+        return min(pages, key=lambda p: (sum(_round_up(s, p) - s for s in state_bytes), -p))
+    # Recurrent layers only: a page per state if possible, else a fraction.
+    biggest = max(state_bytes)
+    for parts in range(1, 4097):
+        page = _round_up(-(-biggest // parts), ALIGN)
+        if rounding_ok(page):
+            return page
+    return ALIGN
+
+
+def parse_memory(value: int | float | str) -> int:
+    """'4GiB', '512MiB', '2GB', 1 << 30 -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be a number of bytes or a string like '4GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10,
+             "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            number = text[: -len(suffix)]
+            break
+    else:
+        number, scale = text, 1
+    try:
+        result = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"cannot read memory size {value!r}; use e.g. '4GiB', '512MiB' or a byte count") from None
+    if result <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return result
+
+
+def plan_layout(
+    specs: dict[str, LayerSpec],
+    memory_bytes: int | str,
+    block_size: int = 16,
+) -> KVCacheLayout:
+    """Group the layers, choose the page size and split the budget into pages."""
+    if not isinstance(specs, dict) or not specs:
+        raise ValueError("plan_layout needs a non-empty dict of layer name -> spec")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    memory = parse_memory(memory_bytes)
+
+    by_spec: dict[LayerSpec, list[str]] = {}
+    for name, spec in specs.items():
+        if not isinstance(spec, (AttentionSpec, MambaSpec)):
+            raise ValueError(f"layer {name!r}: expected a layer spec, got {type(spec).__name__}")
+        by_spec.setdefault(spec, []).append(name)
+
+    attn_layer, attn_block, states = [], [], []
+    for spec, names in by_spec.items():
+        if spec.kind in ATTENTION_KINDS:
+            attn_layer.append(spec.block_bytes(block_size))
+            attn_block.append(spec.block_bytes(block_size) * len(names))
+        else:
+            states.append(_mamba_layer_layout(spec)[0] * len(names))
+    page = _choose_page_size(attn_layer, attn_block, states)
+
+    groups, views = [], {}
+    for index, (spec, names) in enumerate(by_spec.items()):
+        if spec.kind in ATTENTION_KINDS:
+            layer_bytes = spec.block_bytes(block_size)
+            per_page = max(1, page // layer_bytes)
+            pages = -(-len(names) // per_page)
+            for i, name in enumerate(names):
+                views[name] = LayerView(name, index, i // per_page, (i % per_page) * layer_bytes)
+        else:
+            layer_bytes, part_offsets = _mamba_layer_layout(spec)
+            pages = -(-layer_bytes * len(names) // page)
+            for i, name in enumerate(names):
+                views[name] = LayerView(name, index, 0, i * layer_bytes, part_offsets)
+        groups.append(KVCacheGroup(index, spec, tuple(names), block_size, pages,
+                                   layer_bytes * len(names), layer_bytes))
+
+    num_pages = memory // page
+    smallest = 1 + sum(g.pages_per_block for g in groups)
+    if num_pages < smallest:
+        raise ValueError(
+            f"a budget of {memory:,} bytes holds {num_pages} page(s) of {page:,} bytes; "
+            f"one block of every group plus the null page needs {smallest} pages "
+            f"({smallest * page:,} bytes)"
+        )
+    return KVCacheLayout(tuple(groups), page, num_pages, block_size, memory, views)

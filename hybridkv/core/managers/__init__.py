@@ -1,0 +1,23 @@
+"""One manager per KV cache group, each knowing one layer type's rules."""
+
+from .base import AttentionManager, GroupManager
+from .chunked_local import ChunkedLocalManager
+from .full_attention import FullAttentionManager
+from .mamba import MambaManager
+from .sliding_window import SlidingWindowManager
+
+MANAGER_TYPES = {
+    "full": FullAttentionManager,
+    "sliding_window": SlidingWindowManager,
+    "chunked_local": ChunkedLocalManager,
+}
+
+
+def make_manager(group, pool, caching, verify, policy) -> GroupManager:
+    if group.kind == "mamba":
+        return MambaManager(group, pool, caching, verify, policy)
+    return MANAGER_TYPES[group.kind](group, pool, caching, verify)
+
+
+__all__ = ["GroupManager", "AttentionManager", "FullAttentionManager", "SlidingWindowManager",
+           "ChunkedLocalManager", "MambaManager", "make_manager"]

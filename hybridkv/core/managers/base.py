@@ -1,0 +1,194 @@
+"""What every per-group manager answers, and the shared attention logic.
+
+A group manager knows one layer type's rules and nothing of the others:
+* `longest_hit(req, limit)`: the longest prefix, in blocks and at most
+  `limit`, that this group can serve from the cache;
+* `hit_blocks(req, n)`: the table prefix (null blocks where the type needs
+  nothing) that serves a hit of `n` blocks;
+* `pages_needed` / `allocate`: room for tokens up to a target;
+* `on_computed`: after a forward pass, cache full blocks and release what
+  the type will never read again;
+* `free`.
+The coordinator combines the groups; the pool keeps the pages.
+"""
+
+from __future__ import annotations
+
+from ..block_pool import Block, BlockPool
+from ..layout import KVCacheGroup
+from ..request import CacheRequest
+
+
+class GroupManager:
+    kind = "abstract"
+
+    def __init__(self, group: KVCacheGroup, pool: BlockPool, caching: bool, verify: bool):
+        self.group = group
+        self.index = group.index
+        self.block_size = group.block_size
+        self.width = group.pages_per_block
+        self.pool = pool
+        self.caching = caching
+        # With an untrusted hash, a hit must also match the stored token ids.
+        self.verify = verify
+        self.cached = pool.cached[group.index]
+        self.null = pool.null_block(self.width)
+
+    def _lookup(self, req: CacheRequest, j: int) -> Block | None:
+        """The cached block for block position j of req, if any."""
+        block = self.cached.get(req.keys[j])
+        if block is not None and self.verify:
+            bs = self.block_size
+            if block.tokens != tuple(req.tokens[j * bs:(j + 1) * bs]):
+                return None
+        return block
+
+    def empty_table(self) -> list:
+        return []
+
+    # Each subclass implements these.
+    def longest_hit(self, req: CacheRequest, limit: int) -> int:
+        raise NotImplementedError
+
+    def hit_blocks(self, req: CacheRequest, num_blocks: int) -> list[Block]:
+        raise NotImplementedError
+
+    def install_hit(self, req: CacheRequest, blocks: list[Block], num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def pages_needed(self, req: CacheRequest, target: int) -> int:
+        """Free pages that `allocate(req, target)` would take."""
+        raise NotImplementedError
+
+    def pages_for_start(self, req: CacheRequest, target: int, hit: list[Block]) -> int:
+        """Free pages the first allocation takes after installing `hit`
+        (not counting hit blocks that sit in the free queue)."""
+        raise NotImplementedError
+
+    def allocate(self, req: CacheRequest, target: int, copies: list) -> None:
+        raise NotImplementedError
+
+    def on_computed(self, req: CacheRequest) -> None:
+        raise NotImplementedError
+
+    def free(self, req: CacheRequest) -> None:
+        raise NotImplementedError
+
+    def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
+        raise NotImplementedError
+
+    def held_blocks(self, req: CacheRequest) -> list[Block]:
+        """Every non-null block the request references (for invariant checks)."""
+        raise NotImplementedError
+
+
+class AttentionManager(GroupManager):
+    """Block tables over positions; subclasses say which leading blocks a
+    request no longer needs (`first_needed_block`) and how a hit is found."""
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """Blocks before this index are never read again once `num_computed`
+        tokens are computed."""
+        return 0
+
+    def hit_start(self, num_blocks: int) -> int:
+        """First block a hit of `num_blocks` blocks must hold (the rest is null)."""
+        return 0
+
+    def hit_blocks(self, req, num_blocks):
+        start = self.hit_start(num_blocks)
+        lookup = self._lookup
+        return [self.null] * start + [lookup(req, j) for j in range(start, num_blocks)]
+
+    def install_hit(self, req, blocks, num_blocks):
+        touch = self.pool.touch
+        null = self.null
+        for block in blocks:
+            if block is not null:
+                touch(block)
+        g = self.index
+        req.tables[g] = blocks
+        req.num_cached[g] = num_blocks
+        req.num_released[g] = self.hit_start(num_blocks)
+
+    def pages_needed(self, req, target):
+        table = req.tables[self.index]
+        new = -(-target // self.block_size) - len(table)
+        pages = new * self.width if new > 0 else 0
+        if self._needs_copy(req, table, target):
+            pages += self.width
+        return pages
+
+    def pages_for_start(self, req, target, hit):
+        new = -(-target // self.block_size) - len(hit)
+        return new * self.width if new > 0 else 0
+
+    def _needs_copy(self, req, table, target) -> bool:
+        """Is the partly filled block the next tokens land in shared (after a
+        fork)? Then it is copied before it is written."""
+        n = req.num_computed
+        j = n // self.block_size
+        return target > n and n % self.block_size != 0 and j < len(table) and table[j].ref_count > 1
+
+    def allocate(self, req, target, copies):
+        table = req.tables[self.index]
+        if self._needs_copy(req, table, target):
+            j = req.num_computed // self.block_size
+            shared = table[j]
+            fresh = self.pool.allocate(self.width, 1)[0]
+            copies.append((self.index, shared.pages, fresh.pages))
+            table[j] = fresh
+            self.pool.release(shared)
+        new = -(-target // self.block_size) - len(table)
+        if new > 0:
+            table.extend(self.pool.allocate(self.width, new))
+
+    def on_computed(self, req):
+        g = self.index
+        table = req.tables[g]
+        n = req.num_computed
+        if self.caching:
+            full = n // self.block_size
+            start = req.num_cached[g]
+            if full > start:
+                cache, keys, null = self.pool.cache, req.keys, self.null
+                bs, verify, tokens = self.block_size, self.verify, req.tokens
+                for j in range(start, full):
+                    block = table[j]
+                    if block is not null and block.key is None:
+                        cache(block, g, keys[j], tuple(tokens[j * bs:(j + 1) * bs]) if verify else None)
+                req.num_cached[g] = full
+        first = self.first_needed_block(n)
+        start = req.num_released[g]
+        if first > start:
+            release, null = self.pool.release, self.null
+            for j in range(start, min(first, len(table))):
+                block = table[j]
+                if block is not null:
+                    table[j] = null
+                    release(block)
+            req.num_released[g] = first
+
+    def free(self, req):
+        release, null = self.pool.release, self.null
+        # Last block first: it enters the free queue first and so is evicted
+        # before the (more widely shared) blocks of the prefix.
+        for block in reversed(req.tables[self.index]):
+            if block is not null:
+                release(block)
+        req.tables[self.index] = []
+
+    def fork(self, parent, child):
+        g = self.index
+        table = list(parent.tables[g])
+        touch, null = self.pool.touch, self.null
+        for block in table:
+            if block is not null:
+                touch(block)
+        child.tables[g] = table
+        child.num_cached[g] = parent.num_cached[g]
+        child.num_released[g] = parent.num_released[g]
+
+    def held_blocks(self, req):
+        null = self.null
+        return [b for b in req.tables[self.index] if b is not null]

@@ -1,0 +1,36 @@
+"""Chunked local attention C (Llama-4): query i reads keys j <= i with
+j // C == i // C, so a request needs only the current chunk's blocks, and a
+hit at a chunk boundary needs nothing at all."""
+
+from __future__ import annotations
+
+from .base import AttentionManager
+
+
+class ChunkedLocalManager(AttentionManager):
+    kind = "chunked_local"
+
+    def __init__(self, group, pool, caching, verify):
+        super().__init__(group, pool, caching, verify)
+        self.chunk = group.spec.chunk_size
+
+    def first_needed_block(self, num_computed):
+        return (num_computed // self.chunk) * self.chunk // self.block_size
+
+    def hit_start(self, num_blocks):
+        return self.first_needed_block(num_blocks * self.block_size)
+
+    def longest_hit(self, req, limit):
+        # For a candidate n, blocks [start(n), n) must be cached. A miss at j
+        # rules out every candidate in (j, n] (they share n's chunk start or
+        # an earlier one), so the next candidate is j itself.
+        lookup = self._lookup
+        n = limit
+        while n > 0:
+            for j in range(n - 1, self.hit_start(n) - 1, -1):
+                if lookup(req, j) is None:
+                    n = j
+                    break
+            else:
+                return n
+        return 0

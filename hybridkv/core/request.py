@@ -1,0 +1,38 @@
+"""What the manager remembers about one request."""
+
+from __future__ import annotations
+
+
+class CacheRequest:
+    """Token ids, progress and, per group, the blocks a request holds.
+
+    `tables[g]` is, for an attention group, the block table (position k
+    holds tokens [k*block_size, (k+1)*block_size), the null block where the
+    layer no longer needs them); for a Mamba group it is `[read, write]`:
+    the block holding the state after `num_computed` tokens, and the block
+    the next forward pass writes the new state into (the same block when the
+    update can happen in place, None until slots are allocated).
+    """
+
+    __slots__ = (
+        "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
+        "started", "keys", "root", "tables", "num_cached", "num_released",
+        "checkpoints", "rolling", "hit_memo",
+    )
+
+    def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
+        self.request_id = request_id
+        self.tokens = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.num_computed = 0
+        self.num_allocated = 0  # tokens that have slots: computed + scheduled
+        self.started = False  # the first allocation (which takes the hit) happened
+        self.keys: list = []  # chained cache keys of the full blocks of known tokens
+        self.root = root
+        self.tables = tables
+        num_groups = len(tables)
+        self.num_cached = [0] * num_groups  # leading blocks already offered to the cache
+        self.num_released = [0] * num_groups  # leading blocks already released (windows)
+        self.checkpoints: list[int] = []  # planned Mamba checkpoint positions, ascending
+        self.rolling: list = [None] * num_groups  # latest decode checkpoint per Mamba group
+        self.hit_memo = None  # (pool version, hit tokens) from get_computed_tokens

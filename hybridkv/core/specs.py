@@ -1,0 +1,123 @@
+"""Per-layer KV cache specs: what one layer must remember, in bytes.
+
+A spec says nothing about where the memory lives; the layout planner
+(`layout.py`) groups layers with equal specs and places them in the pool.
+Specs are frozen and hashable so that "same spec" means "same group".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+
+
+def _require_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Common part of the attention specs: K and V rows of one layer."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _require_positive(type(self).__name__, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
+        dtype_size(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in this layer."""
+        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Query i reads keys j <= i: the layer keeps every token."""
+
+    kind = "full"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Query i reads keys i - W < j <= i (W tokens including i, the
+    Hugging Face convention): the layer keeps the last W - 1 tokens."""
+
+    sliding_window: int = field(kw_only=True)
+    kind = "sliding_window"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive("SlidingWindowSpec", sliding_window=self.sliding_window)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalSpec(AttentionSpec):
+    """Query i reads keys j <= i in its own chunk (j // C == i // C)."""
+
+    chunk_size: int = field(kw_only=True)
+    kind = "chunked_local"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_positive("ChunkedLocalSpec", chunk_size=self.chunk_size)
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A fixed-size recurrent state per request (Mamba conv + SSM state,
+    or any other recurrent layer): `shapes[i]` has dtype `dtypes[i]`."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    kind = "mamba"
+
+    def __post_init__(self) -> None:
+        shapes = tuple(tuple(s) for s in self.shapes)
+        dtypes = tuple(self.dtypes)
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "dtypes", dtypes)
+        if not shapes or len(shapes) != len(dtypes):
+            raise ValueError(f"MambaSpec needs one dtype per state shape, got shapes={shapes} dtypes={dtypes}")
+        for shape in shapes:
+            if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+                raise ValueError(f"MambaSpec shapes must be tuples of positive integers, got {shape!r}")
+        for d in dtypes:
+            dtype_size(d)
+
+    @property
+    def part_bytes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) * dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.part_bytes)
+
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec
+ATTENTION_KINDS = ("full", "sliding_window", "chunked_local")

@@ -1,0 +1,234 @@
+"""Test helpers: tiny layouts of every layer-type mix, and a shadow runner
+that plays the model for a KVCacheManager and proves that every block a
+request reads holds exactly its own tokens."""
+
+from __future__ import annotations
+
+from hybridkv.core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheManager, MambaSpec, SlidingWindowSpec,
+                           plan_layout)
+
+MIXES = {
+    "full": ("full",),
+    "window": ("window",),
+    "chunked": ("chunked",),
+    "mamba": ("mamba",),
+    "full+window": ("full", "window"),
+    "full+mamba": ("full", "mamba"),
+    "full+window+mamba": ("full", "window", "mamba"),
+    "window+chunked": ("window", "chunked"),
+}
+
+
+def layer_specs(kinds, window=7, chunk=10, layers_per_kind=(2, 3, 1)):
+    """Tiny specs: one entry per kind, with uneven layer counts so that blocks
+    span several pages."""
+    specs = {}
+    for i, kind in enumerate(kinds):
+        count = layers_per_kind[i % len(layers_per_kind)]
+        for layer in range(count):
+            name = f"{kind}.{layer}"
+            if kind == "full":
+                specs[name] = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
+            elif kind == "window":
+                specs[name] = SlidingWindowSpec(num_kv_heads=1, head_size=4, dtype="float32", sliding_window=window)
+            elif kind == "chunked":
+                specs[name] = ChunkedLocalSpec(num_kv_heads=1, head_size=4, dtype="float32", chunk_size=chunk)
+            else:
+                specs[name] = MambaSpec(shapes=((6, 3), (6, 4)), dtypes=("float32", "float32"))
+    return specs
+
+
+def layout_with_pages(specs, num_pages, block_size=4):
+    probe = plan_layout(specs, 1 << 30, block_size=block_size)
+    return plan_layout(specs, probe.page_size_bytes * num_pages, block_size=block_size)
+
+
+def layout_for_requests(specs, num_requests, num_tokens, block_size=4, chunk=12):
+    """A pool that holds about `num_requests` requests of `num_tokens`."""
+    probe = plan_layout(specs, 1 << 30, block_size=block_size)
+    pages = 1 + num_requests * probe.pages_per_request(num_tokens, chunk)
+    return plan_layout(specs, probe.page_size_bytes * pages, block_size=block_size)
+
+
+class ShadowRunner:
+    """Remembers, per page, the token prefix its KV (or state) was computed
+    from, and checks every read against the reading request's own tokens."""
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+        self.content: dict[int, tuple] = {}
+        self.checks = 0
+        self.copies = 0
+
+    def apply_copies(self) -> None:
+        for pairs in self.kv.take_copies().values():
+            for src, dst in pairs:
+                self.content[dst] = self.content.get(src)
+                self.copies += 1
+
+    def compute(self, request_id: str, num_tokens: int) -> None:
+        """The forward pass over the next num_tokens (slots already allocated)."""
+        kv = self.kv
+        self.apply_copies()
+        self.check_request(request_id)
+        req = kv._requests[request_id]
+        n, bs, tokens = req.num_computed, kv.block_size, req.tokens
+        end = n + num_tokens
+        for manager in kv.coordinator.managers:
+            table = req.tables[manager.index]
+            if manager.kind == "mamba":
+                read, write = table
+                assert write is not None, "a forward pass without a Mamba write block"
+                for p in write.pages:
+                    self.content[p] = tuple(tokens[:end])
+            else:
+                for j in range(n // bs, -(-end // bs)):
+                    block = table[j]
+                    assert block is not manager.null, f"{request_id}: no block for new tokens at block {j}"
+                    for p in block.pages:
+                        self.content[p] = tuple(tokens[:min((j + 1) * bs, end)])
+        kv.mark_computed(request_id, num_tokens)
+
+    def check_request(self, request_id: str) -> None:
+        kv = self.kv
+        req = kv._requests[request_id]
+        if not req.started:
+            return
+        n, bs, tokens = req.num_computed, kv.block_size, req.tokens
+        for manager in kv.coordinator.managers:
+            table = req.tables[manager.index]
+            if manager.kind == "mamba":
+                read, write = table
+                if n == 0:
+                    assert read is None, f"{request_id}: a state before any token"
+                else:
+                    assert read is not None, f"{request_id}: no state after {n} tokens"
+                    for p in read.pages:
+                        assert self.content.get(p) == tuple(tokens[:n]), (
+                            f"{request_id}: Mamba state page {p} holds another prefix")
+                continue
+            first = manager.first_needed_block(n)
+            for j, block in enumerate(table):
+                if j * bs >= n:
+                    break
+                if j < first:
+                    assert block is manager.null, f"{request_id}: block {j} kept past its window"
+                    continue
+                assert block is not manager.null, f"{request_id}: needed block {j} is null"
+                expected = tuple(tokens[:min((j + 1) * bs, n)])
+                for p in block.pages:
+                    assert self.content.get(p) == expected, (
+                        f"{request_id}: group {manager.index} block {j} page {p} holds foreign KV")
+            self.checks += 1
+
+    def check_all(self) -> None:
+        for request_id in list(self.kv._requests):
+            self.check_request(request_id)
+        self.kv.check_invariants()
+
+    def run_prompt(self, request_id: str, chunk: int = 1 << 30) -> bool:
+        """Prefill the whole prompt in chunks (ending at checkpoints).
+        False if the pool ran out (the request is left as it was)."""
+        kv = self.kv
+        while True:
+            done = kv.get_computed_tokens(request_id)
+            total = kv.num_tokens(request_id)
+            if kv._requests[request_id].started and done >= total:
+                return True
+            size = min(chunk, total - done)
+            checkpoint = kv.next_checkpoint(request_id)
+            if checkpoint is not None:
+                size = min(size, checkpoint - done)
+            if not kv.allocate_slots(request_id, size):
+                return False
+            self.compute(request_id, size)
+
+    def decode(self, request_id: str, token: int) -> bool:
+        kv = self.kv
+        kv.append_token_ids(request_id, [token])
+        if not kv.allocate_slots(request_id, 1):
+            return False
+        self.compute(request_id, 1)
+        return True
+
+
+def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8) -> dict:
+    """A seeded random mix of every manager operation, with heavy prefix
+    sharing (a few system prompts, chat turns that extend earlier sequences,
+    forks), checked by the shadow runner. Returns event counts."""
+    import collections
+
+    shadow = ShadowRunner(kv)
+    counts = collections.Counter()
+    systems = [[rng.randrange(100) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    history: list[list[int]] = []
+    live: list[str] = []
+    next_id = 0
+    total = kv.num_free_blocks
+    for op in range(num_ops):
+        choice = rng.random()
+        if (choice < 0.22 and len(live) < max_live) or not live:
+            if history and rng.random() < 0.4:
+                prompt = list(rng.choice(history)) + [rng.randrange(100) for _ in range(rng.randrange(1, 6))]
+                counts["next_turn"] += 1
+            else:
+                prompt = list(rng.choice(systems)) + [rng.randrange(100) for _ in range(rng.randrange(1, 12))]
+            rid = f"q{next_id}"
+            next_id += 1
+            kv.add_request(rid, prompt, cache_salt=rng.choice([None, None, None, "other-tenant"]))
+            live.append(rid)
+        elif choice < 0.80:
+            rid = rng.choice(live)
+            req = kv._requests[rid]
+            if req.started and req.num_computed >= len(req.tokens):
+                kv.append_token_ids(rid, [rng.randrange(100)])
+            done = kv.get_computed_tokens(rid)
+            size = min(rng.randrange(1, 12), len(req.tokens) - done)
+            checkpoint = kv.next_checkpoint(rid)
+            if checkpoint is not None:
+                size = min(size, checkpoint - done)
+            started = req.started
+            if kv.allocate_slots(rid, size):
+                if not started and done:
+                    counts["hits"] += 1
+                    counts["hit_tokens"] += done
+                shadow.compute(rid, size)
+                counts["computed"] += 1
+            else:
+                counts["alloc_fail"] += 1
+                if rng.random() < 0.5:  # preempt by recompute: free and start over
+                    victim = rng.choice(live)
+                    toks = list(kv._requests[victim].tokens)
+                    kv.free(victim)
+                    kv.add_request(victim, toks)
+                    counts["preempted"] += 1
+        elif choice < 0.86:
+            rid = rng.choice(live)
+            req = kv._requests[rid]
+            if req.started and req.num_allocated == req.num_computed:
+                child = f"q{next_id}"
+                next_id += 1
+                kv.fork(rid, child)
+                live.append(child)
+                counts["forks"] += 1
+        elif choice < 0.995:
+            rid = rng.choice(live)
+            history.append(list(kv._requests[rid].tokens))
+            if len(history) > 50:
+                history.pop(0)
+            kv.free(rid)
+            live.remove(rid)
+        else:
+            kv.reset_prefix_cache()
+        if op % check_every == 0:
+            shadow.check_all()
+            counts["checks"] += 1
+    shadow.apply_copies()
+    counts["copies"] = shadow.copies
+    for rid in live:
+        kv.free(rid)
+    kv.check_invariants()
+    assert kv.num_free_blocks == total, "pages leaked after freeing every request"
+    counts["evictions"] = kv.stats.evictions
+    counts["block_checks"] = shadow.checks
+    return counts
