@@ -1,0 +1,102 @@
+"""The layout planner on every real config in models/ and on edge cases."""
+
+import glob
+import os
+
+import pytest
+
+from hybridkv.core import FullAttentionSpec, MambaSpec, SlidingWindowSpec, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.core.layout import MAX_STATE_ROUNDING
+
+MODELS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "models", "*.json")))
+
+
+def test_models_folder_has_the_configs_the_benchmarks_need():
+    names = {os.path.basename(p) for p in MODELS}
+    for required in ("gemma-3-1b.json", "gemma-3-4b.json", "gemma-3-12b.json", "gemma-3-27b.json",
+                     "gemma-2-27b.json", "mistral-7b-v0.1.json", "ministral-8b.json", "gpt-oss-20b.json",
+                     "gpt-oss-120b.json", "llama-4-scout.json", "jamba-1.5-mini.json", "llama-3.1-8b.json"):
+        assert required in names
+    assert any(n.startswith(("nemotron-h", "bamba", "granite-4")) for n in names), "a Mamba-2 hybrid"
+
+
+@pytest.mark.parametrize("path", MODELS, ids=[os.path.basename(p) for p in MODELS])
+def test_hybrid_layout_of_every_model_wastes_under_one_percent(path):
+    specs = specs_from_config(load_config(path))
+    layout = plan_layout(specs, 60 << 30, block_size=16)
+    assert layout.static_waste_bytes <= 0.01 * layout.memory_bytes
+    distinct = len(set(specs.values()))
+    assert len(layout.groups) <= 2 * distinct
+    for group in layout.groups:
+        rounding = layout.group_rounding_bytes(group)
+        if group.kind == "mamba":
+            assert rounding <= MAX_STATE_ROUNDING * group.block_bytes
+        else:
+            # Attention blocks keep block_size tokens and fill their pages exactly.
+            assert group.block_size == 16
+            assert rounding == 0
+    _check_views(layout)
+
+
+def _check_views(layout):
+    """Layers of a group never overlap inside a block, and attention layers
+    never straddle a page."""
+    page = layout.page_size_bytes
+    for group in layout.groups:
+        spans = []
+        for name in group.layer_names:
+            view = layout.layer_views[name]
+            if group.kind == "mamba":
+                start = view.offset
+            else:
+                assert view.offset + group.layer_bytes <= page
+                start = view.column * page + view.offset
+            spans.append((start, start + group.layer_bytes))
+        spans.sort()
+        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+            assert a1 <= b0
+        assert spans[-1][1] <= group.pages_per_block * page
+
+
+def test_gemma3_27b_keeps_two_groups_and_sixteen_token_blocks():
+    layout = plan_layout(specs_from_config(load_config(MODELS[0].replace(os.path.basename(MODELS[0]),
+                                                                         "gemma-3-27b.json"))), 80 << 30)
+    kinds = [(g.kind, g.num_layers, g.pages_per_block) for g in layout.groups]
+    assert kinds == [("sliding_window", 52, 26), ("full", 10, 5)]
+    assert layout.page_size_bytes == 2 * 16 * 2 * 16 * 128 * 2  # two layers' 16-token blocks
+
+
+def test_hybrid_mamba_state_does_not_grow_attention_blocks():
+    specs = {f"l{i}": (FullAttentionSpec(num_kv_heads=8, head_size=128) if i % 8 == 4 else
+                       MambaSpec(shapes=((8192, 3), (8192, 16)), dtypes=("bfloat16", "float32")))
+             for i in range(32)}
+    layout = plan_layout(specs, 8 << 30, block_size=16)
+    attention = next(g for g in layout.groups if g.kind == "full")
+    mamba = next(g for g in layout.groups if g.kind == "mamba")
+    assert attention.block_size == 16
+    assert attention.pages_per_block * layout.page_size_bytes == 4 * 16 * 4096
+    assert mamba.pages_per_block > 100  # one state spans many small pages
+
+
+def test_budget_too_small_for_one_block_per_group_is_a_clear_error():
+    specs = {"a": FullAttentionSpec(num_kv_heads=8, head_size=128),
+             "b": SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=64)}
+    with pytest.raises(ValueError, match="null page needs"):
+        plan_layout(specs, 64 * 1024, block_size=16)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])
+def test_block_size_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="block_size"):
+        plan_layout({"a": FullAttentionSpec(num_kv_heads=1, head_size=8)}, 1 << 20, block_size=bad)
+
+
+def test_plan_needs_specs_and_a_budget():
+    with pytest.raises(ValueError):
+        plan_layout({}, 1 << 20)
+    with pytest.raises(ValueError):
+        plan_layout({"a": "full"}, 1 << 20)
+    with pytest.raises(ValueError, match="memory"):
+        plan_layout({"a": FullAttentionSpec(num_kv_heads=1, head_size=8)}, -5)
+    assert plan_layout({"a": FullAttentionSpec(num_kv_heads=1, head_size=8)}, "1MiB").memory_bytes == 1 << 20
