@@ -78,14 +78,14 @@ class ShadowRunner:
             table = req.tables[manager.index]
             if manager.kind == "mamba":
                 read, write = table
-                assert write is not None, "a forward pass without a Mamba write block"
-                for p in write.pages:
+                assert write, "a forward pass without a Mamba write block"
+                for p in kv.pool.pages(write):
                     self.content[p] = tuple(tokens[:end])
             else:
                 for j in range(n // bs, -(-end // bs)):
                     block = table[j]
-                    assert block is not manager.null, f"{request_id}: no block for new tokens at block {j}"
-                    for p in block.pages:
+                    assert block, f"{request_id}: no block for new tokens at block {j}"
+                    for p in kv.pool.pages(block):
                         self.content[p] = tuple(tokens[:min((j + 1) * bs, end)])
         kv.mark_computed(request_id, num_tokens)
 
@@ -100,10 +100,10 @@ class ShadowRunner:
             if manager.kind == "mamba":
                 read, write = table
                 if n == 0:
-                    assert read is None, f"{request_id}: a state before any token"
+                    assert not read, f"{request_id}: a state before any token"
                 else:
-                    assert read is not None, f"{request_id}: no state after {n} tokens"
-                    for p in read.pages:
+                    assert read, f"{request_id}: no state after {n} tokens"
+                    for p in kv.pool.pages(read):
                         assert self.content.get(p) == tuple(tokens[:n]), (
                             f"{request_id}: Mamba state page {p} holds another prefix")
                 continue
@@ -112,11 +112,11 @@ class ShadowRunner:
                 if j * bs >= n:
                     break
                 if j < first:
-                    assert block is manager.null, f"{request_id}: block {j} kept past its window"
+                    assert not block, f"{request_id}: block {j} kept past its window"
                     continue
-                assert block is not manager.null, f"{request_id}: needed block {j} is null"
+                assert block, f"{request_id}: needed block {j} is null"
                 expected = tuple(tokens[:min((j + 1) * bs, n)])
-                for p in block.pages:
+                for p in kv.pool.pages(block):
                     assert self.content.get(p) == expected, (
                         f"{request_id}: group {manager.index} block {j} page {p} holds foreign KV")
             self.checks += 1

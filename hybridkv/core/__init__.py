@@ -2,7 +2,7 @@
 managers, coordinator and KVCacheManager. Pure Python (no torch), so engine
 builders can import it into their own scheduler."""
 
-from .block_pool import Block, BlockPool
+from .block_pool import NULL, BlockPool
 from .checkpoints import POLICIES, CheckpointPolicy
 from .hashing import BlockHasher
 from .kv_cache_manager import CacheStats, KVCacheManager, UnknownRequestError
@@ -10,7 +10,7 @@ from .layout import KVCacheGroup, KVCacheLayout, LayerView, parse_memory, plan_l
 from .specs import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
-    "Block", "BlockPool", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec",
+    "NULL", "BlockPool", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec",
     "FullAttentionSpec", "KVCacheGroup", "KVCacheLayout", "KVCacheManager", "LayerView", "MambaSpec",
     "POLICIES", "SlidingWindowSpec", "UnknownRequestError", "parse_memory", "plan_layout",
 ]

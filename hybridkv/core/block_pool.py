@@ -1,43 +1,31 @@
 """The one pool of pages, the LRU free queue and the cache-key maps.
 
-A `Block` is what a group allocates: `block_size` tokens of every layer of
-the group (or one recurrent state), stored in `len(pages)` pages. Ref counts,
-cache keys and the LRU queue all work on blocks; pages are only where the
-bytes live. Page 0 is the null page: the null blocks (one per width) point at
-it and stand in block tables for positions a layer no longer needs.
+A block is what a group allocates: `block_size` tokens of every layer of the
+group (or one recurrent state), stored in one or more pages. A block is named
+by an int, its block id: the id of its first page. Ref counts, cache keys and
+the LRU queue all work on blocks; pages are only where the bytes live. Page 0
+is the null page, and block id 0 the null block: it stands in block tables
+for positions a layer no longer needs, and is never allocated or freed.
+
+Blocks are ints and their fields live in per-page lists indexed by block id,
+so the hot paths create no Python objects per block (and the cyclic garbage
+collector has nothing to scan).
 
 Free queue. One queue, ordered least recently freed first. A block whose
 ref count drops to 0 keeps its cached content and goes to the tail; a block
 with nothing cached goes to the head, since keeping it gains nothing.
 Allocation first takes never-used pages, then blocks from the head; a block
-taken from the queue loses its cache key. When a group needs a block of a
-different width than the head block, the head block's pages are split or
-combined: pages are interchangeable, so no group can starve while another
-holds idle memory. Every operation is O(1) per block (or page) it touches.
+taken from the queue loses its cache key. When a group needs a block of
+another width than the head block's, pages are split or combined: any page
+can serve any group, so no group starves while another holds idle memory.
+Every operation is O(1) per block (or page) it touches.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-
-class Block:
-    __slots__ = ("pages", "ref_count", "key", "group", "tokens")
-
-    def __init__(self, pages: tuple[int, ...], ref_count: int = 0):
-        self.pages = pages
-        self.ref_count = ref_count
-        self.key = None  # cache key while cached, else None
-        self.group = -1  # group whose key map holds it, while cached
-        self.tokens = None  # token ids, kept only when the hash is not trusted
-
-    @property
-    def block_id(self) -> int:
-        return self.pages[0]
-
-    def __repr__(self) -> str:
-        cached = "" if self.key is None else " cached"
-        return f"Block(pages={self.pages}, ref={self.ref_count}{cached})"
+NULL = 0
 
 
 class BlockPool:
@@ -47,102 +35,133 @@ class BlockPool:
         self.num_pages = num_pages
         self.num_free_pages = num_pages - 1
         self._next_fresh = 1  # pages [_next_fresh, num_pages) were never handed out
-        self._free: OrderedDict[Block, None] = OrderedDict()
+        # Per block id (= first page). Only a block's first page's entries mean anything.
+        self.ref = [0] * num_pages
+        self.key: list = [None] * num_pages  # cache key while cached
+        self.key_group = [0] * num_pages  # the group whose map holds the key
+        self.tokens: list = [None] * num_pages  # token ids, only when the hash is not trusted
+        self.span: list = [None] * num_pages  # the pages of a block wider than one page
+        self._free: OrderedDict[int, None] = OrderedDict()
         self.cached: list[dict] = [{} for _ in range(num_groups)]
         # Bumped whenever a cache key disappears, so a remembered prefix hit
         # can tell that it may no longer be valid.
         self.version = 0
         self.num_evictions = 0
-        self._null: dict[int, Block] = {}
 
-    # -- null blocks -------------------------------------------------------
-    def null_block(self, width: int) -> Block:
-        block = self._null.get(width)
-        if block is None:
-            block = self._null[width] = Block((0,) * width, ref_count=1)
-        return block
+    def pages(self, block: int, width: int = 1):
+        """The pages of a block (the null block's for the given width)."""
+        if block == NULL:
+            return (NULL,) * width
+        span = self.span[block]
+        return (block,) if span is None else span
 
-    def is_null(self, block: Block) -> bool:
-        return block.pages[0] == 0
+    def width(self, block: int) -> int:
+        span = self.span[block]
+        return 1 if span is None else len(span)
 
     # -- allocation --------------------------------------------------------
-    def allocate(self, width: int, count: int) -> list[Block]:
+    def allocate(self, width: int, count: int) -> list[int]:
         """`count` new blocks of `width` pages, ref count 1. The caller has
         checked that `num_free_pages` suffices."""
         need = width * count
         if need > self.num_free_pages:
             raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
         self.num_free_pages -= need
+        ref, key, span = self.ref, self.key, self.span
+        blocks: list[int] = []
+        pages: list[int] = []
         fresh = min(need, self.num_pages - self._next_fresh)
-        if fresh == need and width == 1:
+        if fresh:
             start = self._next_fresh
-            self._next_fresh += need
-            return [Block((p,), 1) for p in range(start, start + need)]
-        pages: list[int] = list(range(self._next_fresh, self._next_fresh + fresh))
-        self._next_fresh += fresh
+            self._next_fresh += fresh
+            whole = start + fresh - fresh % width
+            blocks = list(range(start, whole, width))
+            if width > 1:
+                for b in blocks:  # never-used pages come in runs: a range per block
+                    span[b] = range(b, b + width)
+            for b in blocks:
+                ref[b] = 1
+            pages = list(range(whole, start + fresh))
         free = self._free
-        while len(pages) < need:
+        while len(blocks) < count:
             block = free.popitem(last=False)[0]
-            if block.key is not None:
+            if key[block] is not None:
                 self._drop_key(block)
-            if count == 1 and not pages and len(block.pages) == width:
-                block.ref_count = 1  # exact fit: reuse the record as it is
-                return [block]
-            pages.extend(block.pages)
-        if len(pages) > need:
-            rest = Block(tuple(pages[need:]))
+            if not pages and self.width(block) == width:
+                ref[block] = 1  # exact fit: the block is reused as it is
+                blocks.append(block)
+                continue
+            pages.extend(self.pages(block))
+            span[block] = None
+            while len(pages) >= width and len(blocks) < count:
+                first = pages[0]
+                span[first] = tuple(pages[:width]) if width > 1 else None
+                ref[first] = 1
+                key[first] = None
+                blocks.append(first)
+                del pages[:width]
+        if pages:
+            # Left over from splitting a wider block: free, nothing cached.
+            rest = pages[0]
+            span[rest] = tuple(pages) if len(pages) > 1 else None
+            ref[rest] = 0
+            key[rest] = None
             free[rest] = None
             free.move_to_end(rest, last=False)
-            del pages[need:]
-        if width == 1:
-            return [Block((p,), 1) for p in pages]
-        return [Block(tuple(pages[i:i + width]), 1) for i in range(0, need, width)]
+        return blocks
 
-    def touch(self, block: Block) -> None:
+    def touch(self, block: int) -> None:
         """Take one more reference (a prefix hit or a fork)."""
-        if block.ref_count == 0:
+        ref = self.ref
+        if ref[block] == 0:
             del self._free[block]
-            self.num_free_pages -= len(block.pages)
-        block.ref_count += 1
+            self.num_free_pages -= self.width(block)
+        ref[block] += 1
 
-    def release(self, block: Block) -> None:
-        block.ref_count -= 1
-        if block.ref_count == 0:
+    def release(self, block: int) -> None:
+        ref = self.ref
+        ref[block] -= 1
+        if ref[block] == 0:
             self._free[block] = None
-            if block.key is None:
+            if self.key[block] is None:
                 self._free.move_to_end(block, last=False)
-            self.num_free_pages += len(block.pages)
+            self.num_free_pages += self.width(block)
 
     # -- the cache ---------------------------------------------------------
-    def cache(self, block: Block, group: int, key, tokens=None) -> bool:
+    def cache(self, block: int, group: int, key, tokens=None) -> bool:
         """Register a computed block under `key` in `group`'s map. False if
         another block already holds that content (the first one stays)."""
         table = self.cached[group]
-        if key in table or block.key is not None:
+        if key in table or self.key[block] is not None:
             return False
         table[key] = block
-        block.key, block.group, block.tokens = key, group, tokens
+        self.key[block] = key
+        self.key_group[block] = group
+        self.tokens[block] = tokens
         return True
 
-    def uncache(self, block: Block) -> None:
+    def uncache(self, block: int) -> None:
         """Forget a block's content now (it is worth less than the LRU thinks)."""
-        if block.key is None:
+        if self.key[block] is None:
             return
         self._drop_key(block)
-        if block.ref_count == 0:
+        if self.ref[block] == 0:
             self._free.move_to_end(block, last=False)
 
-    def _drop_key(self, block: Block) -> None:
-        del self.cached[block.group][block.key]
-        block.key, block.group, block.tokens = None, -1, None
+    def _drop_key(self, block: int) -> None:
+        del self.cached[self.key_group[block]][self.key[block]]
+        self.key[block] = None
+        self.tokens[block] = None
         self.version += 1
         self.num_evictions += 1
 
     def reset_cache(self) -> int:
         dropped = 0
+        key, tokens = self.key, self.tokens
         for table in self.cached:
             for block in table.values():
-                block.key, block.group, block.tokens = None, -1, None
+                key[block] = None
+                tokens[block] = None
             dropped += len(table)
             table.clear()
         self.version += 1
@@ -153,34 +172,36 @@ class BlockPool:
         return sum(len(t) for t in self.cached)
 
     # -- checks for tests --------------------------------------------------
-    def check_invariants(self, held: dict[Block, int]) -> None:
+    def check_invariants(self, held: dict[int, int]) -> None:
         """`held`: every block some request holds -> how many references the
         requests hold. Raises AssertionError on the first broken invariant:
         each page is free xor in exactly one held block, ref counts equal
         references, the key maps point only at blocks holding that key."""
-        owner: dict[int, Block] = {}
+        owner: dict[int, int] = {}
 
-        def claim(block: Block) -> None:
-            for p in block.pages:
-                assert p != 0, f"{block} uses the null page"
-                assert p not in owner, f"page {p} is in {owner[p]} and {block}"
+        def claim(block: int) -> None:
+            for p in self.pages(block):
+                assert p != NULL, f"block {block} uses the null page"
+                assert p not in owner, f"page {p} is in blocks {owner[p]} and {block}"
                 owner[p] = block
 
         free_pages = 0
         for block in self._free:
-            assert block.ref_count == 0, f"{block} is in the free queue with references"
-            assert block not in held, f"{block} is free but a request holds it"
+            assert self.ref[block] == 0, f"block {block} is in the free queue with references"
+            assert block not in held, f"block {block} is free but a request holds it"
             claim(block)
-            free_pages += len(block.pages)
+            free_pages += self.width(block)
         free_pages += self.num_pages - self._next_fresh
         assert free_pages == self.num_free_pages, f"free page count {self.num_free_pages} != {free_pages}"
         for block, refs in held.items():
-            assert block.ref_count == refs, f"{block} has ref count {block.ref_count}, requests hold {refs}"
+            assert block != NULL, "a request holds the null block as a block"
+            assert self.ref[block] == refs, f"block {block} has ref count {self.ref[block]}, requests hold {refs}"
             claim(block)
-        used = sum(len(b.pages) for b in held)
+        used = sum(self.width(b) for b in held)
         assert used + free_pages == self.num_pages - 1, (
             f"pages leaked: {used} held + {free_pages} free != {self.num_pages - 1}")
         for g, table in enumerate(self.cached):
             for key, block in table.items():
-                assert block.key == key and block.group == g, f"cache map entry {key!r} points at {block}"
-                assert block.ref_count > 0 or block in self._free, f"cached {block} is neither held nor free"
+                assert self.key[block] == key and self.key_group[block] == g, (
+                    f"cache map entry {key!r} points at block {block}, which holds another key")
+                assert self.ref[block] > 0 or block in self._free, f"cached block {block} is neither held nor free"

@@ -18,6 +18,7 @@ from .checkpoints import CheckpointPolicy, PrefixSightings
 from .hashing import BlockHasher
 from .layout import KVCacheLayout
 from .managers import make_manager
+from .managers.base import NEVER
 from .request import CacheRequest
 
 # Groups whose hits are sparsest go first, so the candidate drops fastest.
@@ -35,6 +36,7 @@ class Coordinator:
         self.managers = [make_manager(g, self.pool, caching, hasher.verifies, policy) for g in layout.groups]
         self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
         self.has_mamba = any(m.kind == "mamba" for m in self.managers)
+        self._attention = next((m for m in self.managers if m.kind != "mamba"), None)
         self.sightings = PrefixSightings() if caching and self.has_mamba and policy.branch_points else None
         self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
 
@@ -64,42 +66,51 @@ class Coordinator:
 
     def extend_keys(self, req: CacheRequest, num_blocks: int) -> None:
         if len(req.keys) < num_blocks:
-            self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks)
+            self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks, req.prompt_bytes)
 
     # -- allocation --------------------------------------------------------
     def allocate(self, req: CacheRequest, num_new_tokens: int, hit: int | None) -> bool:
         """Room for `num_new_tokens` more tokens, or False and no change.
         `hit` is the prefix hit to take on the request's first allocation."""
-        managers = self.managers
         if req.started:
             target = req.num_computed + num_new_tokens
-            pages = 0
-            for manager in managers:
-                pages += manager.pages_needed(req, target)
-            if pages > self.pool.num_free_pages:
-                return False
-            copies = self.pending_copies
-            for manager in managers:
-                manager.allocate(req, target, copies)
-            if target > req.num_allocated:
-                req.num_allocated = target
-            return True
+            if target <= req.capacity and req.steady:
+                # Decode fast path: the tokens land in blocks the request has.
+                if target > req.num_allocated:
+                    req.num_allocated = target
+                return True
+            return self._grow(req, target)
+        return self._start(req, num_new_tokens, hit)
 
-        bs = self.block_size
-        hit_blocks = hit // bs
+    def _grow(self, req: CacheRequest, target: int) -> bool:
+        managers = self.managers
+        pages = 0
+        for manager in managers:
+            pages += manager.pages_needed(req, target)
+        if pages > self.pool.num_free_pages:
+            return False
+        copies = self.pending_copies
+        for manager in managers:
+            manager.allocate(req, target, copies)
+        if target > req.num_allocated:
+            req.num_allocated = target
+        self._refresh(req)
+        return True
+
+    def _start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
+        """The first allocation: take the hit, then room for the new tokens."""
+        managers = self.managers
+        hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
         found = [m.hit_blocks(req, hit_blocks) for m in managers] if hit_blocks else None
         req.num_computed = hit  # as it will be once the hit is taken
         pages = 0
         for g, manager in enumerate(managers):
-            if found is None:
-                pages += manager.pages_for_start(req, target, [])
-            else:
-                blocks = found[g]
-                pages += manager.pages_for_start(req, target, blocks)
-                for block in blocks:
-                    if block.ref_count == 0:  # free in the queue: taking it uses free pages
-                        pages += len(block.pages)
+            blocks = found[g] if found else []
+            pages += manager.pages_for_start(req, target, blocks)
+            for block in blocks:
+                if block and self.pool.ref[block] == 0:  # free in the queue: taking it uses free pages
+                    pages += self.pool.width(block)
         if pages > self.pool.num_free_pages:
             req.num_computed = 0
             return False
@@ -111,7 +122,20 @@ class Coordinator:
         for manager in managers:
             manager.allocate(req, target, copies)
         req.num_allocated = target
+        self._refresh(req)
         return True
+
+    def _refresh(self, req: CacheRequest) -> None:
+        """Recompute the fast-path bounds after a slow path changed blocks."""
+        attention = self._attention
+        req.capacity = len(req.tables[attention.index]) * self.block_size if attention else NEVER
+        steady = True
+        event = NEVER
+        for manager in self.managers:
+            steady = steady and manager.is_steady(req)
+            event = min(event, manager.next_event(req))
+        req.steady = steady
+        req.next_event = event
 
     def plan_checkpoints(self, req: CacheRequest, hit: int, record: bool) -> None:
         """Choose where the request saves Mamba states inside its prompt;
@@ -144,11 +168,15 @@ class Coordinator:
 
     # -- progress ------------------------------------------------------------
     def mark_computed(self, req: CacheRequest, num_tokens: int) -> None:
-        req.num_computed += num_tokens
+        n = req.num_computed + num_tokens
+        req.num_computed = n
+        if n < req.next_event:
+            return  # decode fast path: no block completed, nothing leaves a window
         if self.caching:
-            self.extend_keys(req, req.num_computed // self.block_size)
+            self.extend_keys(req, n // self.block_size)
         for manager in self.managers:
             manager.on_computed(req)
+        self._refresh(req)
 
     def free(self, req: CacheRequest) -> None:
         for manager in self.managers:
@@ -165,6 +193,10 @@ class Coordinator:
         child.num_released = list(parent.num_released)
         for manager in self.managers:
             manager.fork(parent, child)
+        # Both now share the partly filled block: the next allocation of
+        # either must take the slow path (copy on write).
+        self._refresh(child)
+        parent.steady = child.steady = False
 
     def take_copies(self) -> dict[int, list[tuple[int, int]]]:
         """Page copies (src, dst) per group that the runner must make before

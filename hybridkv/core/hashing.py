@@ -29,8 +29,13 @@ _SWAP = sys.byteorder != "little"
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
     """Canonical encoding of token ids: little-endian int64."""
-    arr = array("q", tokens)
+    return token_bytes_of(array("q", tokens))
+
+
+def token_bytes_of(arr: array) -> bytes:
+    """Canonical bytes of an int64 array."""
     if _SWAP:
+        arr = array("q", arr)
         arr.byteswap()
     return arr.tobytes()
 
@@ -66,16 +71,21 @@ class BlockHasher:
             return hashlib.sha256(_DOMAIN + extra).digest()
         return hash((_DOMAIN, extra))
 
-    def extend(self, keys: list, root, tokens: Sequence[int], block_size: int, upto: int) -> None:
+    def extend(self, keys: list, root, tokens: Sequence[int], block_size: int, upto: int,
+               encoded: bytes | None = None) -> None:
         """Append the keys of blocks len(keys) .. upto-1 (each block's tokens
-        must be known) to `keys`, chaining from the last key (or `root`)."""
+        must be known) to `keys`, chaining from the last key (or `root`).
+        `encoded`: token_bytes of a prefix of `tokens`, if the caller has it."""
         start = len(keys)
         if upto <= start:
             return
         parent = keys[-1] if keys else root
         lo, hi = start * block_size, upto * block_size
         if self.name == "sha256" and self._custom is None:
-            data = memoryview(token_bytes(tokens[lo:hi]))
+            if encoded is not None and len(encoded) >= 8 * hi:
+                data = memoryview(encoded)[8 * lo:8 * hi]
+            else:
+                data = memoryview(token_bytes(tokens[lo:hi]))
             step = 8 * block_size
             sha = hashlib.sha256
             for off in range(0, len(data), step):

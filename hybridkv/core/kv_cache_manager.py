@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .checkpoints import CheckpointPolicy, get_policy
 from .coordinator import Coordinator
-from .hashing import BlockHasher
+from .hashing import BlockHasher, token_bytes_of
 from .layout import KVCacheLayout
 from .request import CacheRequest  # noqa: F401  (the record type, for readers)
 
@@ -45,16 +45,24 @@ class CacheStats:
         return 1.0 - self.free_pages / self.total_pages
 
 
-def _token_list(token_ids, what: str) -> list[int]:
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(token_ids, "__array__"):
+def _token_array(token_ids, what: str) -> array:
+    """Token ids as int64, checked in C: every id an integer, none negative."""
+    if isinstance(token_ids, (str, bytes)) or not (
+            isinstance(token_ids, (list, tuple, range, array)) or hasattr(token_ids, "__array__")
+            or isinstance(token_ids, Sequence)):
         raise ValueError(f"{what} must be a sequence of token ids (ints), got {type(token_ids).__name__}")
     try:
         arr = array("q", token_ids)
     except (TypeError, OverflowError):
         raise ValueError(f"{what} must hold only integer token ids in int64 range") from None
-    if arr and min(arr) < 0:
+    # A negative int64 has its top byte >= 0x80 (little-endian: every 8th byte).
+    if arr and not token_bytes_of(arr)[7::8].isascii():
         raise ValueError(f"{what} holds a negative token id ({min(arr)})")
-    return arr.tolist()
+    return arr
+
+
+def _token_list(token_ids, what: str) -> list[int]:
+    return _token_array(token_ids, what).tolist()
 
 
 def _count(value, what: str) -> int:
@@ -108,13 +116,17 @@ class KVCacheManager:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        tokens = _token_list(prompt_token_ids, "prompt_token_ids")
-        if not tokens:
+        arr = _token_array(prompt_token_ids, "prompt_token_ids")
+        if not arr:
             raise ValueError("empty prompt: a request needs at least one token")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        tokens = list(prompt_token_ids) if type(prompt_token_ids) is list else arr.tolist()
         root = self.hasher.root(cache_salt, extra_keys) if self.enable_prefix_caching else None
-        self._requests[request_id] = self.coordinator.new_request(request_id, tokens, root)
+        req = self.coordinator.new_request(request_id, tokens, root)
+        if self.enable_prefix_caching:
+            req.prompt_bytes = token_bytes_of(arr)  # hashed later without converting again
+        self._requests[request_id] = req
 
     def get_computed_tokens(self, request_id: str) -> int:
         """Tokens the request has computed, or, before its first allocation,
@@ -136,6 +148,15 @@ class KVCacheManager:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
         and, on the first call, beyond the prefix hit, which it takes).
         False, with nothing changed, if the pool cannot hold them now."""
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is not None and req.started and type(num_new_tokens) is int and num_new_tokens >= 0:
+            # Decode fast path (the coordinator's, inlined: it runs for every
+            # request every step): the tokens fit in the blocks the request has.
+            target = req.num_computed + num_new_tokens
+            if target <= req.capacity and req.steady and target <= len(req.tokens):
+                if target > req.num_allocated:
+                    req.num_allocated = target
+                return True
         req = self._get(request_id)
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
         hit = None if req.started else self._hit(req)
@@ -155,6 +176,12 @@ class KVCacheManager:
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """The forward pass computed the next `num_tokens` tokens: cache the
         blocks they complete and release what the layers no longer read."""
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is not None and type(num_tokens) is int and num_tokens >= 0:
+            n = req.num_computed + num_tokens
+            if n < req.next_event and n <= req.num_allocated:
+                req.num_computed = n  # decode fast path: nothing completes or leaves a window
+                return
         req = self._get(request_id)
         num_tokens = _count(num_tokens, "num_tokens")
         if req.num_computed + num_tokens > req.num_allocated:
@@ -167,7 +194,14 @@ class KVCacheManager:
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their slots come with the next
         allocate_slots)."""
-        req = self._get(request_id)
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is None:
+            req = self._get(request_id)
+        if type(token_ids) is list and len(token_ids) == 1:
+            token = token_ids[0]
+            if type(token) is int and token >= 0:  # the decode step's one sampled token
+                req.tokens.append(token)
+                return
         req.tokens.extend(_token_list(token_ids, "token_ids"))
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -198,29 +232,32 @@ class KVCacheManager:
         longer needs the tokens). For a Mamba group: the pages of the block
         holding its state (empty before the first pass)."""
         req = self._get(request_id)
+        pool = self.pool
         out = []
         for manager, table in zip(self.coordinator.managers, req.tables):
             if manager.kind == "mamba":
                 read, write = table
-                block = write if write is not None else read
-                out.append(list(block.pages) if block is not None else [])
+                block = write or read
+                out.append(list(pool.pages(block)) if block else [])
             elif manager.width == 1:
-                out.append([b.pages[0] for b in table])
+                out.append(list(table))
             else:
-                out.append([p for b in table for p in b.pages])
+                width = manager.width
+                out.append([p for b in table for p in pool.pages(b, width)])
         return out
 
     def get_state_blocks(self, request_id: str) -> dict[int, tuple]:
         """Per Mamba group: (pages to read the state from, or None for the
         zero state; pages to write the next state into, or None before
-        allocate_slots)."""
+        allocate_slots). The same pages when the update is in place."""
         req = self._get(request_id)
+        pool = self.pool
         out = {}
         for manager in self.coordinator.managers:
             if manager.kind == "mamba":
                 read, write = req.tables[manager.index]
-                out[manager.index] = (read.pages if read is not None else None,
-                                      write.pages if write is not None else None)
+                out[manager.index] = (tuple(pool.pages(read)) if read else None,
+                                      tuple(pool.pages(write)) if write else None)
         return out
 
     def take_copies(self) -> dict[int, list[tuple[int, int]]]:

@@ -17,7 +17,7 @@ class CacheRequest:
     __slots__ = (
         "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
         "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo",
+        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes",
     )
 
     def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
@@ -36,3 +36,10 @@ class CacheRequest:
         self.checkpoints: list[int] = []  # planned Mamba checkpoint positions, ascending
         self.rolling: list = [None] * num_groups  # latest decode checkpoint per Mamba group
         self.hit_memo = None  # (pool version, hit tokens) from get_computed_tokens
+        # The decode fast path: while the next tokens fit in `capacity` and the
+        # request is `steady`, allocation is a comparison; while num_computed
+        # stays below `next_event`, marking tokens computed is an addition.
+        self.capacity = 0
+        self.steady = False
+        self.next_event = 0
+        self.prompt_bytes = None  # canonical bytes of the prompt, for hashing

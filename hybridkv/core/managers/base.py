@@ -14,7 +14,9 @@ The coordinator combines the groups; the pool keeps the pages.
 
 from __future__ import annotations
 
-from ..block_pool import Block, BlockPool
+from ..block_pool import NULL, BlockPool
+
+NEVER = 1 << 62  # an event position no request reaches
 from ..layout import KVCacheGroup
 from ..request import CacheRequest
 
@@ -32,14 +34,13 @@ class GroupManager:
         # With an untrusted hash, a hit must also match the stored token ids.
         self.verify = verify
         self.cached = pool.cached[group.index]
-        self.null = pool.null_block(self.width)
 
-    def _lookup(self, req: CacheRequest, j: int) -> Block | None:
+    def _lookup(self, req: CacheRequest, j: int) -> int | None:
         """The cached block for block position j of req, if any."""
         block = self.cached.get(req.keys[j])
         if block is not None and self.verify:
             bs = self.block_size
-            if block.tokens != tuple(req.tokens[j * bs:(j + 1) * bs]):
+            if self.pool.tokens[block] != tuple(req.tokens[j * bs:(j + 1) * bs]):
                 return None
         return block
 
@@ -50,17 +51,17 @@ class GroupManager:
     def longest_hit(self, req: CacheRequest, limit: int) -> int:
         raise NotImplementedError
 
-    def hit_blocks(self, req: CacheRequest, num_blocks: int) -> list[Block]:
+    def hit_blocks(self, req: CacheRequest, num_blocks: int) -> list[int]:
         raise NotImplementedError
 
-    def install_hit(self, req: CacheRequest, blocks: list[Block], num_blocks: int) -> None:
+    def install_hit(self, req: CacheRequest, blocks: list[int], num_blocks: int) -> None:
         raise NotImplementedError
 
     def pages_needed(self, req: CacheRequest, target: int) -> int:
         """Free pages that `allocate(req, target)` would take."""
         raise NotImplementedError
 
-    def pages_for_start(self, req: CacheRequest, target: int, hit: list[Block]) -> int:
+    def pages_for_start(self, req: CacheRequest, target: int, hit: list[int]) -> int:
         """Free pages the first allocation takes after installing `hit`
         (not counting hit blocks that sit in the free queue)."""
         raise NotImplementedError
@@ -77,8 +78,18 @@ class GroupManager:
     def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
         raise NotImplementedError
 
-    def held_blocks(self, req: CacheRequest) -> list[Block]:
+    def held_blocks(self, req: CacheRequest) -> list[int]:
         """Every non-null block the request references (for invariant checks)."""
+        raise NotImplementedError
+
+    # The decode fast path (coordinator): between events nothing is done.
+    def next_event(self, req: CacheRequest) -> int:
+        """The smallest num_computed at which on_computed has work to do."""
+        raise NotImplementedError
+
+    def is_steady(self, req: CacheRequest) -> bool:
+        """True if allocating tokens within the request's existing blocks
+        needs no work from this group (no copy, no state block to assign)."""
         raise NotImplementedError
 
 
@@ -95,16 +106,32 @@ class AttentionManager(GroupManager):
         """First block a hit of `num_blocks` blocks must hold (the rest is null)."""
         return 0
 
+    def release_event(self, req: CacheRequest) -> int:
+        """The smallest num_computed at which first_needed_block passes the
+        blocks already released."""
+        return NEVER
+
+    def next_event(self, req):
+        event = (req.num_cached[self.index] + 1) * self.block_size if self.caching else NEVER
+        return min(event, self.release_event(req))
+
+    def is_steady(self, req):
+        n = req.num_computed
+        if n % self.block_size == 0:
+            return True
+        table = req.tables[self.index]
+        j = n // self.block_size
+        return j >= len(table) or self.pool.ref[table[j]] == 1
+
     def hit_blocks(self, req, num_blocks):
         start = self.hit_start(num_blocks)
         lookup = self._lookup
-        return [self.null] * start + [lookup(req, j) for j in range(start, num_blocks)]
+        return [NULL] * start + [lookup(req, j) for j in range(start, num_blocks)]
 
     def install_hit(self, req, blocks, num_blocks):
         touch = self.pool.touch
-        null = self.null
         for block in blocks:
-            if block is not null:
+            if block:
                 touch(block)
         g = self.index
         req.tables[g] = blocks
@@ -128,7 +155,7 @@ class AttentionManager(GroupManager):
         fork)? Then it is copied before it is written."""
         n = req.num_computed
         j = n // self.block_size
-        return target > n and n % self.block_size != 0 and j < len(table) and table[j].ref_count > 1
+        return target > n and n % self.block_size != 0 and j < len(table) and self.pool.ref[table[j]] > 1
 
     def allocate(self, req, target, copies):
         table = req.tables[self.index]
@@ -136,7 +163,7 @@ class AttentionManager(GroupManager):
             j = req.num_computed // self.block_size
             shared = table[j]
             fresh = self.pool.allocate(self.width, 1)[0]
-            copies.append((self.index, shared.pages, fresh.pages))
+            copies.append((self.index, self.pool.pages(shared), self.pool.pages(fresh)))
             table[j] = fresh
             self.pool.release(shared)
         new = -(-target // self.block_size) - len(table)
@@ -151,44 +178,43 @@ class AttentionManager(GroupManager):
             full = n // self.block_size
             start = req.num_cached[g]
             if full > start:
-                cache, keys, null = self.pool.cache, req.keys, self.null
+                cache, keys, block_key = self.pool.cache, req.keys, self.pool.key
                 bs, verify, tokens = self.block_size, self.verify, req.tokens
                 for j in range(start, full):
                     block = table[j]
-                    if block is not null and block.key is None:
+                    if block and block_key[block] is None:
                         cache(block, g, keys[j], tuple(tokens[j * bs:(j + 1) * bs]) if verify else None)
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]
         if first > start:
-            release, null = self.pool.release, self.null
+            release = self.pool.release
             for j in range(start, min(first, len(table))):
                 block = table[j]
-                if block is not null:
-                    table[j] = null
+                if block:
+                    table[j] = NULL
                     release(block)
             req.num_released[g] = first
 
     def free(self, req):
-        release, null = self.pool.release, self.null
+        release = self.pool.release
         # Last block first: it enters the free queue first and so is evicted
         # before the (more widely shared) blocks of the prefix.
         for block in reversed(req.tables[self.index]):
-            if block is not null:
+            if block:
                 release(block)
         req.tables[self.index] = []
 
     def fork(self, parent, child):
         g = self.index
         table = list(parent.tables[g])
-        touch, null = self.pool.touch, self.null
+        touch = self.pool.touch
         for block in table:
-            if block is not null:
+            if block:
                 touch(block)
         child.tables[g] = table
         child.num_cached[g] = parent.num_cached[g]
         child.num_released[g] = parent.num_released[g]
 
     def held_blocks(self, req):
-        null = self.null
-        return [b for b in req.tables[self.index] if b is not null]
+        return [b for b in req.tables[self.index] if b]

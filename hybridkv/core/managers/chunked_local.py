@@ -17,6 +17,9 @@ class ChunkedLocalManager(AttentionManager):
     def first_needed_block(self, num_computed):
         return (num_computed // self.chunk) * self.chunk // self.block_size
 
+    def release_event(self, req):
+        return (req.num_computed // self.chunk + 1) * self.chunk
+
     def hit_start(self, num_blocks):
         return self.first_needed_block(num_blocks * self.block_size)
 

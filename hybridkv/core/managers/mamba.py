@@ -15,7 +15,8 @@ the chained key of the prefix it summarises. The checkpoint policy
 
 from __future__ import annotations
 
-from .base import GroupManager
+from ..block_pool import NULL
+from .base import NEVER, GroupManager
 
 
 class MambaManager(GroupManager):
@@ -26,12 +27,12 @@ class MambaManager(GroupManager):
         self.policy = policy
 
     def empty_table(self):
-        return [None, None]
+        return [NULL, NULL]  # [read, write]; NULL read = the zero state
 
     def _checkpoint(self, req, num_blocks):
         block = self.cached.get(req.keys[num_blocks - 1])
         if block is not None and self.verify:
-            if block.tokens != tuple(req.tokens[:num_blocks * self.block_size]):
+            if self.pool.tokens[block] != tuple(req.tokens[:num_blocks * self.block_size]):
                 return None
         return block
 
@@ -46,17 +47,17 @@ class MambaManager(GroupManager):
         return [self._checkpoint(req, num_blocks)] if num_blocks else []
 
     def install_hit(self, req, blocks, num_blocks):
-        read = blocks[0] if blocks else None
-        if read is not None:
+        read = blocks[0] if blocks else NULL
+        if read:
             self.pool.touch(read)
-        req.tables[self.index] = [read, None]
+        req.tables[self.index] = [read, NULL]
 
     def _in_place(self, read) -> bool:
-        return read is not None and read.ref_count == 1 and read.key is None
+        return read != NULL and self.pool.ref[read] == 1 and self.pool.key[read] is None
 
     def pages_needed(self, req, target):
         read, write = req.tables[self.index]
-        if target <= req.num_computed or write is not None or self._in_place(read):
+        if target <= req.num_computed or write or self._in_place(read):
             return 0
         return self.width
 
@@ -68,7 +69,7 @@ class MambaManager(GroupManager):
     def allocate(self, req, target, copies):
         state = req.tables[self.index]
         read, write = state
-        if target <= req.num_computed or write is not None:
+        if target <= req.num_computed or write:
             return
         state[1] = read if self._in_place(read) else self.pool.allocate(self.width, 1)[0]
 
@@ -79,8 +80,9 @@ class MambaManager(GroupManager):
 
     def on_computed(self, req):
         g = self.index
-        read, write = req.tables[g]
-        if write is None:
+        state = req.tables[g]
+        read, write = state
+        if not write:
             return
         n = req.num_computed
         if self.caching and self.is_checkpoint(req, n):
@@ -88,39 +90,55 @@ class MambaManager(GroupManager):
             if self.pool.cache(write, g, req.keys[n // self.block_size - 1], tokens):
                 if self.policy.rolling and n >= req.num_prompt_tokens:
                     self._supersede(req, write)
-        if read is not None and read is not write:
+        if read and read != write:
             self.pool.release(read)
-        req.tables[g] = [write, None]
+        # The state now lives in `write`; the next pass updates it in place
+        # unless it just became a cached checkpoint.
+        req.tables[g] = [write, write if self._in_place(write) else NULL]
 
     def _supersede(self, req, checkpoint):
         g = self.index
         previous = req.rolling[g]
-        req.rolling[g] = (checkpoint, checkpoint.key)
+        req.rolling[g] = (checkpoint, self.pool.key[checkpoint])
         if self.policy.supersede and previous is not None:
             block, key = previous
             # Only the newest state of a sequence is worth keeping for the
             # next turn; the older one would just push useful blocks out.
-            # (The key check: a free block record may since hold other content.)
-            if block.ref_count == 0 and block.key == key:
+            # (The key check: the block id may since hold other content.)
+            if self.pool.ref[block] == 0 and self.pool.key[block] == key:
                 self.pool.uncache(block)
 
     def free(self, req):
         read, write = req.tables[self.index]
-        if write is not None and write is not read:
+        if write and write != read:
             self.pool.release(write)
-        if read is not None:
+        if read:
             self.pool.release(read)
         req.tables[self.index] = self.empty_table()
 
     def fork(self, parent, child):
-        read, write = parent.tables[self.index]
-        if read is not None:
+        state = parent.tables[self.index]
+        read = state[0]
+        if read:
             self.pool.touch(read)
-        child.tables[self.index] = [read, None]
+        # The state is shared now: neither may update it in place any more.
+        state[1] = NULL
+        child.tables[self.index] = [read, NULL]
+
+    def next_event(self, req):
+        read, write = req.tables[self.index]
+        if write and write != read:
+            return req.num_computed + 1  # the new state block takes over after the pass
+        if self.caching:
+            return (req.num_computed // self.block_size + 1) * self.block_size  # a possible checkpoint
+        return NEVER
+
+    def is_steady(self, req):
+        return req.tables[self.index][1] != NULL
 
     def held_blocks(self, req):
         read, write = req.tables[self.index]
-        held = [read] if read is not None else []
-        if write is not None and write is not read:
+        held = [read] if read else []
+        if write and write != read:
             held.append(write)
         return held

@@ -20,6 +20,9 @@ class SlidingWindowManager(AttentionManager):
     def first_needed_block(self, num_computed):
         return max(0, num_computed - (self.window - 1)) // self.block_size
 
+    def release_event(self, req):
+        return (req.num_released[self.index] + 1) * self.block_size + self.window - 1
+
     def hit_start(self, num_blocks):
         return max(0, num_blocks - self.window_blocks)
 

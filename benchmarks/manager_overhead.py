@@ -1,0 +1,211 @@
+"""Manager overhead: replay a request trace through KVCacheManager alone.
+
+A scheduler loop admits waiting requests while the pool allows (lookup,
+allocate, mark computed, chunk by chunk up to each Mamba checkpoint), then
+decodes one token for every running request (append, allocate 1, mark 1),
+and frees finished ones. Reports microseconds per admission and per decode
+request-step, peak pages and the prefix hit rate; a second table shows that
+the per-step cost does not grow with the pool size or the context length.
+
+    python benchmarks/manager_overhead.py            # full run
+    python benchmarks/manager_overhead.py --quick    # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
+from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
+
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+CONFIGS = {"full-only (Llama-3.1-8B)": "llama-3.1-8b.json", "Gemma-3-27B": "gemma-3-27b.json",
+           "Jamba-1.5-Mini": "jamba-1.5-mini.json"}
+
+
+def make_trace(num_requests: int, seed: int = 0, prompt=(200, 2000), output=(50, 500), shared=500, share=0.7):
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 32000) for _ in range(shared)]
+    trace = []
+    for _ in range(num_requests):
+        length = rng.randint(*prompt)
+        if rng.random() < share and length > shared:
+            tokens = system + [rng.randrange(1, 32000) for _ in range(length - shared)]
+        else:
+            tokens = [rng.randrange(1, 32000) for _ in range(length)]
+        trace.append((tokens, rng.randint(*output), [rng.randrange(1, 32000) for _ in range(8)]))
+    return trace
+
+
+def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
+    """Lookup, allocate and mark computed, chunk by chunk up to each Mamba
+    checkpoint, until the prompt is computed; False if the pool is full."""
+    total = kv.num_tokens(rid)
+    while True:
+        done = kv.get_computed_tokens(rid)
+        size = min(chunk, total - done)
+        checkpoint = kv.next_checkpoint(rid)
+        if checkpoint is not None:
+            size = min(size, checkpoint - done)
+        if not kv.allocate_slots(rid, size):
+            return False
+        kv.mark_computed(rid, size)
+        if kv.num_computed_tokens(rid) >= total:
+            return True
+
+
+def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 30) -> dict:
+    """FCFS with recompute preemption (the newest running request goes back
+    to the head of the queue when a decode step finds no page)."""
+    waiting = [(f"r{i}", list(tokens), outputs, samples) for i, (tokens, outputs, samples) in enumerate(trace)]
+    waiting.reverse()  # pop() from the end = FCFS
+    running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far]
+    admit_time = failed_time = decode_time = 0.0
+    admissions = failed = decode_steps = preemptions = 0
+    peak_used = 0
+    perf = time.perf_counter
+    while waiting or running:
+        while waiting and len(running) < max_running:
+            rid, tokens, outputs, samples = waiting[-1]
+            t0 = perf()
+            if rid not in kv:
+                kv.add_request(rid, tokens)
+            ok = _prefill(kv, rid, chunk)
+            if not ok:
+                failed_time += perf() - t0
+                failed += 1
+                if not running:
+                    raise RuntimeError("a single request does not fit the pool")
+                break
+            admit_time += perf() - t0
+            admissions += 1
+            waiting.pop()
+            running[rid] = [outputs, samples, tokens]
+        peak_used = max(peak_used, kv.num_total_blocks - kv.num_free_blocks)
+        t0 = perf()
+        finished = []
+        preempted = []
+        for rid, state in running.items():
+            if rid in preempted:
+                continue
+            token = state[1][state[0] & 7]
+            kv.append_token_ids(rid, [token])
+            while not kv.allocate_slots(rid, 1):
+                victim = next(r for r in reversed(running) if r not in preempted)
+                preempted.append(victim)
+                if victim == rid:
+                    break
+                kv.free(victim)
+            if rid in preempted:
+                kv.free(rid)
+                continue
+            kv.mark_computed(rid, 1)
+            state[2].append(token)
+            state[0] -= 1
+            decode_steps += 1
+            if state[0] <= 0:
+                finished.append(rid)
+        for rid in finished:
+            kv.free(rid)
+            del running[rid]
+        for rid in reversed(preempted):
+            outputs, samples, tokens = running.pop(rid)
+            waiting.append((rid, tokens, outputs, samples))
+            preemptions += 1
+        decode_time += perf() - t0
+    stats = kv.stats
+    return {
+        "admissions": admissions,
+        "us_per_admission": 1e6 * admit_time / max(1, admissions),
+        "failed_admissions": failed,
+        "us_per_failed_admission": 1e6 * failed_time / max(1, failed),
+        "preemptions": preemptions,
+        "decode_request_steps": decode_steps,
+        "us_per_decode_step": 1e6 * decode_time / max(1, decode_steps),
+        "peak_pages": peak_used,
+        "total_pages": kv.num_total_blocks,
+        "hit_rate": stats.hit_rate,
+    }
+
+
+def scaling(specs, quick: bool) -> list[dict]:
+    """Per decode-step cost at growing pool sizes and contexts: 64 requests
+    decoding 256 tokens at a fixed context, nothing else going on."""
+    rows = []
+    pools = [10**3, 10**4, 10**5, 10**6] if not quick else [10**3, 10**4]
+    contexts = [1024, 8192, 32768, 131072] if not quick else [1024, 8192]
+    probe = plan_layout(specs, 1 << 40)
+    per_page = probe.page_size_bytes
+    for pages in pools:
+        for context in contexts:
+            need = 8 * probe.pages_per_request(context + 256, 512)
+            if need > pages:
+                continue
+            kv = KVCacheManager(plan_layout(specs, per_page * pages), enable_prefix_caching=True)
+            rids = []
+            for i in range(8):
+                rid = f"s{i}"
+                kv.add_request(rid, [i + 1] * context)
+                while kv.num_computed_tokens(rid) < context:
+                    n = min(4096, context - kv.num_computed_tokens(rid))
+                    assert kv.allocate_slots(rid, n)
+                    kv.mark_computed(rid, n)
+                rids.append(rid)
+            t0 = time.perf_counter()
+            steps = 0
+            for step in range(256):
+                for rid in rids:
+                    kv.append_token_ids(rid, [step + 1])
+                    kv.allocate_slots(rid, 1)
+                    kv.mark_computed(rid, 1)
+                    steps += 1
+            rows.append({"pool_pages": pages, "context": context,
+                         "us_per_decode_step": 1e6 * (time.perf_counter() - t0) / steps})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny trace for a smoke run")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--memory", default="40GiB", help="KV budget per model")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "manager_overhead.json"))
+    args = parser.parse_args()
+    num = 60 if args.quick else args.requests
+    trace = make_trace(num)
+    results = {"trace": {"requests": num, "seed": 0}, "models": {}, "scaling": {}}
+    print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
+          f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit rate':>9}")
+    for label, file in CONFIGS.items():
+        specs = specs_from_config(load_config(os.path.join(MODELS_DIR, file)))
+        layout = plan_layout(specs, args.memory)
+        kv = KVCacheManager(layout)
+        row = replay(kv, trace)
+        row["groups"] = len(layout.groups)
+        results["models"][label] = row
+        print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_decode_step']:>15.2f} "
+              f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
+              f"{row['peak_pages']:>11,} {row['hit_rate']:>9.1%}")
+    print(f"\nper decode step vs pool size and context (8 requests x 256 steps)")
+    print(f"{'model':<26} {'pool pages':>11} {'context':>8} {'us/decode step':>15}")
+    for label, file in CONFIGS.items():
+        specs = specs_from_config(load_config(os.path.join(MODELS_DIR, file)))
+        rows = scaling(specs, args.quick)
+        results["scaling"][label] = rows
+        for row in rows:
+            print(f"{label:<26} {row['pool_pages']:>11,} {row['context']:>8,} {row['us_per_decode_step']:>15.2f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
