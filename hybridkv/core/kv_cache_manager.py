@@ -308,6 +308,15 @@ class KVCacheManager:
             self.coordinator.sightings.clear()
         return dropped
 
+    def pages_in_use_by_group(self) -> list[int]:
+        """Pages the live requests hold, per group (shared blocks counted
+        once). O(blocks held): for reports, not for the step loop."""
+        seen: list[set[int]] = [set() for _ in self.coordinator.managers]
+        for req in self._requests.values():
+            for manager in self.coordinator.managers:
+                seen[manager.index].update(manager.held_blocks(req))
+        return [sum(self.pool.width(b) for b in blocks) for blocks in seen]
+
     def check_invariants(self) -> None:
         """Assert the pool invariants against every request's references
         (for tests; O(pool))."""

@@ -1,0 +1,7 @@
+"""The engine: requests, scheduler, runner, sampler and Engine (torch)."""
+
+from .engine import Engine
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,319 @@
+"""Engine: serve a local Hugging Face folder with continuous batching over
+the paged hybrid KV cache.
+
+    engine = Engine("path/to/model", kv_cache_memory="2GiB")
+    outs = engine.generate(["Hello", [1, 17, 42]], SamplingParams(temperature=0, max_tokens=32))
+
+The step loop (docs/engine.md): schedule (scheduler.py) -> copy pages for
+copy-on-write, build metadata and run the model (runner.py) -> mark the
+computed tokens in the KV cache manager (caches full blocks, releases what
+left a window) -> sample -> append tokens, fork n > 1 children after the
+prompt, check stop conditions, free finished sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..core import KVCacheManager, plan_layout
+from ..core.hf_config import specs_from_config
+from ..core.layout import parse_memory
+from ..modeling.loader import load_model, load_tokenizer
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, Sequence, Status
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class Engine:
+    def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
+                 dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
+                 checkpoint_policy: str = "hybridkv", progress: bool = True):
+        _positive("block_size", block_size)
+        _positive("max_num_seqs", max_num_seqs)
+        _positive("max_num_batched_tokens", max_num_batched_tokens)
+        self.device = torch.device(device)
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = self.config.vocab_size
+        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(max_model_len or context, context)
+        specs = specs_from_config(self.config.to_dict(), dtype=_DTYPE_NAMES[self.dtype])
+        self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
+        self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
+                                 checkpoint_policy=checkpoint_policy)
+        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_steps = 0
+
+    def _kv_budget(self, kv_cache_memory) -> int:
+        if kv_cache_memory == "auto":
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                return int(free * 0.85)
+            return 2 << 30
+        return parse_memory(kv_cache_memory)
+
+    def _eos_ids(self, model_dir: str) -> set[int]:
+        ids: set[int] = set()
+
+        def add(value):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+
+        add(getattr(self.config, "eos_token_id", None))
+        path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                add(json.load(f).get("eos_token_id"))
+        if self.tokenizer is not None:
+            add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests ------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: give prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one token")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Seq):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise ValueError("token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return None, ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Queue one prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model context of "
+                             f"{self.max_model_len} tokens (one token must remain to generate)")
+        full = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
+        if need > self.kv.num_total_blocks:
+            raise ValueError(f"a request of {full} tokens needs {need} KV cache pages, the cache holds "
+                             f"{self.kv.num_total_blocks}: raise kv_cache_memory or lower max_tokens")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, text, ids, params, time.perf_counter(), cache_salt)
+        seq_id = request_id if params.n == 1 else f"{request_id}#0"
+        seq = Sequence(seq_id, request, 0, list(ids), self._generator(params, 0))
+        self.scheduler.add(seq)  # the KV cache manager checks the ids once more
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.num_prompt_tokens += len(ids)
+        return request_id
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        return torch.Generator(device="cpu").manual_seed(params.seed + index)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if request is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        for seq in request.sequences:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.abort(seq)
+                seq.finish_reason = "abort"
+        request.forked = True
+        request.metrics.finish_time = time.perf_counter()
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step loop -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; outputs of the requests it advanced."""
+        steps = self.scheduler.schedule()
+        if not steps:
+            return []
+        now = time.perf_counter()
+        for s in steps:
+            if s.seq.request.metrics.first_scheduled_time is None:
+                s.seq.request.metrics.first_scheduled_time = now
+        logits = self.runner.execute(steps)
+        self.num_steps += 1
+        for s in steps:
+            self.kv.mark_computed(s.seq.seq_id, s.count)
+        # Who samples from which logits row: every step that reaches the end
+        # of its tokens; a prompt with n > 1 forks its children now, and they
+        # all sample from the prompt's last row.
+        to_sample: list[tuple[Sequence, int]] = []
+        row = 0
+        for s in steps:
+            if not s.completes:
+                continue
+            request = s.seq.request
+            family = [s.seq] if request.forked else [s.seq, *self._fork(s.seq)]
+            to_sample.extend((seq, row) for seq in family)
+            row += 1
+        touched: dict[str, Request] = {}
+        if to_sample:
+            chosen = logits[torch.tensor([r for _, r in to_sample], device=logits.device)]
+            tokens = sample(chosen, [q.request.params for q, _ in to_sample],
+                            [q.generator for q, _ in to_sample], self.generator)
+        else:
+            tokens = []
+        now = time.perf_counter()
+        for (seq, _), token in zip(to_sample, tokens):
+            request = seq.request
+            touched[request.request_id] = request
+            if token is None:
+                self._finish(seq, "error")
+                continue
+            seq.token_ids.append(token)
+            self.kv.append_token_ids(seq.seq_id, [token])
+            self.num_generated_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finish_time = now
+                del self.requests[request.request_id]
+            outputs.append(self._output(request))
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the children share the computed prompt's blocks."""
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child_id = f"{request.request_id}#{index}"
+            self.kv.fork(parent.seq_id, child_id)
+            child = Sequence(child_id, request, index, list(parent.token_ids), self._generator(request.params, index))
+            self.scheduler.add_running(child)
+            request.sequences.append(child)
+            children.append(child)
+        request.forked = True
+        return children
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+            for stop in params.stop:
+                found = text.find(stop)
+                if found >= 0:
+                    seq.text = text[:found]
+                    return "stop"
+        if seq.num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """Text is decoded once a sequence finishes (streaming callers decode
+        the token ids themselves)."""
+        completions = []
+        for seq in request.sequences:
+            text = seq.text
+            if seq.status is Status.FINISHED and not text and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=request.params.skip_special_tokens)
+            completions.append(CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, request.metrics)
+
+    # -- batch API -------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in order."""
+        from tqdm.auto import tqdm
+
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("give one SamplingParams, or one per prompt")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                outputs = self.step()
+                if not outputs and not self.scheduler.has_work():
+                    raise RuntimeError("the engine stopped with unfinished requests")
+                for out in outputs:
+                    if out.finished and out.request_id in ids:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    @property
+    def stats(self) -> dict:
+        cache = self.kv.stats
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "generated_tokens": self.num_generated_tokens,
+            "prompt_tokens": self.num_prompt_tokens,
+            "steps": self.num_steps,
+            "prefix_queried_tokens": cache.queried_tokens,
+            "prefix_hit_tokens": cache.hit_tokens,
+            "prefix_hit_rate": cache.hit_rate,
+            "kv_usage": self.kv.usage,
+            "kv_pages_in_use_by_group": self.kv.pages_in_use_by_group(),
+        }

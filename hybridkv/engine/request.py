@@ -1,0 +1,58 @@
+"""A request and its sequences, as the engine tracks them."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One continuation of a prompt: what the scheduler schedules and the
+    KV cache manager holds blocks for (under `seq_id`)."""
+
+    def __init__(self, seq_id: str, request: "Request", index: int, token_ids: list[int],
+                 generator: torch.Generator | None):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids  # prompt + generated
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.generator = generator
+        self.text = ""
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, cache_salt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.cache_salt = cache_salt
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.sequences: list[Sequence] = []
+        self.forked = params.n == 1  # children are made once the prompt is computed
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.status is Status.FINISHED for s in self.sequences)

@@ -1,0 +1,144 @@
+"""The model runner: turns a scheduled step into tensors, runs the model over
+the paged cache, and returns the logits to sample from.
+
+All per-step metadata is built here, once per KV cache group (not per
+layer), with numpy over the whole batch: for every new token the page and
+slot it is stored at (one page per column of a multi-page block), and for
+every query the pages it reads and which of their keys it may see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..core import KVCacheManager
+from ..core.layout import KVCacheLayout
+from ..layers.batch import ForwardBatch, MambaBatch
+from ..layers.kv_buffers import KVBuffers
+from ..layers.paged_attention import AttentionMetadata, PrefillSegment, visible
+from ..modeling.base import CausalLM
+from .scheduler import Scheduled
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, kv: KVCacheManager, device: torch.device):
+        self.model = model
+        self.layout = layout
+        self.kv = kv
+        self.device = device
+        self.buffers = KVBuffers(layout, device)
+        for name, module in model.cache_layers().items():
+            view = layout.layer_views.get(name)
+            if view is None:
+                raise ValueError(f"layer {name} has no place in the KV cache layout")
+            module.layer_name = name
+            module.group = view.group
+            module.column = view.column
+            if layout.groups[view.group].kind != "mamba":
+                module.cache = self.buffers.attention_cache(name)
+
+    @torch.inference_mode()
+    def execute(self, steps: list[Scheduled]) -> torch.Tensor:
+        """Run one step; logits [sampled rows, vocab] for the steps that
+        complete their known tokens, in order."""
+        for pairs in self.kv.take_copies().values():
+            self.buffers.copy_pages(pairs)
+        batch, writes = self.prepare(steps)
+        hidden = self.model(batch)
+        for group, pages in writes.items():
+            self.buffers.scatter_states(pages, batch.mamba[group].states)
+        rows, end = [], 0
+        for step in steps:
+            end += step.count
+            if step.completes:
+                rows.append(end - 1)
+        if not rows:
+            return torch.empty(0, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    # -- metadata ----------------------------------------------------------
+    def prepare(self, steps: list[Scheduled]):
+        kv, device = self.kv, self.device
+        counts = np.array([s.count for s in steps], dtype=np.int64)
+        starts = np.array([s.start for s in steps], dtype=np.int64)
+        total = int(counts.sum())
+        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        req_of_token = np.repeat(np.arange(len(steps)), counts)
+        positions = np.arange(total) - np.repeat(first_row, counts) + np.repeat(starts, counts)
+        input_ids = np.fromiter((t for s in steps for t in s.seq.token_ids[s.start:s.start + s.count]),
+                                dtype=np.int64, count=total)
+        tables = [kv.get_block_tables(s.seq.seq_id) for s in steps]
+        batch = ForwardBatch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
+                             self.buffers)
+        writes = {}
+        decode = counts == 1
+        for group in self.layout.groups:
+            if group.kind == "mamba":
+                batch.mamba[group.index], writes[group.index] = self._mamba(group, steps, first_row, decode)
+            else:
+                batch.attention[group.index] = self._attention(
+                    group, [t[group.index] for t in tables], req_of_token, positions, starts, counts, first_row,
+                    decode)
+        return batch, writes
+
+    def _attention(self, group, rows, req_of_token, positions, starts, counts, first_row, decode):
+        bs, width, device = group.block_size, group.pages_per_block, self.device
+        spec = group.spec
+        kind = spec.kind
+        window = getattr(spec, "sliding_window", 0)
+        chunk = getattr(spec, "chunk_size", 0)
+        table = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = r
+        columns = np.arange(width)[:, None]
+        store_pages = table[req_of_token[None, :], (positions // bs)[None, :] * width + columns]
+        meta = AttentionMetadata(kind, window, chunk, bs, torch.from_numpy(store_pages).to(device),
+                                 torch.from_numpy(positions % bs).to(device))
+
+        def first_visible(q):
+            if kind == "sliding_window":
+                return np.maximum(0, q - window + 1)
+            if kind == "chunked_local":
+                return q // chunk * chunk
+            return np.zeros_like(q)
+
+        dec = np.nonzero(decode)[0]
+        if dec.size:
+            q = starts[dec]
+            lo, hi = first_visible(q) // bs, q // bs
+            nb = int((hi - lo).max()) + 1
+            blocks = lo[:, None] + np.arange(nb)[None, :]
+            inside = blocks <= hi[:, None]
+            pages = table[dec[None, :, None], np.minimum(blocks, hi[:, None])[None] * width + columns[:, :, None]]
+            pages = np.where(inside[None], pages, 0)
+            key_pos = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(dec), nb * bs)
+            mask = visible(kind, window, chunk, torch.from_numpy(q[:, None]), torch.from_numpy(key_pos))
+            mask &= torch.from_numpy(np.repeat(inside, bs, axis=1))
+            meta.decode_rows = torch.from_numpy(first_row[dec]).to(device)
+            meta.decode_pages = torch.from_numpy(pages).to(device)
+            meta.decode_mask = mask.to(device)
+        for i in np.nonzero(~decode)[0]:
+            start, count = int(starts[i]), int(counts[i])
+            lo, hi = int(first_visible(np.array([start]))[0]) // bs, (start + count - 1) // bs
+            blocks = np.arange(lo, hi + 1)
+            pages = table[i, blocks[None, :] * width + columns]
+            q_pos = torch.arange(start, start + count)[:, None]
+            k_pos = torch.from_numpy((blocks[:, None] * bs + np.arange(bs)).reshape(-1))[None, :]
+            meta.prefills.append(PrefillSegment(int(first_row[i]), count, torch.from_numpy(pages).to(device),
+                                                visible(kind, window, chunk, q_pos, k_pos).to(device)))
+        return meta
+
+    def _mamba(self, group, steps, first_row, decode):
+        states = [self.kv.get_state_blocks(s.seq.seq_id)[group.index] for s in steps]
+        width = group.pages_per_block
+        read = np.array([r if r is not None else (0,) * width for r, _ in states], dtype=np.int64)
+        write = np.array([w for _, w in states], dtype=np.int64)
+        zero = np.array([r is None for r, _ in states])
+        device = self.device
+        gathered = self.buffers.gather_states(torch.from_numpy(read).to(device),
+                                              torch.from_numpy(zero).to(device) if zero.any() else None)
+        rows = np.nonzero(decode)[0]
+        batch = MambaBatch(gathered, torch.from_numpy(rows).to(device), torch.from_numpy(first_row[rows]).to(device),
+                           [(int(i), int(first_row[i]), steps[i].count) for i in np.nonzero(~decode)[0]])
+        return batch, torch.from_numpy(write).to(device)

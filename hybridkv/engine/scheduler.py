@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run in the next step, with how many
+tokens each.
+
+Each step has a token budget. Running sequences go first, oldest first: a
+decoding one takes one token, one still in prefill takes the next chunk.
+Then waiting sequences are admitted first come, first served, while the
+budget, `max_num_seqs` and the KV cache allow; a prompt longer than what is
+left of the budget is prefilled in chunks over several steps. Every prefill
+chunk ends at the next Mamba checkpoint position, so the state there exists.
+
+When the cache cannot hold a running sequence's next tokens, the newest
+running sequence is preempted by recompute: its blocks are freed and it goes
+back to the head of the queue with its tokens so far as its prompt (prefix
+caching usually gives most of them back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..core import KVCacheManager
+from .request import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int  # tokens already computed
+    count: int  # tokens computed in this step
+
+    @property
+    def completes(self) -> bool:
+        """The step reaches the end of the known tokens: sample the next one."""
+        return self.start + self.count == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.kv.add_request(seq.seq_id, seq.token_ids, cache_salt=seq.request.cache_salt)
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child: it already holds its blocks."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, done: int, budget: int) -> int:
+        count = min(len(seq.token_ids) - done, budget)
+        checkpoint = self.kv.next_checkpoint(seq.seq_id)
+        if checkpoint is not None and done < checkpoint < done + count:
+            count = checkpoint - done
+        return count
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: free every block, requeue at the head."""
+        self.kv.free(seq.seq_id)
+        self.running.remove(seq)
+        self.kv.add_request(seq.seq_id, seq.token_ids, cache_salt=seq.request.cache_salt)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        seq.request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[Scheduled]:
+        kv = self.kv
+        budget = self.max_num_batched_tokens
+        out: list[Scheduled] = []
+        taken: set[str] = set()
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            done = kv.num_computed_tokens(seq.seq_id)
+            count = self._chunk(seq, done, budget)
+            while not kv.allocate_slots(seq.seq_id, count):
+                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(Scheduled(seq, done, count))
+                taken.add(seq.seq_id)
+                budget -= count
+                i += 1
+        if preempted:
+            return out  # no room to admit anyone this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            done = kv.get_computed_tokens(seq.seq_id)
+            count = self._chunk(seq, done, budget)
+            if not kv.allocate_slots(seq.seq_id, count):
+                if not self.running:
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id} does not fit an empty KV cache; the engine checks this at admission")
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.num_cached_tokens = done
+            out.append(Scheduled(seq, done, count))
+            budget -= count
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.status = Status.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.seq_id in self.kv:
+            self.kv.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,27 @@
+"""RMSNorm in the two conventions the supported families use."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`x * rsqrt(mean(x^2) + eps)` computed in float32, then scaled.
+
+    unit_offset=True is Gemma's `(1 + w)` scale applied before casting back;
+    unit_offset=False is Llama/Jamba's `w * x` applied after casting back.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)

@@ -1,0 +1,53 @@
+"""What every model family provides to the engine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.batch import ForwardBatch
+
+
+class CacheLayer:
+    """A module that keeps per-request cache state (an attention or a Mamba
+    layer). The runner binds it to its KV cache group and its place in the
+    pool: `group`, and for attention `column` (which page of a block holds
+    this layer) and `cache` (the layer's view of the pool)."""
+
+    layer_name: str = ""
+    group: int = -1
+    column: int = 0
+    cache: torch.Tensor | None = None
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over one flat batch of tokens from many requests."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [tokens, hidden] after the final norm."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab] for the given hidden rows."""
+        raise NotImplementedError
+
+    def cache_layers(self) -> dict[str, CacheLayer]:
+        """Layer name (as in the KV specs: model.layers.{i}) -> its cache module."""
+        out = {}
+        for name, module in self.named_modules():
+            if isinstance(module, CacheLayer):
+                out[name.rsplit(".", 1)[0]] = module
+        return out
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the embedding when the config says so."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def weight_name(self, checkpoint_name: str) -> str | None:
+        """Map a checkpoint tensor name to a parameter name (None: skip it)."""
+        return checkpoint_name

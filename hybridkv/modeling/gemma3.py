@@ -1,0 +1,130 @@
+"""Gemma-3 (text) and Gemma-2 on the paged hybrid cache.
+
+Gemma-3: embeddings scaled by sqrt(hidden) (rounded to the weight dtype, as
+transformers does), Gemma RMSNorm `x * (1 + w)` in float32 around both
+sublayers, q/k RMSNorm before RoPE, scale `query_pre_attn_scalar ** -0.5`,
+RoPE base per layer type (local for sliding layers), GELU-tanh MLP, final
+logit soft-capping when configured. transformers 5.23 stores
+`attn_logit_softcapping` for Gemma-3 but does not apply it; we match it.
+Gemma-2 is the same without q/k norms and with attention soft-capping.
+Parameter names follow the Hugging Face checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.batch import ForwardBatch
+from ..layers.norm import RMSNorm
+from ..layers.paged_attention import paged_attention, store_kv
+from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from .base import CacheLayer, CausalLM
+
+
+class GemmaAttention(CacheLayer, nn.Module):
+    def __init__(self, config, layer_type: str, qk_norm: bool, softcap: float | None):
+        nn.Module.__init__(self)
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
+        self.qk_norm = qk_norm
+        self.layer_type = layer_type
+        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        meta = batch.attention[self.group]
+        store_kv(self.cache, k, v, meta, self.column)
+        out = paged_attention(q, self.cache, meta, self.column, self.scale, self.softcap)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        self.approximate = "tanh" if "tanh" in act else "none"
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate) * self.up_proj(x))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, qk_norm: bool, softcap: float | None):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = GemmaAttention(config, layer_type, qk_norm, softcap)
+        self.mlp = GemmaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+
+    def forward(self, x, cos_sin, batch):
+        h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, batch))
+        x = x + h
+        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + h
+
+
+class GemmaForCausalLM(CausalLM):
+    """Gemma-3 text (`qk_norm=True`) or Gemma-2 (`qk_norm=False`)."""
+
+    def __init__(self, config, qk_norm: bool = True):
+        super().__init__(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layer_types = list(config.layer_types)
+        attn_softcap = None if qk_norm else getattr(config, "attn_logit_softcapping", None)
+        self.model.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, t, qk_norm, attn_softcap) for t in self.layer_types)
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.rotary = {}
+        for layer_type in set(self.layer_types):
+            inv_freq, scaling = inverse_frequencies(config, layer_type if qk_norm else None, config.head_dim)
+            self.rotary[layer_type] = Rotary(inv_freq, scaling)
+        self.embed_scale = config.hidden_size ** 0.5
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        x = self.model.embed_tokens(batch.input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        cos_sin = {t: r.cos_sin(batch.positions, x.dtype) for t, r in self.rotary.items()}
+        for layer, layer_type in zip(self.model.layers, self.layer_types):
+            x = layer(x, cos_sin[layer_type], batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config, qk_norm=False)

@@ -1,0 +1,177 @@
+"""Jamba: Mamba and attention layers, MLP and MoE feed-forwards.
+
+Attention layers have no positional encoding (the Mamba layers carry
+order), scale head_dim ** -0.5. RMSNorm is `w * x` (Llama style). The Mamba
+mixer: in_proj -> (x, gate); depthwise causal conv over x with the carried
+conv state, SiLU; x_proj -> (dt, B, C), each RMS-normed; dt_proj (its bias
+added before softplus); selective scan from the carried SSM state with
+A = -exp(A_log); y + D * x, gated by SiLU(gate); out_proj. MoE: softmax
+router, top-k experts, weights not renormalised. Parameter names follow
+the Hugging Face checkpoints (experts.{e}.{gate,up,down}_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.batch import ForwardBatch
+from ..layers.mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
+from ..layers.norm import RMSNorm
+from ..layers.paged_attention import paged_attention, store_kv
+from .base import CacheLayer, CausalLM
+
+
+class JambaAttention(CacheLayer, nn.Module):
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        meta = batch.attention[self.group]
+        store_kv(self.cache, k, v, meta, self.column)
+        return self.o_proj(paged_attention(q, self.cache, meta, self.column, self.scale).reshape(tokens, -1))
+
+
+class JambaMamba(CacheLayer, nn.Module):
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        hidden = config.hidden_size
+        self.inner = config.mamba_expand * hidden
+        self.state_size = config.mamba_d_state
+        self.conv_width = config.mamba_d_conv
+        self.dt_rank = config.mamba_dt_rank
+        self.in_proj = nn.Linear(hidden, 2 * self.inner, bias=config.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner,
+                                bias=config.mamba_conv_bias, padding=self.conv_width - 1)
+        self.x_proj = nn.Linear(self.inner, self.dt_rank + 2 * self.state_size, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=config.mamba_proj_bias)
+        eps = config.rms_norm_eps
+        self.dt_layernorm = RMSNorm(self.dt_rank, eps)
+        self.b_layernorm = RMSNorm(self.state_size, eps)
+        self.c_layernorm = RMSNorm(self.state_size, eps)
+
+    def _ssm_inputs(self, x: torch.Tensor):
+        """dt (after bias and softplus, float32), B, C from conv outputs x [L, I]."""
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.state_size, self.state_size], dim=-1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
+        dt = F.softplus(dt.float() + self.dt_proj.bias.float())
+        return dt, self.b_layernorm(B), self.c_layernorm(C)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mb = batch.mamba[self.group]
+        conv_state, ssm_state = batch.buffers.state_views(mb.states, self.layer_name)
+        xz = self.in_proj(h)
+        x_all, gate_all = xz[:, :self.inner], xz[:, self.inner:]
+        weight = self.conv1d.weight[:, 0, :]
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        y_all = torch.empty(h.shape[0], self.inner, dtype=torch.float32, device=h.device)
+        if mb.decode_rows.numel():
+            rows, tokens = mb.decode_rows, mb.decode_tokens
+            x, new_conv = causal_conv_step(x_all[tokens], conv_state[rows], weight, self.conv1d.bias)
+            x = F.silu(x)
+            dt, B, C = self._ssm_inputs(x)
+            y, new_ssm = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
+            conv_state[rows] = new_conv.to(conv_state.dtype)
+            ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+            y_all[tokens] = (y + x.float() * D) * F.silu(gate_all[tokens].float())
+        for row, start, count in mb.prefills:
+            end = start + count
+            x, new_conv = causal_conv(x_all[start:end], conv_state[row], weight, self.conv1d.bias)
+            x = F.silu(x)
+            dt, B, C = self._ssm_inputs(x)
+            y, new_ssm = selective_scan(x, dt, A, B, C, ssm_state[row])
+            conv_state[row] = new_conv.to(conv_state.dtype)
+            ssm_state[row] = new_ssm.to(ssm_state.dtype)
+            y_all[start:end] = (y + x.float() * D) * F.silu(gate_all[start:end].float())
+        return self.out_proj(y_all.to(h.dtype))
+
+
+class JambaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class JambaMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(JambaMLP(config) for _ in range(config.num_experts))
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            token_idx, slot = torch.where(chosen == e)
+            y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+class JambaDecoderLayer(nn.Module):
+    def __init__(self, config, is_attention: bool, is_moe: bool):
+        super().__init__()
+        if is_attention:
+            self.self_attn = JambaAttention(config)
+        else:
+            self.mamba = JambaMamba(config)
+        self.is_attention = is_attention
+        self.feed_forward = JambaMoE(config) if is_moe else JambaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, batch):
+        mixer = self.self_attn if self.is_attention else self.mamba
+        x = x + mixer(self.input_layernorm(x), batch)
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class JambaForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        period, offset = config.attn_layer_period, config.attn_layer_offset
+        e_period, e_offset = config.expert_layer_period, config.expert_layer_offset
+        moe = config.num_experts > 1
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            JambaDecoderLayer(config, i % period == offset, moe and i % e_period == e_offset)
+            for i in range(config.num_hidden_layers))
+        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.final_layernorm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

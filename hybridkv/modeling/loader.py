@@ -1,0 +1,130 @@
+"""Load a local Hugging Face folder: config (transformers' config classes),
+weights (`*.safetensors`, sharded index included) into hybridkv's own model
+code, and the tokenizer when the folder has one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .base import CausalLM
+
+
+def _architectures():
+    from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
+    from .jamba import JambaForCausalLM
+
+    return {
+        "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
+        "Gemma3ForConditionalGeneration": (GemmaForCausalLM, {
+            # transformers 5 and older layouts of the multimodal checkpoint
+            "model.language_model.": "model.", "language_model.model.": "model.",
+            "language_model.lm_head.": "lm_head."}),
+        "Gemma2ForCausalLM": (Gemma2ForCausalLM, {}),
+        "JambaForCausalLM": (JambaForCausalLM, {}),
+    }
+
+
+SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma2ForCausalLM",
+                           "JambaForCausalLM")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_config(model_dir: str):
+    """(full config, text config) through transformers' config classes."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model folder {model_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir!r} has no config.json")
+    from transformers import AutoConfig
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    architecture = (raw.get("architectures") or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r} in {model_dir}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config, text, architecture
+
+
+def resolve_dtype(dtype: str | torch.dtype, text_config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        found = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+        if isinstance(found, torch.dtype):
+            return found
+        return TORCH_DTYPES.get(str(found).replace("torch.", ""), torch.float32)
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}") from None
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir!r} has no *.safetensors weights")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True):
+    """(model, text config) with every parameter loaded from the checkpoint."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    config, text, architecture = read_config(model_dir)
+    model_class, renames = _architectures()[architecture]
+    torch_dtype = resolve_dtype(dtype, text)
+    with torch.device("meta"):
+        model: CausalLM = model_class(text)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    files = checkpoint_files(model_dir)
+    for path in tqdm(files, desc="loading weights", unit="shard", disable=not progress or len(files) < 2):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = name
+                for old, new in renames.items():
+                    if target.startswith(old):
+                        target = new + target[len(old):]
+                        break
+                target = model.weight_name(target)
+                if target is None or target not in params:
+                    continue  # vision tower, rotary buffers ...
+                tensor = f.get_tensor(name)
+                param = params[target]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor.to(torch_dtype))
+                loaded.add(target)
+    if "lm_head.weight" not in loaded and getattr(text, "tie_word_embeddings", False):
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    model.eval()
+    return model, text
+
+
+def load_tokenizer(model_dir: str):
+    """The folder's tokenizer, or None (prompts must then be token ids)."""
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
