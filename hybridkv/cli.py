@@ -31,6 +31,13 @@ def _plan(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from .demo import main as demo_main
+
+    demo_main(num_requests=args.requests, max_tokens=args.max_tokens, progress=not args.no_progress)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default=None, help="KV dtype (default: the config's)")
     plan.add_argument("--plot", default=None, metavar="PNG", help="also draw the layout (needs matplotlib)")
     plan.set_defaults(func=_plan)
+
+    demo = sub.add_parser("demo", help="serve a batch on tiny built-in Gemma-3 and Jamba models")
+    demo.add_argument("--requests", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.set_defaults(func=_demo)
     return parser
 
 

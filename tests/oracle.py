@@ -1,0 +1,95 @@
+"""The transformers oracle (DESIGN section 8): tiny random models built with
+transformers' own classes, saved to a folder that hybridkv.Engine loads, and
+checks of the engine's tokens and logits against one no-cache transformers
+forward over prompt + generated tokens."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Tokens are judged by logit[token] >= max - TIE: random tiny models have
+# near-ties between their top two logits.
+TIE = 1e-4
+
+
+def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32) -> str:
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig,
+                              JambaForCausalLM)
+
+    torch.manual_seed(seed)
+    if family == "gemma3":
+        config = Gemma3TextConfig(
+            vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            max_position_embeddings=512, final_logit_softcapping=30.0, rope_local_base_freq=10000.0,
+            rope_theta=1000000.0)
+        model = Gemma3ForCausalLM(config)
+    elif family == "gemma2":
+        config = Gemma2Config(
+            vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=16,
+            max_position_embeddings=512, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+        model = Gemma2ForCausalLM(config)
+    elif family == "jamba":
+        config = JambaConfig(
+            vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)
+        model = JambaForCausalLM(config)
+    else:
+        raise ValueError(family)
+    # Random init leaves A_log at log(1..N) and dt small; perturb the Mamba
+    # parameters so the recurrent state really matters in the comparison.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log") or name.endswith("mamba.D") or "dt_proj.bias" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model = model.to(dtype).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def load_reference(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
+
+
+def check_tokens(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """Every generated token is an argmax (up to ties) of transformers' logits."""
+    logits = reference_logits(model, prompt + generated)
+    for i, token in enumerate(generated):
+        row = logits[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - TIE, (
+            f"token {i} ({token}) is not an argmax: {row[token].item()} vs max {row.max().item()}")
+    return logits
+
+
+def record_logits(engine) -> list:
+    """Spy on the runner: (sequence id, position, logits row) for every sampled row."""
+    records = []
+    execute = engine.runner.execute
+
+    def spying(steps):
+        logits = execute(steps)
+        completing = [s for s in steps if s.completes]
+        for s, row in zip(completing, logits):
+            records.append((s.seq.seq_id, s.start + s.count - 1, row.detach().float().cpu().clone()))
+        return logits
+
+    engine.runner.execute = spying
+    return records
+
+
+def model_dir(tmp_factory, family: str, **kw) -> str:
+    path = str(tmp_factory.mktemp(f"{family}-model"))
+    return build(family, os.path.join(path, "model"), **kw)
