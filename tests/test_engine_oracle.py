@@ -14,7 +14,21 @@ from oracle import check_tokens, load_reference, model_dir, record_logits, refer
 
 FAMILIES = ["gemma3", "jamba"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-LOGIT_TOL = 2e-4
+# float32 on the CPU: the engine and transformers differ only by operation
+# order. bfloat16 (e.g. --device cuda --dtype bfloat16) gets loose bounds.
+TOLERANCES = {"float32": (2e-4, 1e-4), "bfloat16": (0.15, 0.1), "float16": (0.05, 0.03)}
+ENGINE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_options(engine_device, engine_dtype):
+    import oracle
+
+    ENGINE.update(device=engine_device, dtype=engine_dtype)
+    global LOGIT_TOL
+    LOGIT_TOL, oracle.TIE = TOLERANCES[engine_dtype]
+    yield
+    oracle.TIE = TOLERANCES["float32"][1]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -23,14 +37,18 @@ def family_model(request, tmp_path_factory):
     return request.param, path, load_reference(path)
 
 
+def make_engine(path, **kw):
+    options = dict(kv_cache_memory="8MiB", block_size=4, progress=False, **ENGINE)
+    options.update(kw)
+    return Engine(path, **options)
+
+
 def prompts(n, lengths=(37, 5, 21, 50, 2, 33), start=3):
     return [[(start + 7 * i + 3 * j) % 200 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
 def run(path, prompt_list, params=GREEDY, **engine_kw):
-    kw = dict(kv_cache_memory="8MiB", dtype="float32", block_size=4, progress=False)
-    kw.update(engine_kw)
-    engine = Engine(path, **kw)
+    engine = make_engine(path, **engine_kw)
     records = record_logits(engine)
     outs = engine.generate(prompt_list, params, use_tqdm=False)
     return engine, outs, records
@@ -78,7 +96,7 @@ def test_hybrid_chunked_prefill_matches_transformers(family_model):
 
 def test_hybrid_generation_past_the_window_releases_blocks(family_model):
     family, path, reference = family_model
-    engine = Engine(path, kv_cache_memory="8MiB", dtype="float32", block_size=4, progress=False)
+    engine = make_engine(path)
     prompt = prompts(1, lengths=(10,))[0]
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), request_id="r")
     released = False
@@ -98,7 +116,7 @@ def test_hybrid_generation_past_the_window_releases_blocks(family_model):
 
 def test_hybrid_prefix_hit_on_a_finished_request_keeps_outputs(family_model):
     family, path, reference = family_model
-    engine = Engine(path, kv_cache_memory="8MiB", dtype="float32", block_size=4, progress=False)
+    engine = make_engine(path)
     records = record_logits(engine)
     first = prompts(1, lengths=(30,))[0]
     out1 = engine.generate([first], GREEDY, use_tqdm=False)[0]
@@ -113,16 +131,16 @@ def test_hybrid_preemption_in_a_tiny_pool_keeps_outputs(family_model):
     family, path, reference = family_model
     prompt_list = prompts(8, lengths=(30, 26, 35, 28))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ample = Engine(path, kv_cache_memory="8MiB", dtype="float32", block_size=4, progress=False)
+    ample = make_engine(path)
     expected = [o.outputs[0].token_ids for o in ample.generate(prompt_list, params, use_tqdm=False)]
     # Room for about two requests at full length.
     probe = ample.layout
     pages = 2 * probe.pages_per_request(60, chunk=16) + 3
-    small = Engine(path, kv_cache_memory=pages * probe.page_size_bytes, dtype="float32", block_size=4,
-                   max_num_batched_tokens=16, progress=False)
+    small = make_engine(path, kv_cache_memory=pages * probe.page_size_bytes, max_num_batched_tokens=16)
     got = [o.outputs[0].token_ids for o in small.generate(prompt_list, params, use_tqdm=False)]
     assert small.stats["preemptions"] > 0
-    assert got == expected
+    if ENGINE["dtype"] == "float32":  # in bf16 another batch mix may break a near-tie differently
+        assert got == expected
     for prompt, tokens in zip(prompt_list, got):
         check_tokens(reference, prompt, tokens)
     assert small.kv.num_free_blocks == small.kv.num_total_blocks
@@ -151,11 +169,10 @@ def test_gemma2_matches_transformers(tmp_path_factory):
 def test_hybrid_logits_of_a_long_prefill_match_transformers(family_model):
     family, path, reference = family_model
     prompt = prompts(1, lengths=(60,))[0]
-    engine = Engine(path, kv_cache_memory="8MiB", dtype="float32", block_size=4, progress=False,
-                    max_num_batched_tokens=13)
+    engine = make_engine(path, max_num_batched_tokens=13)
     records = record_logits(engine)
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     ref = reference_logits(reference, prompt)
     (_, pos, row), = records
     assert pos == len(prompt) - 1
-    assert torch.allclose(row, ref[pos], atol=LOGIT_TOL, rtol=0)
+    assert (row - ref[pos]).abs().max().item() < LOGIT_TOL

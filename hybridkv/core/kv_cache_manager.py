@@ -246,6 +246,11 @@ class KVCacheManager:
                 out.append([p for b in table for p in pool.pages(b, width)])
         return out
 
+    def table_version(self, request_id: str) -> int:
+        """Changes whenever one of the request's block tables changes (so a
+        runner can keep its tensors of them between steps)."""
+        return self._get(request_id).table_version
+
     def get_state_blocks(self, request_id: str) -> dict[int, tuple]:
         """Per Mamba group: (pages to read the state from, or None for the
         zero state; pages to write the next state into, or None before

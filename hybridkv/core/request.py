@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
+# Table versions are unique across requests, so a runner's cached tables of a
+# freed and re-added request id can never look current.
+_versions = itertools.count(1)
+
 
 class CacheRequest:
     """Token ids, progress and, per group, the blocks a request holds.
@@ -17,7 +23,7 @@ class CacheRequest:
     __slots__ = (
         "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
         "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes",
+        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version",
     )
 
     def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
@@ -43,3 +49,7 @@ class CacheRequest:
         self.steady = False
         self.next_event = 0
         self.prompt_bytes = None  # canonical bytes of the prompt, for hashing
+        self.table_version = next(_versions)  # renewed whenever an attention block table changes
+
+    def tables_changed(self) -> None:
+        self.table_version = next(_versions)

@@ -42,6 +42,16 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Requests with one query token each, attended in one batched call.
+    The runner groups them by length so that little padding is read."""
+
+    rows: torch.Tensor  # [requests] query rows in the step's token tensor
+    pages: torch.Tensor  # [width, requests, blocks] pages to read, per column (null page as padding)
+    mask: torch.Tensor  # [requests, blocks * block_size] keys visible to each query
+
+
+@dataclass
 class AttentionMetadata:
     """What the attention layers of one KV cache group need for one step
     (built once by the runner, shared by the group's layers)."""
@@ -52,9 +62,7 @@ class AttentionMetadata:
     block_size: int
     store_pages: torch.Tensor  # [width, tokens] page of each new token, per column
     store_offsets: torch.Tensor  # [tokens] slot within the page
-    decode_rows: torch.Tensor | None = None  # [decodes] query rows with one query token
-    decode_pages: torch.Tensor | None = None  # [width, decodes, blocks]
-    decode_mask: torch.Tensor | None = None  # [decodes, blocks * block_size]
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -80,29 +88,32 @@ def _attend(q, k, v, mask, scale, softcap):
     return torch.matmul(probs, v)
 
 
+def _gather(cache: torch.Tensor, pages: torch.Tensor):
+    """K and V rows of `pages` ([..., blocks]) as [..., blocks * block_size,
+    kv_heads, head_dim] each: one row copy per page (index_select), no more."""
+    num_pages, _, bs, heads, dim = cache.shape
+    rows = cache.view(num_pages, 2, bs * heads * dim)
+    flat = pages.reshape(-1)
+    shape = (*pages.shape[:-1], pages.shape[-1] * bs, heads, dim)
+    return (rows[:, 0].index_select(0, flat).view(shape), rows[:, 1].index_select(0, flat).view(shape))
+
+
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column: int,
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [tokens, q_heads, head_dim] -> [tokens, q_heads, head_dim]. The new
     K/V must already be stored (store_kv)."""
     out = torch.empty_like(q)
-    bs = meta.block_size
-    if meta.decode_rows is not None and meta.decode_rows.numel():
-        pages = meta.decode_pages[column]  # [R, nb]
-        kv = cache[pages]  # [R, nb, 2, bs, H, D]
-        r, nb = pages.shape
-        keys = kv[:, :, 0].reshape(r, nb * bs, *kv.shape[-2:]).transpose(1, 2)
-        values = kv[:, :, 1].reshape(r, nb * bs, *kv.shape[-2:]).transpose(1, 2)
-        query = q[meta.decode_rows].unsqueeze(2)  # [R, Hq, 1, D]
-        mask = meta.decode_mask[:, None, None, :]
-        out[meta.decode_rows] = _attend(query, keys.to(q.dtype), values.to(q.dtype), mask, scale,
-                                        softcap).squeeze(2)
+    for group in meta.decodes:
+        keys, values = _gather(cache, group.pages[column])  # [R, L, H, D]
+        query = q[group.rows].unsqueeze(2)  # [R, Hq, 1, D]
+        mask = group.mask[:, None, None, :]
+        result = _attend(query, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype), mask,
+                         scale, softcap)
+        out[group.rows] = result.squeeze(2)
     for seg in meta.prefills:
-        pages = seg.pages[column]
-        kv = cache[pages]  # [nb, 2, bs, H, D]
-        nb = pages.shape[0]
-        keys = kv[:, 0].reshape(nb * bs, *kv.shape[-2:]).transpose(0, 1).unsqueeze(0)
-        values = kv[:, 1].reshape(nb * bs, *kv.shape[-2:]).transpose(0, 1).unsqueeze(0)
+        keys, values = _gather(cache, seg.pages[column])  # [L, H, D]
         query = q[seg.start:seg.start + seg.length].transpose(0, 1).unsqueeze(0)
-        result = _attend(query, keys.to(q.dtype), values.to(q.dtype), seg.mask[None, None], scale, softcap)
+        result = _attend(query, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                         values.transpose(0, 1).unsqueeze(0).to(q.dtype), seg.mask[None, None], scale, softcap)
         out[seg.start:seg.start + seg.length] = result[0].transpose(0, 1)
     return out

@@ -135,6 +135,7 @@ class AttentionManager(GroupManager):
                 touch(block)
         g = self.index
         req.tables[g] = blocks
+        req.tables_changed()
         req.num_cached[g] = num_blocks
         req.num_released[g] = self.hit_start(num_blocks)
 
@@ -166,9 +167,11 @@ class AttentionManager(GroupManager):
             copies.append((self.index, self.pool.pages(shared), self.pool.pages(fresh)))
             table[j] = fresh
             self.pool.release(shared)
+            req.tables_changed()
         new = -(-target // self.block_size) - len(table)
         if new > 0:
             table.extend(self.pool.allocate(self.width, new))
+            req.tables_changed()
 
     def on_computed(self, req):
         g = self.index
@@ -195,6 +198,7 @@ class AttentionManager(GroupManager):
                     table[j] = NULL
                     release(block)
             req.num_released[g] = first
+            req.tables_changed()
 
     def free(self, req):
         release = self.pool.release

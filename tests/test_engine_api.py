@@ -1,0 +1,127 @@
+"""Engine API: bad input is a ValueError at the boundary and the engine keeps
+serving; streaming add_request/step/abort; stop conditions; text prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv import Engine, SamplingParams
+from hybridkv.tiny_models import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="32MiB", max_model_len=256, progress=False)
+
+
+def finish_all(engine):
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return outs
+
+
+@pytest.mark.parametrize("make", [
+    lambda e: e.add_request(""),
+    lambda e: e.add_request([]),
+    lambda e: e.add_request([1] * 400),  # longer than max_model_len
+    lambda e: e.add_request([1, e.vocab_size]),  # outside the vocabulary
+    lambda e: e.add_request([1, -3]),
+    lambda e: e.add_request([1, 2.5]),
+    lambda e: e.add_request(b"bytes"),
+    lambda e: e.add_request([1, 2], request_id="dup") and e.add_request([1, 2], request_id="dup"),
+    lambda e: e.abort("no-such-request"),
+    lambda e: SamplingParams(max_tokens=0),
+    lambda e: SamplingParams(temperature=-1),
+    lambda e: SamplingParams(top_p=0),
+    lambda e: SamplingParams(top_p=1.5),
+    lambda e: SamplingParams(n=0),
+    lambda e: SamplingParams(top_k=-2),
+    lambda e: SamplingParams(stop=[""]),
+])
+def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, make):
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4), request_id="bystander")
+    with pytest.raises(ValueError):
+        make(engine)
+    outs = finish_all(engine)
+    assert len(outs["bystander"].outputs[0].token_ids) == 4
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_text_prompt_and_token_ids_agree(engine):
+    text = "the state of the world"
+    ids = engine.tokenizer.encode(text)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = engine.generate([text, ids], params, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.prompt == text and a.prompt_token_ids == ids
+    assert a.outputs[0].text == engine.tokenizer.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_streaming_step_and_abort_free_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request([3, 4, 5, 6], params, request_id="keep")
+    engine.add_request([3, 4, 5, 9], params, request_id="drop")
+    seen = engine.step()
+    assert {o.request_id for o in seen} == {"keep", "drop"}
+    assert all(len(o.outputs[0].token_ids) == 1 and not o.finished for o in seen)
+    engine.step()
+    engine.abort("drop")
+    assert "drop" not in engine.kv
+    outs = finish_all(engine)
+    assert len(outs["keep"].outputs[0].token_ids) == 50
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_stop_token_ids_and_max_tokens(engine):
+    free = engine.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    stop_at = free.token_ids[2]
+    stopped = engine.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]),
+                              use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
+
+
+def test_stop_string_truncates_the_text(engine):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = engine.generate(["tell me about the library"], params, use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = engine.generate(["tell me about the library"],
+                          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop),
+                          use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and full.text.startswith(cut.text)
+
+
+def test_generation_stops_at_the_model_context(tmp_path):
+    engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="32MiB", max_model_len=20, progress=False)
+    out = engine.generate([[1] * 15], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_a_request_that_can_never_fit_the_cache_is_refused_at_admission():
+    path = tiny_model_dir("tiny-gemma3")
+    probe = Engine(path, kv_cache_memory="32MiB", progress=False)
+    pages = probe.layout.pages_per_request(64, chunk=1024) + 2
+    small = Engine(path, kv_cache_memory=pages * probe.layout.page_size_bytes, progress=False)
+    small.add_request([1] * 20, SamplingParams(max_tokens=40))  # fits
+    with pytest.raises(ValueError, match="needs .* KV cache pages"):
+        small.add_request([1] * 20, SamplingParams(max_tokens=4000))
+    assert len(finish_all(small)) == 1
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["RwkvForCausalLM"], "model_type": "rwkv"}))
+    with pytest.raises(ValueError, match="unsupported architecture.*supported: .*Gemma3ForCausalLM"):
+        Engine(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(str(tmp_path / "missing"))
