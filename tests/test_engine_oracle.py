@@ -176,3 +176,25 @@ def test_hybrid_logits_of_a_long_prefill_match_transformers(family_model):
     (_, pos, row), = records
     assert pos == len(prompt) - 1
     assert (row - ref[pos]).abs().max().item() < LOGIT_TOL
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, image_token_index=299, boi_token_index=297,
+                          eoi_token_index=298, mm_tokens_per_image=4)
+    reference = Gemma3ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path)
+    prompt = list(range(3, 30))
+    engine, outs, records = run(str(tmp_path), [prompt])
+    tokens = outs[0].outputs[0].token_ids
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + tokens])).logits[0]
+    for i, token in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - 1e-4
