@@ -33,6 +33,17 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             num_key_value_heads=2, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=16,
             max_position_embeddings=512, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
         model = Gemma2ForCausalLM(config)
+    elif family in ("mistral", "ministral"):
+        from transformers import MinistralConfig, MinistralForCausalLM, MistralConfig, MistralForCausalLM
+
+        common = dict(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+                      max_position_embeddings=512)
+        if family == "mistral":
+            model = MistralForCausalLM(MistralConfig(**common))
+        else:
+            layer_types = ["sliding_attention", "full_attention"] * 2
+            model = MinistralForCausalLM(MinistralConfig(**common, layer_types=layer_types))
     elif family == "jamba":
         config = JambaConfig(
             vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

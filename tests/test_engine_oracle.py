@@ -158,8 +158,9 @@ def test_hybrid_n2_seeded_sampling_is_reproducible(family_model):
     assert a[0] != a[1]
 
 
-def test_gemma2_matches_transformers(tmp_path_factory):
-    path = model_dir(tmp_path_factory, "gemma2")
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "ministral"])
+def test_more_sliding_window_families_match_transformers(tmp_path_factory, family):
+    path = model_dir(tmp_path_factory, family)
     reference = load_reference(path)
     prompt_list = prompts(3)
     engine, outs, records = run(path, prompt_list)

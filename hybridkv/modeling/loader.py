@@ -15,6 +15,7 @@ from .base import CausalLM
 def _architectures():
     from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
     from .jamba import JambaForCausalLM
+    from .llama import LlamaForCausalLM
 
     return {
         "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
@@ -24,11 +25,14 @@ def _architectures():
             "language_model.lm_head.": "lm_head."}),
         "Gemma2ForCausalLM": (Gemma2ForCausalLM, {}),
         "JambaForCausalLM": (JambaForCausalLM, {}),
+        "LlamaForCausalLM": (LlamaForCausalLM, {}),
+        "MistralForCausalLM": (LlamaForCausalLM, {}),
+        "MinistralForCausalLM": (LlamaForCausalLM, {}),
     }
 
 
 SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma2ForCausalLM",
-                           "JambaForCausalLM")
+                           "JambaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM")
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
