@@ -49,11 +49,7 @@ def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
     checkpoint, until the prompt is computed; False if the pool is full."""
     total = kv.num_tokens(rid)
     while True:
-        done = kv.get_computed_tokens(rid)
-        size = min(chunk, total - done)
-        checkpoint = kv.next_checkpoint(rid)
-        if checkpoint is not None:
-            size = min(size, checkpoint - done)
+        size = kv.next_chunk(rid, chunk)
         if not kv.allocate_slots(rid, size):
             return False
         kv.mark_computed(rid, size)

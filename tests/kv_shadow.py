@@ -131,14 +131,9 @@ class ShadowRunner:
         False if the pool ran out (the request is left as it was)."""
         kv = self.kv
         while True:
-            done = kv.get_computed_tokens(request_id)
-            total = kv.num_tokens(request_id)
-            if kv._requests[request_id].started and done >= total:
+            if kv._requests[request_id].started and kv.num_computed_tokens(request_id) >= kv.num_tokens(request_id):
                 return True
-            size = min(chunk, total - done)
-            checkpoint = kv.next_checkpoint(request_id)
-            if checkpoint is not None:
-                size = min(size, checkpoint - done)
+            size = kv.next_chunk(request_id, chunk)
             if not kv.allocate_slots(request_id, size):
                 return False
             self.compute(request_id, size)
@@ -183,10 +178,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
             if req.started and req.num_computed >= len(req.tokens):
                 kv.append_token_ids(rid, [rng.randrange(100)])
             done = kv.get_computed_tokens(rid)
-            size = min(rng.randrange(1, 12), len(req.tokens) - done)
-            checkpoint = kv.next_checkpoint(rid)
-            if checkpoint is not None:
-                size = min(size, checkpoint - done)
+            size = kv.next_chunk(rid, rng.randrange(1, 12))
             started = req.started
             if kv.allocate_slots(rid, size):
                 if not started and done:

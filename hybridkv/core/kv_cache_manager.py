@@ -276,6 +276,18 @@ class KVCacheManager:
         req = self._get(request_id)
         return self.coordinator.next_checkpoint(req, 0 if req.started else self._hit(req))
 
+    def next_chunk(self, request_id: str, budget: int) -> int:
+        """How many tokens to compute next: what is left of the known tokens
+        (after the prefix hit, before the first allocation), at most `budget`,
+        and ending at the next Mamba checkpoint."""
+        req = self._get(request_id)
+        done = req.num_computed if req.started else self._hit(req)
+        count = min(len(req.tokens) - done, _count(budget, "budget"))
+        checkpoint = self.coordinator.next_checkpoint(req, done)
+        if checkpoint is not None and done < checkpoint < done + count:
+            count = checkpoint - done
+        return count
+
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed
 

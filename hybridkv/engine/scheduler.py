@@ -56,13 +56,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, seq: Sequence, done: int, budget: int) -> int:
-        count = min(len(seq.token_ids) - done, budget)
-        checkpoint = self.kv.next_checkpoint(seq.seq_id)
-        if checkpoint is not None and done < checkpoint < done + count:
-            count = checkpoint - done
-        return count
-
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: free every block, requeue at the head."""
         self.kv.free(seq.seq_id)
@@ -83,7 +76,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             done = kv.num_computed_tokens(seq.seq_id)
-            count = self._chunk(seq, done, budget)
+            count = kv.next_chunk(seq.seq_id, budget)
             while not kv.allocate_slots(seq.seq_id, count):
                 victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
                 self.preempt(victim)
@@ -100,7 +93,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             done = kv.get_computed_tokens(seq.seq_id)
-            count = self._chunk(seq, done, budget)
+            count = kv.next_chunk(seq.seq_id, budget)
             if not kv.allocate_slots(seq.seq_id, count):
                 if not self.running:
                     raise RuntimeError(

@@ -13,70 +13,38 @@ Parameter names follow the Hugging Face checkpoints.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers.batch import ForwardBatch
 from ..layers.norm import RMSNorm
-from ..layers.paged_attention import paged_attention, store_kv
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
-from .base import CacheLayer, CausalLM
+from .base import CausalLM
+from .blocks import GatedMLP, PagedSelfAttention
 
 
-class GemmaAttention(CacheLayer, nn.Module):
-    def __init__(self, config, layer_type: str, qk_norm: bool, softcap: float | None):
-        nn.Module.__init__(self)
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        bias = getattr(config, "attention_bias", False)
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+class GemmaAttention(PagedSelfAttention):
+    def __init__(self, config, qk_norm: bool, softcap: float | None):
+        super().__init__(config, scale=config.query_pre_attn_scalar ** -0.5, softcap=softcap)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.qk_norm = qk_norm
-        self.layer_type = layer_type
-        self.scale = config.query_pre_attn_scalar ** -0.5
-        self.softcap = softcap
 
     def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        meta = batch.attention[self.group]
-        store_kv(self.cache, k, v, meta, self.column)
-        out = paged_attention(q, self.cache, meta, self.column, self.scale, self.softcap)
-        return self.o_proj(out.reshape(tokens, -1))
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        self.approximate = "tanh" if "tanh" in act else "none"
-
-    def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate=self.approximate) * self.up_proj(x))
+        return self.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch)
 
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, layer_type: str, qk_norm: bool, softcap: float | None):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = GemmaAttention(config, layer_type, qk_norm, softcap)
-        self.mlp = GemmaMLP(config)
+        self.self_attn = GemmaAttention(config, qk_norm, softcap)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)

@@ -19,31 +19,8 @@ from torch import nn
 from ..layers.batch import ForwardBatch
 from ..layers.mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
 from ..layers.norm import RMSNorm
-from ..layers.paged_attention import paged_attention, store_kv
 from .base import CacheLayer, CausalLM
-
-
-class JambaAttention(CacheLayer, nn.Module):
-    def __init__(self, config):
-        nn.Module.__init__(self)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        meta = batch.attention[self.group]
-        store_kv(self.cache, k, v, meta, self.column)
-        return self.o_proj(paged_attention(q, self.cache, meta, self.column, self.scale).reshape(tokens, -1))
+from .blocks import GatedMLP, PagedSelfAttention
 
 
 class JambaMamba(CacheLayer, nn.Module):
@@ -104,23 +81,13 @@ class JambaMamba(CacheLayer, nn.Module):
         return self.out_proj(y_all.to(h.dtype))
 
 
-class JambaMLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class JambaMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(JambaMLP(config) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+                                     for _ in range(config.num_experts))
 
     def forward(self, x):
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
@@ -138,11 +105,12 @@ class JambaDecoderLayer(nn.Module):
     def __init__(self, config, is_attention: bool, is_moe: bool):
         super().__init__()
         if is_attention:
-            self.self_attn = JambaAttention(config)
+            self.self_attn = PagedSelfAttention(config)  # no positional encoding
         else:
             self.mamba = JambaMamba(config)
         self.is_attention = is_attention
-        self.feed_forward = JambaMoE(config) if is_moe else JambaMLP(config)
+        self.feed_forward = (JambaMoE(config) if is_moe else
+                             GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

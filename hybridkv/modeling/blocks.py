@@ -1,0 +1,66 @@
+"""Building blocks the decoder families share (Hugging Face parameter names)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.batch import ForwardBatch
+from ..layers.paged_attention import paged_attention, store_kv
+from .base import CacheLayer
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        if activation in ("silu", "swish"):
+            self.act = F.silu
+        elif activation.startswith("gelu"):
+            approximate = "tanh" if "tanh" in activation else "none"
+            self.act = lambda x: F.gelu(x, approximate=approximate)
+        else:
+            raise ValueError(f"unsupported activation {activation!r}")
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PagedSelfAttention(CacheLayer, nn.Module):
+    """q/k/v/o projections around the paged cache. Families turn the
+    projections into q, k (norms, rotary) and call `attend`."""
+
+    def __init__(self, config, scale: float | None = None, softcap: float | None = None):
+        nn.Module.__init__(self)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
+
+    def project(self, x: torch.Tensor):
+        """q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
+        tokens = x.shape[0]
+        return (self.q_proj(x).view(tokens, self.num_heads, self.head_dim),
+                self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim),
+                self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+
+    def attend(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        meta = batch.attention[self.group]
+        store_kv(self.cache, k, v, meta, self.column)
+        out = paged_attention(q, self.cache, meta, self.column, self.scale, self.softcap)
+        return self.o_proj(out.reshape(q.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.attend(*self.project(x), batch)
