@@ -141,8 +141,10 @@ class ModelRunner:
                 key_pos = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(rows), nb * bs)
                 mask = visible(kind, window, chunk, torch.from_numpy(q[:, None]), torch.from_numpy(key_pos))
                 mask &= torch.from_numpy(np.repeat(inside, bs, axis=1))
-                meta.decodes.append(DecodeGroup(torch.from_numpy(first_row[rows]).to(device),
-                                                torch.from_numpy(pages).to(device), mask.to(device)))
+                meta.decodes.append(DecodeGroup(
+                    torch.from_numpy(first_row[rows]).to(device), torch.from_numpy(pages).to(device),
+                    mask.to(device), torch.from_numpy(q).to(device), torch.from_numpy(lo * bs).to(device),
+                    torch.from_numpy(hi - lo + 1).to(device)))
         for i in np.nonzero(~decode)[0]:
             start, count = int(starts[i]), int(counts[i])
             lo, hi = int(first_visible(np.array([start]))[0]) // bs, (start + count - 1) // bs
@@ -151,7 +153,8 @@ class ModelRunner:
             q_pos = torch.arange(start, start + count)[:, None]
             k_pos = torch.from_numpy((blocks[:, None] * bs + np.arange(bs)).reshape(-1))[None, :]
             meta.prefills.append(PrefillSegment(int(first_row[i]), count, torch.from_numpy(pages).to(device),
-                                                visible(kind, window, chunk, q_pos, k_pos).to(device)))
+                                                visible(kind, window, chunk, q_pos, k_pos).to(device),
+                                                start, lo * bs))
         return meta
 
     def _mamba(self, group, steps, first_row, decode):

@@ -39,6 +39,8 @@ class PrefillSegment:
     length: int
     pages: torch.Tensor  # [width, blocks] pages to read, per column
     mask: torch.Tensor  # [length, blocks * block_size] keys visible to each query
+    query_pos: int = 0  # position of the first query token
+    key_pos: int = 0  # position of the first key in pages (a multiple of block_size)
 
 
 @dataclass
@@ -49,6 +51,9 @@ class DecodeGroup:
     rows: torch.Tensor  # [requests] query rows in the step's token tensor
     pages: torch.Tensor  # [width, requests, blocks] pages to read, per column (null page as padding)
     mask: torch.Tensor  # [requests, blocks * block_size] keys visible to each query
+    query_pos: torch.Tensor | None = None  # [requests] position of each query
+    key_pos: torch.Tensor | None = None  # [requests] position of the first key in pages (block aligned)
+    num_blocks: torch.Tensor | None = None  # [requests] blocks of pages actually used (the rest is padding)
 
 
 @dataclass
