@@ -106,6 +106,7 @@ class ShadowRunner:
                     for p in kv.pool.pages(read):
                         assert self.content.get(p) == tuple(tokens[:n]), (
                             f"{request_id}: Mamba state page {p} holds another prefix")
+                self.checks += 1
                 continue
             first = manager.first_needed_block(n)
             for j, block in enumerate(table):
