@@ -118,12 +118,15 @@ class BlockPool:
             self.num_free_pages -= self.width(block)
         ref[block] += 1
 
-    def release(self, block: int) -> None:
+    def release(self, block: int, probation: bool = False) -> None:
+        """One reference less. `probation`: the block stays cached but enters
+        the free queue at the head, first to go if memory runs short (a
+        checkpoint unlikely to be reused)."""
         ref = self.ref
         ref[block] -= 1
         if ref[block] == 0:
             self._free[block] = None
-            if self.key[block] is None:
+            if probation or self.key[block] is None:
                 self._free.move_to_end(block, last=False)
             self.num_free_pages += self.width(block)
 

@@ -9,7 +9,10 @@ The admission rule of hybridkv ("hybridkv" below) saves a state where reuse is
 likely, after the Marconi paper's observation that reuse concentrates at a
 few positions:
 * the end of the prompt, rounded down to the block size (a request with the
-  same prompt, or one that extends it, hits there);
+  same prompt, a regenerated answer, hits there). Once the request has moved
+  on, this state enters the free queue on probation (at its head): kept while
+  memory is free, first to go under pressure, because in a chat the next turn
+  resumes from the end of the answer, not of the prompt;
 * the branch point: the end of the longest prefix this prompt shares with an
   earlier request (a shared system prompt or chat history shows up as such a
   prefix from its second use on, and is then likely to be shared again);
@@ -34,6 +37,7 @@ class CheckpointPolicy:
     branch_points: bool = False  # plan one where the prompt leaves the prefixes seen before
     rolling: bool = False  # checkpoint at block boundaries past the prompt
     supersede: bool = False  # a rolling checkpoint drops the request's previous one
+    probation: bool = False  # the prompt-end checkpoint (unless also a branch point) is released on probation
 
     def plan(self, num_tokens: int, block_size: int, hit: int, shared: int) -> list[int]:
         """Checkpoint positions inside the prompt (ascending, all > hit).
@@ -46,9 +50,14 @@ class CheckpointPolicy:
             positions.add(min(shared, last))
         return sorted(p for p in positions if p > hit)
 
+    def on_probation(self, position: int, num_tokens: int, block_size: int, shared: int) -> bool:
+        """Is the checkpoint at `position` the prompt-end one, released on probation?"""
+        last = (num_tokens - 1) // block_size * block_size
+        return self.probation and position == last and not (self.branch_points and shared >= last)
+
 
 POLICIES = {
-    "hybridkv": CheckpointPolicy("hybridkv", branch_points=True, rolling=True, supersede=True),
+    "hybridkv": CheckpointPolicy("hybridkv", branch_points=True, rolling=True, supersede=True, probation=True),
     "prompt_end": CheckpointPolicy("prompt_end"),
     "every_block": CheckpointPolicy("every_block", every_block=True, rolling=True),
 }

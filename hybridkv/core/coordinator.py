@@ -152,6 +152,8 @@ class Coordinator:
             if record:
                 self.sightings.record(keys)
         req.checkpoints = self.policy.plan(len(req.tokens), bs, hit, shared)
+        last = (len(req.tokens) - 1) // bs * bs
+        req.probation_at = last if self.policy.on_probation(last, len(req.tokens), bs, shared) else -1
 
     def next_checkpoint(self, req: CacheRequest, hit: int) -> int | None:
         """The next planned checkpoint after the computed tokens (or, before
@@ -189,6 +191,7 @@ class Coordinator:
         child.started = parent.started
         child.keys = list(parent.keys)
         child.checkpoints = list(parent.checkpoints)
+        child.probation_at = parent.probation_at
         child.num_cached = list(parent.num_cached)
         child.num_released = list(parent.num_released)
         for manager in self.managers:

@@ -90,8 +90,12 @@ class MambaManager(GroupManager):
             if self.pool.cache(write, g, req.keys[n // self.block_size - 1], tokens):
                 if self.policy.rolling and n >= req.num_prompt_tokens:
                     self._supersede(req, write)
+                if n == req.probation_at:
+                    req.probation[g] = write
         if read and read != write:
-            self.pool.release(read)
+            # The state we move on from goes on probation if it is the
+            # prompt-end checkpoint (see core/checkpoints.py).
+            self.pool.release(read, probation=read == req.probation[g])
         # The state now lives in `write`; the next pass updates it in place
         # unless it just became a cached checkpoint.
         req.tables[g] = [write, write if self._in_place(write) else NULL]
