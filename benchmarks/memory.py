@@ -18,26 +18,18 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
-import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hybridkv.core.baselines import PaddedGroups, contiguous_bytes, exact_bytes, hybridkv_bytes  # noqa: E402
+from hybridkv.core.baselines import (PaddedGroups, contiguous_bytes, exact_bytes, hybridkv_bytes,  # noqa: E402
+                                     length_mix, mean_bytes)
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.core.layout import parse_memory, plan_layout  # noqa: E402
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 CONTEXTS = (1024, 8192, 32768, 131072)
-
-
-def length_mix(max_tokens: int, n: int = 2000, seed: int = 0) -> list[int]:
-    """Log-uniform lengths in [64, max_tokens]: many short requests, few long."""
-    rng = random.Random(seed)
-    low = math.log(64)
-    return [int(math.exp(rng.uniform(low, math.log(max_tokens)))) for _ in range(n)]
 
 
 def measure(path: str, budget: int, contexts) -> dict:
@@ -58,9 +50,9 @@ def measure(path: str, budget: int, contexts) -> dict:
         }
         lengths = length_mix(context)
         mean = {
-            "hybridkv": sum(hybridkv_bytes(layout, t) for t in lengths) / len(lengths),
-            "padded": sum(padded.bytes_per_request(t) for t in lengths) / len(lengths),
-            "exact": sum(exact_bytes(specs, t) for t in lengths) / len(lengths),
+            "hybridkv": mean_bytes(lambda t: hybridkv_bytes(layout, t), lengths),
+            "padded": mean_bytes(padded.bytes_per_request, lengths),
+            "exact": mean_bytes(lambda t: exact_bytes(specs, t), lengths),
         }
         row["mix"][context] = {name: int(budget // value) for name, value in mean.items()}
         row["mix"][context]["hybridkv"] = int(usable // mean["hybridkv"])

@@ -26,3 +26,11 @@ def test_plan_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "cannot read memory size" in capsys.readouterr().err
     assert main(["plan", MODELS[0], "--memory", "1KiB"]) == 2
     assert "null page needs" in capsys.readouterr().err
+
+
+def test_plan_plot_draws_the_layout(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "layout.png"
+    jamba = next(p for p in MODELS if p.endswith("jamba-1.5-mini.json"))
+    assert main(["plan", jamba, "--memory", "80GiB", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"

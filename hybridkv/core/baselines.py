@@ -19,9 +19,22 @@ for a request holding `tokens` tokens, decoding one token per step.
 from __future__ import annotations
 
 import math
+import random
 
 from .layout import KVCacheLayout
 from .specs import AttentionSpec, LayerSpec, MambaSpec
+
+
+def length_mix(max_tokens: int, n: int = 2000, seed: int = 0) -> list[int]:
+    """A realistic mix of request lengths up to `max_tokens`: log-uniform in
+    [64, max_tokens], so many short requests and a few long ones."""
+    rng = random.Random(seed)
+    low = math.log(64)
+    return [int(math.exp(rng.uniform(low, math.log(max(65, max_tokens))))) for _ in range(n)]
+
+
+def mean_bytes(per_request, lengths: list[int]) -> float:
+    return sum(per_request(t) for t in lengths) / len(lengths)
 
 
 def _by_spec(specs: dict[str, LayerSpec]) -> dict[LayerSpec, int]:
