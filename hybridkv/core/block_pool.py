@@ -43,8 +43,8 @@ class BlockPool:
         self.span: list = [None] * num_pages  # the pages of a block wider than one page
         self._free: OrderedDict[int, None] = OrderedDict()
         self.cached: list[dict] = [{} for _ in range(num_groups)]
-        # Bumped whenever a cache key disappears, so a remembered prefix hit
-        # can tell that it may no longer be valid.
+        # Bumped whenever a cache key appears or disappears, so a remembered
+        # prefix hit can tell that it may be stale.
         self.version = 0
         self.num_evictions = 0
 
@@ -141,6 +141,7 @@ class BlockPool:
         self.key[block] = key
         self.key_group[block] = group
         self.tokens[block] = tokens
+        self.version += 1
         return True
 
     def uncache(self, block: int) -> None:

@@ -288,6 +288,18 @@ class KVCacheManager:
             count = checkpoint - done
         return count
 
+    def block_keys(self, request_id: str, start: int, end: int) -> list:
+        """Cache keys of the request's full blocks whose last token lies in
+        tokens [start, end) (a scheduler uses them to see that two prompts
+        computed in one step would share a block). Empty without caching."""
+        req = self._get(request_id)
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        first, last = -(-start // bs) if start % bs else start // bs, min(end, len(req.tokens)) // bs
+        self.coordinator.extend_keys(req, last)
+        return req.keys[first:last]
+
     def num_computed_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_computed
 

@@ -8,6 +8,11 @@ budget, `max_num_seqs` and the KV cache allow; a prompt longer than what is
 left of the budget is prefilled in chunks over several steps. Every prefill
 chunk ends at the next Mamba checkpoint position, so the state there exists.
 
+A waiting prompt whose next block is being computed in this very step by
+another sequence (two requests with the same system prompt arriving
+together) waits one step: then it finds that block in the cache instead of
+computing it a second time.
+
 When the cache cannot hold a running sequence's next tokens, the newest
 running sequence is preempted by recompute: its blocks are freed and it goes
 back to the head of the queue with its tokens so far as its prompt (prefix
@@ -90,10 +95,16 @@ class Scheduler:
                 i += 1
         if preempted:
             return out  # no room to admit anyone this step
+        computing = self._keys_computed(out)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             done = kv.get_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
+            upcoming = kv.block_keys(seq.seq_id, done, done + count)
+            if upcoming and upcoming[0] in computing:
+                deferred.append(self.waiting.popleft())  # its prefix is being computed: reuse it next step
+                continue
             if not kv.allocate_slots(seq.seq_id, count):
                 if not self.running:
                     raise RuntimeError(
@@ -105,9 +116,20 @@ class Scheduler:
             metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.num_cached_tokens = done
-            out.append(Scheduled(seq, done, count))
+            scheduled = Scheduled(seq, done, count)
+            out.append(scheduled)
+            computing.update(upcoming)
             budget -= count
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _keys_computed(self, steps: list[Scheduled]) -> set:
+        """Keys of the blocks this step's prefill chunks complete."""
+        keys: set = set()
+        for s in steps:
+            if s.count > 1:
+                keys.update(self.kv.block_keys(s.seq.seq_id, s.start, s.start + s.count))
+        return keys
 
     def finish(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)

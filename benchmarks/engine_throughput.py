@@ -1,0 +1,252 @@
+"""Engine throughput and time to first token: hybridkv.Engine against
+transformers' `generate` on the same random models, prompts, dtype and threads.
+
+Workload 1: 64 prompts of 100-1,000 tokens, 128 new tokens each, greedy,
+EOS ignored. transformers runs them as one batch with left padding and its
+default dynamic cache (its TTFT is the time of the batched prefill, which
+every request waits for). Workload 2: 64 prompts sharing a 500-token system
+prompt, hybridkv with and without prefix caching. Each measurement runs in
+its own process, so peak RSS (model + cache + activations) is its own.
+
+    python benchmarks/engine_throughput.py             # CPU, tiny and small models
+    python benchmarks/engine_throughput.py --quick     # seconds: CI smoke run
+    python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # GPU, 1B shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+# GPU workloads: real layer counts, heads, windows and vocabularies, random weights.
+GPU_MODELS = {
+    "gemma3-1b-shape": ("gemma3", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                       head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                                       sliding_window_pattern=6, max_position_embeddings=32768)),
+    "jamba-1b-shape": ("jamba", dict(vocab_size=65536, hidden_size=2048, intermediate_size=5632,
+                                     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                                     attn_layer_period=8, attn_layer_offset=4, num_experts=1,
+                                     mamba_d_state=16, mamba_dt_rank=128, max_position_embeddings=32768)),
+}
+
+
+def prompts_for(kind: str, n: int, vocab: int, seed: int = 0, low=100, high=1000):
+    rng = random.Random(seed)
+    if kind == "shared":
+        system = [rng.randrange(5, vocab) for _ in range(500)]
+        return [system + [rng.randrange(5, vocab) for _ in range(rng.randint(20, 100))] for _ in range(n)]
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def model_path(name: str, dtype: str) -> str:
+    from hybridkv.tiny_models import MODELS, cache_root, tiny_model_dir
+
+    if name in MODELS:
+        return tiny_model_dir(name, dtype="float32")
+    family, sizes = GPU_MODELS[name]
+    path = os.path.join(cache_root(), "models", f"{name}-v1")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        import torch
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig, JambaForCausalLM
+
+        torch.manual_seed(0)
+        if family == "gemma3":
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**sizes))
+        else:
+            model = JambaForCausalLM(JambaConfig(**sizes, mamba_d_conv=4, mamba_expand=2))
+        model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+# -- workers (run in their own process) -----------------------------------------------
+
+def run_hybridkv(args) -> dict:
+    import torch
+
+    from hybridkv import Engine, SamplingParams
+    from hybridkv.core.layout import parse_memory
+
+    torch.set_num_threads(args["threads"])
+    path = model_path(args["model"], args["dtype"])
+    probe = Engine(path, kv_cache_memory="16MiB", dtype=args["dtype"], device=args["device"], progress=False)
+    vocab = probe.vocab_size
+    prompts = prompts_for(args["workload"], args["num_prompts"], vocab)
+    longest = max(len(p) for p in prompts) + args["max_tokens"]
+    pages = len(prompts) * probe.layout.pages_per_request(longest, chunk=2048) + 64
+    budget = max(parse_memory("16MiB"), pages * probe.layout.page_size_bytes)
+    del probe
+    engine = Engine(path, kv_cache_memory=budget, dtype=args["dtype"], device=args["device"], progress=False,
+                    max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=args["batch_tokens"],
+                    enable_prefix_caching=args["prefix_caching"])
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    engine.kv.reset_prefix_cache()
+    sync(args["device"])
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    sync(args["device"])
+    elapsed = time.perf_counter() - start
+    ttfts = sorted(o.metrics.ttft for o in outs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": statistics.mean(ttfts),
+            "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))], "steps": engine.num_steps,
+            "hit_rate": engine.stats["prefix_hit_rate"], "preemptions": engine.stats["preemptions"]}
+
+
+def run_transformers(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args["threads"])
+    path = model_path(args["model"], args["dtype"])
+    dtype = getattr(torch, args["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args["device"]).eval()
+    prompts = prompts_for(args["workload"], args["num_prompts"], model.config.vocab_size)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(args["device"]), mask.to(args["device"])
+
+    def generate(new_tokens):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    with torch.no_grad():
+        model.generate(input_ids=ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)  # warm-up
+    sync(args["device"])
+    start = time.perf_counter()
+    generate(1)
+    sync(args["device"])
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    out = generate(args["max_tokens"])
+    sync(args["device"])
+    elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - width) * len(prompts)
+    return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": ttft, "ttft_p90": ttft}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def worker(spec: str) -> None:
+    args = json.loads(spec)
+    result = (run_hybridkv if args["engine"] == "hybridkv" else run_transformers)(args)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args["device"].startswith("cuda"):
+        import torch
+
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure(**args) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(args)],
+                          capture_output=True, text=True, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"worker failed ({args['engine']} {args['model']}):\n{proc.stderr[-3000:]}")
+
+
+def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12) -> float:
+    """Decode tokens/s if each step only had to read the weights once."""
+    import torch
+
+    path = model_path(model, "bfloat16")
+    from safetensors import safe_open
+
+    total = 0
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                for key in f.keys():
+                    shape = f.get_slice(key).get_shape()
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    total += numel * torch.tensor([], dtype=torch.bfloat16).element_size()
+    return batch * bandwidth / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", default=None, help="comma-separated model names")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "engine_throughput.json"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    gpu = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if args.models:
+        models = args.models.split(",")
+    elif args.quick:
+        models = ["tiny-gemma3"]
+    else:
+        models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba"]
+    n, new = (8, 16) if args.quick else (64, 128)
+    batches = [n] + ([1] if gpu and not args.quick else [])
+    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=2048)
+    rows = []
+    print(f"device {args.device}, {dtype}, {args.threads} threads; {n} prompts of 100-1000 tokens, {new} new tokens")
+    print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
+          f"{'peak RSS MiB':>13} {'speedup':>8}")
+    for model in models:
+        for batch in batches:
+            base = measure(engine="transformers", model=model, workload="random", num_prompts=batch, **common)
+            ours = measure(engine="hybridkv", model=model, workload="random", num_prompts=batch,
+                           prefix_caching=True, **common)
+            for name, r in (("transformers", base), ("hybridkv", ours)):
+                speed = r["tokens_per_s"] / base["tokens_per_s"]
+                print(f"{model:<16} {batch:>5} {name:<13} {r['tokens_per_s']:>9.1f} {r['ttft_mean']:>9.3f}s "
+                      f"{r['ttft_p90']:>8.3f}s {r['peak_rss_mib']:>13.0f} {speed:>7.2f}x")
+            row = {"model": model, "batch": batch, "transformers": base, "hybridkv": ours,
+                   "speedup": ours["tokens_per_s"] / base["tokens_per_s"]}
+            if gpu:
+                row["weight_bound_tokens_per_s"] = weight_bound(model, batch)
+                print(f"{'':<16} {'':>5} {'weights bound':<13} {row['weight_bound_tokens_per_s']:>9.0f}")
+            rows.append(row)
+    print(f"\nshared 500-token system prompt, {n} prompts: TTFT with and without prefix caching")
+    print(f"{'model':<16} {'TTFT off':>9} {'TTFT on':>9} {'gain':>6} {'hit rate':>9}")
+    shared = []
+    for model in models:
+        off = measure(engine="hybridkv", model=model, workload="shared", num_prompts=n, prefix_caching=False, **common)
+        on = measure(engine="hybridkv", model=model, workload="shared", num_prompts=n, prefix_caching=True, **common)
+        gain = off["ttft_mean"] / on["ttft_mean"]
+        print(f"{model:<16} {off['ttft_mean']:>8.3f}s {on['ttft_mean']:>8.3f}s {gain:>5.1f}x {on['hit_rate']:>9.1%}")
+        shared.append({"model": model, "off": off, "on": on, "ttft_gain": gain})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "throughput": rows,
+                   "shared_prefix": shared}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
