@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 CONTEXTS = (1024, 8192, 32768, 131072)
@@ -38,6 +39,23 @@ def _demo(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"hybridkv serve: error: {e}; install the server extra: pip install 'hybridkv[server]'",
+              file=sys.stderr)
+        return 2
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
+          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=_demo)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/server.md)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="a Hugging Face model folder (default: the built-in tiny-gemma3, no download)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("HYBRIDKV_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $HYBRIDKV_API_KEY, else none)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the folder's name)")
+    serve.add_argument("--max-waiting", type=int, default=512,
+                       help="answer 503 while this many requests wait for admission (default 512)")
+    serve.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default) or auto")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
+    serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,39 @@
+"""`hybridkv serve`: an OpenAI-compatible HTTP server over `hybridkv.Engine`
+(needs the `server` extra: fastapi, uvicorn, prometheus_client).
+
+    engine_loop.py  the thread that owns the engine; the asyncio side's handle
+    text_stream.py  token ids -> streamed text (stop strings held back)
+    protocol.py     request bodies, OpenAI's error shape, the chat template
+    metrics.py      Prometheus metrics
+    app.py          the FastAPI app (build_app)
+"""
+
+from __future__ import annotations
+
+import os
+
+from .app import build_app
+
+__all__ = ["build_app", "serve"]
+
+DEFAULT_MODEL = "tiny-gemma3"
+
+
+def serve(model_dir: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, max_waiting: int = 512, log_level: str = "info",
+          **engine_options) -> None:
+    """Load the model and serve it until interrupted. Without `model_dir`, the
+    built-in tiny Gemma-3-style model (built on first use, no download)."""
+    import uvicorn
+
+    from ..engine import Engine
+
+    if model_dir is None:
+        from ..tiny_models import tiny_model_dir
+
+        model_dir, name = tiny_model_dir(DEFAULT_MODEL), DEFAULT_MODEL
+    else:
+        name = os.path.basename(os.path.normpath(model_dir))
+    engine = Engine(model_dir, **engine_options)
+    app = build_app(engine, model_name=served_model_name or name, api_key=api_key, max_waiting=max_waiting)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

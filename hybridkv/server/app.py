@@ -1,0 +1,245 @@
+"""The FastAPI app: OpenAI's completions, chat completions and models
+endpoints, plus /health and /metrics, over one EngineLoop.
+
+Handlers run on the event loop and never touch the engine: they parse, hand
+the request to the engine loop, and turn its updates into OpenAI responses or
+server-sent events. A client that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from ..engine import Engine
+from .engine_loop import EngineFailed, EngineLoop, Overloaded, RequestStream, Update
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+
+log = logging.getLogger("hybridkv.server")
+
+
+class _Completion:
+    """The shapes of /v1/completions."""
+    kind, chunk_kind = "text_completion", "text_completion"
+
+    def __init__(self, request_id: str, created: int, model: str):
+        self.head = {"id": request_id, "object": self.kind, "created": created, "model": model}
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool) -> dict:
+        return {**self.head, "object": self.chunk_kind,
+                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+class _Chat(_Completion):
+    """The shapes of /v1/chat/completions."""
+    kind, chunk_kind = "chat.completion", "chat.completion.chunk"
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool) -> dict:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {**self.head, "object": self.chunk_kind,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+
+def _usage(update: Update) -> dict:
+    return {"prompt_tokens": update.prompt_tokens, "completion_tokens": update.completion_tokens,
+            "total_tokens": update.prompt_tokens + update.completion_tokens}
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _error_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 512) -> FastAPI:
+    """An OpenAI-compatible app over `engine`. The engine thread starts and
+    stops with the app's lifespan; the app owns the engine from then on."""
+    metrics = ServerMetrics()
+    engine_loop = EngineLoop(engine, max_waiting=max_waiting, ttft_histogram=metrics.ttft)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.shutdown)
+
+    app = FastAPI(title="hybridkv", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    app.state.metrics = metrics
+
+    # -- errors in OpenAI's shape --------------------------------------------
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown paths, wrong methods
+        return JSONResponse(APIError(e.status_code, str(e.detail), _error_type(e.status_code)).body(),
+                            status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    async def submit(prompt, params, request_id, **options) -> RequestStream:
+        try:
+            return await engine_loop.submit(prompt, params, request_id, **options)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except Overloaded as e:
+            raise APIError(503, str(e), "server_error", code="overloaded") from None
+        except EngineFailed as e:
+            raise APIError(500, str(e), "server_error") from None
+
+    # -- endpoints -----------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not engine_loop.alive:
+            raise APIError(503, "the engine loop is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        snapshot = await engine_loop.call(engine_loop.snapshot)
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "hybridkv", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await request.body())
+        check_model(req.model)
+        prompt = req.single_prompt()
+        params = req.sampling_params(req.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt)
+        shape = _Completion(request_id, int(time.time()), model_name)
+        return await respond(request, req, stream, shape)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        prompt = req.prompt()
+        limit = req.token_limit()
+        params = req.sampling_params(1 if limit is None else limit)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt,
+                              max_tokens_to_context=limit is None)
+        shape = _Chat(request_id, int(time.time()), model_name)
+        return await respond(request, req, stream, shape)
+
+    async def respond(request: Request, req, stream: RequestStream, shape: _Completion):
+        if req.stream:
+            return StreamingResponse(events(stream, shape, req.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        reasons: dict[int, str | None] = {}
+        last = await until_done(request, stream, texts, reasons)
+        if last is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return {**shape.head, "choices": [shape.choice(i, "".join(texts[i]), reasons.get(i)) for i in texts],
+                "usage": _usage(last)}
+
+    return app
+
+
+async def until_done(request: Request, stream: RequestStream, texts, reasons) -> Update | None:
+    """Collect a request's updates; None (and the request aborted) if the
+    client disconnects first."""
+
+    async def collect() -> Update:
+        last = None
+        async for update in stream:
+            for d in update.deltas:
+                texts[d.index].append(d.text)
+                if d.finish_reason is not None:
+                    reasons[d.index] = d.finish_reason
+            last = update
+        return last
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left, or this handler was cancelled
+            work.cancel()
+            stream.abort()
+    if work not in done:
+        return None
+    try:
+        return work.result()
+    except EngineFailed as e:
+        raise APIError(500, str(e), "server_error") from None
+
+
+async def events(stream: RequestStream, shape: _Completion, include_usage: bool):
+    """Server-sent events in OpenAI's chunk format, then [DONE]. If the client
+    disconnects, the response task is cancelled inside this generator and the
+    `finally` aborts the request."""
+    started: set[int] = set()
+    last = None
+    try:
+        async for update in stream:
+            last = update
+            for d in update.deltas:
+                first = d.index not in started
+                started.add(d.index)
+                chunk = shape.chunk(d.index, d.text, d.finish_reason, first)
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+        if include_usage and last is not None:
+            yield _sse({**shape.head, "object": shape.chunk_kind, "choices": [], "usage": _usage(last)})
+    except EngineFailed as e:
+        yield _sse(APIError(500, str(e), "server_error").body())
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"

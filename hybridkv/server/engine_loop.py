@@ -1,0 +1,321 @@
+"""The one thread that owns the engine, and how asyncio code talks to it.
+
+`Engine` is not thread-safe, and its step is blocking torch work: it must not
+run on the event loop. So one background thread owns the engine and is the
+only caller of every engine method. The event loop talks to it through a
+thread-safe inbox of commands (add a request, abort one, run a function on
+the engine); the thread drains the inbox before every step, so an abort takes
+effect before the next step. Results go back with
+`loop.call_soon_threadsafe` into one asyncio queue per request, one hand-off
+per step for all requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine import Engine, SamplingParams
+from .text_stream import TextStream
+
+log = logging.getLogger("hybridkv.server")
+
+
+class Overloaded(Exception):
+    """The waiting queue is at its bound (HTTP 503)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised where it never should, or the server is stopping (HTTP 500)."""
+
+
+@dataclass
+class Delta:
+    index: int  # which of the n continuations
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Update:
+    """What one step did for one request."""
+    deltas: list[Delta]
+    finished: bool
+    prompt_tokens: int
+    completion_tokens: int  # all continuations, so far
+
+
+_ACCEPTED = object()
+
+
+class RequestStream:
+    """The asyncio side of one request: iterate for its updates."""
+
+    def __init__(self, owner: "EngineLoop", request_id: str):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Stop the request and free its blocks; a no-op once it finished."""
+        if not self._done:
+            self._done = True
+            owner, request_id = self._owner, self.request_id
+            owner._put(lambda: owner._abort(request_id))
+
+    def __del__(self):
+        # A stream dropped unfinished (say, a client gone before its streaming
+        # response began) must not keep generating: the engine thread holds
+        # only its queue, so dropping the stream lands here.
+        try:
+            self.abort()
+        except Exception:  # the loop is already shut down
+            pass
+
+
+@dataclass
+class _Live:
+    queue: asyncio.Queue  # the stream's, not the stream: see RequestStream.__del__
+    texts: list[TextStream]
+    prompt_tokens: int
+    ttft_seen: bool = False
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_waiting: int = 512, ttft_histogram=None):
+        self.engine = engine
+        self.max_waiting = max_waiting  # read by the engine thread at each add
+        self.ttft_histogram = ttft_histogram  # a prometheus Histogram (thread-safe), or None
+        self.num_aborted = 0
+        self.num_rejected = 0
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side ---------------------------------------------
+    def start(self) -> None:
+        """Call from the event loop that will consume the results."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self._put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def submit(self, prompt: str | list[int] | Callable, params: SamplingParams, request_id: str, *,
+                     cache_salt: str | None = None, max_tokens_to_context: bool = False) -> RequestStream:
+        """Queue a request; raises ValueError (bad input), Overloaded or
+        EngineFailed. `prompt`: text, token ids, or `fn(tokenizer) -> token
+        ids` (a chat template), run on the engine thread like all tokenizer
+        work. `max_tokens_to_context`: generate up to the context limit (the
+        prompt's length is known only once it is tokenized)."""
+        stream = RequestStream(self, request_id)
+        self._put(lambda: self._add(stream, prompt, params, cache_salt, max_tokens_to_context))
+        try:
+            first = await stream._queue.get()
+        except asyncio.CancelledError:  # the client left before the engine answered
+            stream.abort()
+            raise
+        if isinstance(first, BaseException):
+            raise first
+        return stream
+
+    def call(self, fn) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread; await the returned future for
+        its result. Queued at once, in order with aborts and adds."""
+        future = self._loop.create_future()
+
+        def run():
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # handed to the caller
+                self._deliver(_settle, future, None, e)
+            else:
+                self._deliver(_settle, future, result, None)
+
+        self._put(run)
+        return future
+
+    def _put(self, command) -> None:
+        if self._thread is None:
+            raise EngineFailed("the engine loop is not running")
+        self._inbox.put(command)
+
+    def _deliver(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    # -- the engine thread -------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests() and self.error is None
+            try:
+                command = self._inbox.get(block=not busy)
+            except queue.Empty:
+                command = _NOTHING
+            while command is not _NOTHING:
+                if command is None:
+                    self._close()
+                    return
+                try:
+                    command()
+                except Exception:  # a bug in a command must not kill the only engine thread
+                    log.exception("engine loop command failed")
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    command = _NOTHING
+            if self.error is None and engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    self._fail(e)
+                else:
+                    self._publish(outputs)
+
+    def _add(self, stream, prompt, params, cache_salt, max_tokens_to_context) -> None:
+        engine = self.engine
+        if self.error is not None:
+            return self._deliver(stream._queue.put_nowait, EngineFailed(f"the engine failed: {self.error}"))
+        if len(engine.scheduler.waiting) >= self.max_waiting:
+            self.num_rejected += 1
+            return self._deliver(stream._queue.put_nowait, Overloaded(
+                f"the server is overloaded: {len(engine.scheduler.waiting)} requests are waiting "
+                f"(bound {self.max_waiting}); retry later"))
+        try:
+            ids = self._token_ids(prompt)
+            if max_tokens_to_context:
+                params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
+            engine.add_request(ids, params, request_id=stream.request_id, cache_salt=cache_salt)
+        except ValueError as e:
+            return self._deliver(stream._queue.put_nowait, e)
+        except Exception as e:  # not the client's fault: a 500, and the loop goes on
+            log.exception("adding request %s failed", stream.request_id)
+            return self._deliver(stream._queue.put_nowait, EngineFailed(f"could not add the request: {e}"))
+        texts = [TextStream(engine.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
+        self._live[stream.request_id] = _Live(stream._queue, texts, len(ids))
+        self._deliver(stream._queue.put_nowait, _ACCEPTED)
+
+    def _token_ids(self, prompt):
+        """Text is tokenized here, on the one thread that uses the tokenizer
+        (the engine would tokenize it the same way; the server needs the
+        length first)."""
+        tokenizer = self.engine.tokenizer
+        if callable(prompt):
+            return prompt(tokenizer)
+        if not isinstance(prompt, str):
+            return prompt  # the engine checks token ids
+        if tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: give prompts as lists of token ids")
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one token")
+        return list(tokenizer.encode(prompt))
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.num_aborted += 1
+
+    def _publish(self, outputs) -> None:
+        batch = []
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            if not live.ttft_seen and out.metrics is not None and out.metrics.ttft is not None:
+                live.ttft_seen = True
+                if self.ttft_histogram is not None:
+                    self.ttft_histogram.observe(out.metrics.ttft)
+            deltas = []
+            for completion in out.outputs:
+                text = live.texts[completion.index]
+                if text.finished:
+                    continue
+                if completion.finish_reason is not None:
+                    deltas.append(Delta(completion.index, text.finish(completion.text), completion.finish_reason))
+                else:
+                    piece = text.push(completion.token_ids)
+                    if piece:
+                        deltas.append(Delta(completion.index, piece))
+            if deltas or out.finished:
+                generated = sum(len(c.token_ids) for c in out.outputs)
+                batch.append((live.queue, Update(deltas, out.finished, live.prompt_tokens, generated)))
+            if out.finished:
+                del self._live[out.request_id]
+        if batch:
+            self._deliver(_hand_out, batch)
+
+    def _fail(self, error: Exception) -> None:
+        """A step raised: a bug, not bad input. Fail every request in flight,
+        keep answering commands (adds are refused), never step again."""
+        log.exception("engine step failed; refusing new requests")
+        self.error = error
+        self._drop_all(EngineFailed(f"the engine failed: {error}"))
+
+    def _close(self) -> None:
+        self._drop_all(EngineFailed("the server is shutting down"))
+
+    def _drop_all(self, error: Exception) -> None:
+        for request_id, live in list(self._live.items()):
+            self._deliver(live.queue.put_nowait, error)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # already gone, or the engine is broken
+                pass
+        self._live.clear()
+
+    def snapshot(self, engine: Engine) -> dict:
+        """Engine and server counters (call through `call`, on the engine thread)."""
+        stats = dict(engine.stats)
+        stats.update(kv_free_pages=engine.kv.num_free_blocks, kv_total_pages=engine.kv.num_total_blocks,
+                     group_kinds=[g.kind for g in engine.layout.groups], aborted=self.num_aborted,
+                     rejected=self.num_rejected)
+        return stats
+
+
+_NOTHING = object()
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _hand_out(batch) -> None:
+    for queue_, update in batch:
+        queue_.put_nowait(update)

@@ -1,0 +1,72 @@
+"""Prometheus metrics of the server (`GET /metrics`).
+
+Engine counters live on the engine thread; `/metrics` fetches one snapshot
+of them through the engine loop and this collector turns it into metric
+families at scrape time (nothing is copied per step). The time-to-first-token
+histogram is observed by the engine thread as first tokens appear.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("hybridkv_time_to_first_token_seconds",
+                              "Seconds from a request's arrival at the engine to its first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self._snapshot: dict = {}
+        self.registry.register(self)
+
+    def render(self, snapshot: dict) -> bytes:
+        """The exposition text for one engine snapshot (EngineLoop.snapshot)."""
+        self._snapshot = snapshot
+        return generate_latest(self.registry)
+
+    def collect(self):
+        s = self._snapshot
+        if not s:
+            return
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("hybridkv_num_requests_running", "Requests being computed", s["running"])
+        yield gauge("hybridkv_num_requests_waiting", "Requests waiting for admission", s["waiting"])
+        yield gauge("hybridkv_kv_cache_usage_ratio", "Fraction of the KV pool's pages in use", s["kv_usage"])
+        yield gauge("hybridkv_kv_cache_free_pages", "Free KV pages (cached but unreferenced pages count as free)",
+                    s["kv_free_pages"])
+        yield gauge("hybridkv_kv_cache_total_pages", "KV pages in the pool, the null page excluded",
+                    s["kv_total_pages"])
+        pages = GaugeMetricFamily("hybridkv_kv_cache_group_pages", "KV pages held by live requests, per group",
+                                  labels=["group", "kind"])
+        usage = GaugeMetricFamily("hybridkv_kv_cache_group_usage_ratio",
+                                  "Fraction of the shared KV pool held by each group", labels=["group", "kind"])
+        for i, (kind, held) in enumerate(zip(s["group_kinds"], s["kv_pages_in_use_by_group"])):
+            pages.add_metric([str(i), kind], held)
+            usage.add_metric([str(i), kind], held / max(1, s["kv_total_pages"]))
+        yield pages
+        yield usage
+        yield gauge("hybridkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens "
+                    "looked up, since start", s["prefix_hit_rate"])
+        yield counter("hybridkv_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                      s["prefix_queried_tokens"])
+        yield counter("hybridkv_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                      s["prefix_hit_tokens"])
+        yield counter("hybridkv_preemptions", "Sequences preempted (recompute) for lack of KV pages",
+                      s["preemptions"])
+        yield counter("hybridkv_generation_tokens", "Tokens generated", s["generated_tokens"])
+        yield counter("hybridkv_prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"])
+        yield counter("hybridkv_engine_steps", "Engine steps run", s["steps"])
+        yield counter("hybridkv_requests_aborted", "Requests aborted because their client went away",
+                      s["aborted"])
+        yield counter("hybridkv_requests_rejected", "Requests refused with 503: the waiting queue was full",
+                      s["rejected"])

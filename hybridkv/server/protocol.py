@@ -1,0 +1,181 @@
+"""The OpenAI request bodies the server accepts, and its error shape.
+
+Bodies are parsed strictly: an unknown field, a wrong type or invalid JSON is
+a 400 naming the field, never silently ignored. Values are checked by
+`SamplingParams` and the engine, whose `ValueError` text becomes the message.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+MAX_N = 128
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy in the limit, and overflows the softmax
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted at their neutral values only (clients often send them)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # hybridkv extensions
+    cache_salt: str | None = None  # prompts with different salts never share KV blocks
+    ignore_eos: bool = False
+    top_k: int = 0
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported (only 0)", name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        # Ranges the engine does not check and would fail on inside a step
+        # (where an error stops the engine for everyone): temperatures whose
+        # softmax overflows, seeds torch cannot take. n as OpenAI bounds it.
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
+        if not 0 <= self.temperature <= 2:
+            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            raise bad_request(f"seed must be a signed 64-bit integer, got {self.seed}", "seed")
+        temperature = self.temperature if self.temperature >= GREEDY_BELOW else 0.0
+        try:
+            return SamplingParams(n=self.n, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
+                                  seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if self.logprobs:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        return prompt
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message]
+    max_tokens: int | None = None  # None: up to the context limit
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool | None = None
+
+    def prompt(self):
+        """The prompt's token ids as `fn(tokenizer)`, for the engine thread."""
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        messages = [m.as_template_input() for m in self.messages]
+        return lambda tokenizer: render_chat(tokenizer, messages)
+
+    def token_limit(self) -> int | None:
+        if self.logprobs:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's token ids. Control tokens written inside messages
+    (say "<end_of_turn>") are encoded as plain text, so a user cannot forge
+    turns; only the template's own control tokens count."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use /v1/completions with a prompt you format yourself")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            sanitize_control_tokens=True)
+    except TemplateError as e:  # a template's raise_exception(...), e.g. roles must alternate
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    return list(ids)
+
+
+def parse(model: type[BaseModel], body: bytes):
+    """A request body, or a 400 naming what is wrong."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"the body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}") from None
+        # union members add their type name to the location: keep the field path
+        where = ".".join(str(p) for p in err["loc"] if not _is_type_name(p))
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown field {where!r}", where) from None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required field {where!r}", where) from None
+        message = f"invalid value for {where!r}: {err['msg']}" if where else f"invalid request: {err['msg']}"
+        raise bad_request(message, where or None) from None
+
+
+def _is_type_name(part) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part
+                                      or part[:1].isupper())
