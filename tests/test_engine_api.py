@@ -125,3 +125,22 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         Engine(str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         Engine(str(tmp_path / "missing"))
+
+
+def test_a_stop_string_at_the_very_start_leaves_empty_text(engine):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    full = engine.generate(["tell me"], params, use_tqdm=False)[0].outputs[0]
+    cut = engine.generate(["tell me"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                      stop=full.text[:3]), use_tqdm=False)[0].outputs[0]
+    assert cut.text == "" and cut.finish_reason == "stop"
+
+
+def test_extreme_temperatures_and_seeds_do_not_break_the_loop(engine):
+    tiny = engine.generate([[5, 6]], SamplingParams(temperature=1e-300, max_tokens=4, n=2, seed=2**63 - 1),
+                           use_tqdm=False)[0]
+    greedy = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert [c.token_ids for c in tiny.outputs] == [greedy.outputs[0].token_ids] * 2
+    hot = engine.generate([[5, 6]], SamplingParams(temperature=1e300, max_tokens=4, seed=-(2**63)), use_tqdm=False)
+    assert len(hot[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)

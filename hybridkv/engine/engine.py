@@ -260,8 +260,11 @@ class Engine:
         completions = []
         for seq in request.sequences:
             text = seq.text
-            if seq.status is Status.FINISHED and not text and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=request.params.skip_special_tokens)
+            if text is None:
+                text = ""
+                if seq.status is Status.FINISHED and self.tokenizer is not None:
+                    text = self.tokenizer.decode(seq.output_ids,
+                                                 skip_special_tokens=request.params.skip_special_tokens)
             completions.append(CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics)

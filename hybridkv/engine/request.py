@@ -30,7 +30,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = generator
-        self.text = ""
+        self.text: str | None = None  # set when a stop string cut it; else decoded at the end
 
     @property
     def output_ids(self) -> list[int]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # continuations per prompt (share the prompt's blocks)
@@ -32,8 +35,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < (1 << 63)):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -46,4 +50,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing float32 logits overflows; the result is argmax anyway.
+        return self.temperature < GREEDY_BELOW
