@@ -48,6 +48,13 @@ class CausalLM(nn.Module):
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_projections(self) -> None:
+        """After loading: modules that can run several projections as one
+        matmul (q/k/v, gate/up) fuse them, without copying the weights."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
+
     def weight_name(self, checkpoint_name: str) -> str | None:
         """Map a checkpoint tensor name to a parameter name (None: skip it)."""
         return checkpoint_name

@@ -27,8 +27,19 @@ class GatedMLP(nn.Module):
         else:
             raise ValueError(f"unsupported activation {activation!r}")
 
+    def fuse(self) -> None:
+        """One matmul for gate and up: their weights become views of one tensor."""
+        fused = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        size = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = fused[:size], fused[size:]
+        self._gate_up = fused
+
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        fused = getattr(self, "_gate_up", None)
+        if fused is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, fused).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class PagedSelfAttention(CacheLayer, nn.Module):
@@ -49,12 +60,32 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
 
+    def fuse(self) -> None:
+        """One matmul for q, k and v: their weights become views of one tensor."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.data for p in projections])
+        bias = torch.cat([p.bias.data for p in projections]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projections:
+            end = start + p.weight.shape[0]
+            p.weight.data = weight[start:end]
+            if bias is not None:
+                p.bias.data = bias[start:end]
+            start = end
+        self._qkv = (weight, bias)
+
     def project(self, x: torch.Tensor):
         """q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
         tokens = x.shape[0]
-        return (self.q_proj(x).view(tokens, self.num_heads, self.head_dim),
-                self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim),
-                self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        fused = getattr(self, "_qkv", None)
+        if fused is None:
+            return (self.q_proj(x).view(tokens, self.num_heads, self.head_dim),
+                    self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim),
+                    self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, *fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
 
     def attend(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         meta = batch.attention[self.group]

@@ -120,6 +120,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    model.fuse_projections()
     model.eval()
     return model, text
 
