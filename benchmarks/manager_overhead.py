@@ -9,6 +9,8 @@ the per-step cost does not grow with the pool size or the context length.
 
     python benchmarks/manager_overhead.py            # full run
     python benchmarks/manager_overhead.py --quick    # seconds, for CI
+    python benchmarks/manager_overhead.py --against vllm   # also vLLM's KVCacheManager
+                                                     # on the same trace (needs vllm)
 """
 
 from __future__ import annotations
@@ -167,13 +169,48 @@ def scaling(specs, quick: bool) -> list[dict]:
     return rows
 
 
+def against_vllm(vllm_replay, trace, memory, results: dict) -> None:
+    """The same trace through vLLM's KVCacheManager (see vllm_replay.py), with
+    vLLM time / hybridkv time for admissions and decode steps."""
+    import vllm
+
+    results["vllm"] = {"version": vllm.__version__, "models": {}}
+    print(f"\nvLLM {vllm.__version__} KVCacheManager, same trace (ratio = vLLM time / hybridkv time)")
+    print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'(Request)':>10} {'us/decode step':>15} "
+          f"{'us/failed adm.':>15} {'preempt':>8} {'peak blocks':>12} {'hit rate':>9} {'adm. x':>7} {'decode x':>9}")
+    notes = []
+    for label, file in CONFIGS.items():
+        row = vllm_replay.run(os.path.join(MODELS_DIR, file), trace, memory)
+        ours = results["models"][label]
+        row["admission_ratio"] = row["us_per_admission"] / ours["us_per_admission"]
+        row["decode_ratio"] = row["us_per_decode_step"] / ours["us_per_decode_step"]
+        results["vllm"]["models"][label] = row
+        print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_request_build']:>10.1f} "
+              f"{row['us_per_decode_step']:>15.2f} {row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
+              f"{row['peak_pages']:>12,} {row['hit_rate']:>9.1%} {row['admission_ratio']:>7.2f} "
+              f"{row['decode_ratio']:>9.2f}")
+        notes.append(f"  {label}: {vllm_replay.describe(row)}")
+    print("(Request): the part of us/admission spent building the vLLM Request, which hashes the prompt's blocks")
+    print("\n".join(notes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny trace for a smoke run")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--memory", default="40GiB", help="KV budget per model")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "manager_overhead.json"))
+    parser.add_argument("--against", choices=["vllm"], default=None,
+                        help="also replay the trace through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
     args = parser.parse_args()
+    vllm_replay = None
+    if args.against == "vllm":  # vLLM stays optional: imported only here, checked before the long run
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import vllm_replay
+        try:
+            vllm_replay.import_vllm()
+        except vllm_replay.VLLMUnavailable as e:
+            parser.error(str(e))
     num = 60 if args.quick else args.requests
     trace = make_trace(num)
     results = {"trace": {"requests": num, "seed": 0}, "models": {}, "scaling": {}}
@@ -189,6 +226,8 @@ def main() -> None:
         print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_decode_step']:>15.2f} "
               f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
               f"{row['peak_pages']:>11,} {row['hit_rate']:>9.1%}")
+    if vllm_replay is not None:
+        against_vllm(vllm_replay, trace, args.memory, results)
     print(f"\nper decode step vs pool size and context (8 requests x 256 steps)")
     print(f"{'model':<26} {'pool pages':>11} {'context':>8} {'us/decode step':>15}")
     for label, file in CONFIGS.items():
