@@ -69,7 +69,7 @@ class BlockPool:
         self.num_free_pages -= need
         ref, key, span = self.ref, self.key, self.span
         blocks: list[int] = []
-        pages: list[int] = []
+        pages: list[int] = []  # loose pages of split blocks, in the order they were freed
         fresh = min(need, self.num_pages - self._next_fresh)
         if fresh:
             start = self._next_fresh
@@ -83,27 +83,28 @@ class BlockPool:
                 ref[b] = 1
             pages = list(range(whole, start + fresh))
         free = self._free
-        while len(blocks) < count:
+        while len(blocks) + len(pages) // width < count:
             block = free.popitem(last=False)[0]
             if key[block] is not None:
                 self._drop_key(block)
-            if not pages and self.width(block) == width:
-                ref[block] = 1  # exact fit: the block is reused as it is
+            block_span = span[block]
+            if (1 if block_span is None else len(block_span)) == width:
+                ref[block] = 1  # the right width: reused as it is
                 blocks.append(block)
                 continue
-            pages.extend(self.pages(block))
             span[block] = None
-            while len(pages) >= width and len(blocks) < count:
-                first = pages[0]
-                span[first] = tuple(pages[:width]) if width > 1 else None
-                ref[first] = 1
-                key[first] = None
-                blocks.append(first)
-                del pages[:width]
-        if pages:
+            pages.extend((block,) if block_span is None else block_span)
+        used = (count - len(blocks)) * width
+        for i in range(0, used, width):  # blocks cut from the loose pages
+            first = pages[i]
+            span[first] = tuple(pages[i:i + width]) if width > 1 else None
+            ref[first] = 1
+            key[first] = None
+            blocks.append(first)
+        if len(pages) > used:
             # Left over from splitting a wider block: free, nothing cached.
-            rest = pages[0]
-            span[rest] = tuple(pages) if len(pages) > 1 else None
+            rest = pages[used]
+            span[rest] = tuple(pages[used:]) if len(pages) - used > 1 else None
             ref[rest] = 0
             key[rest] = None
             free[rest] = None
