@@ -14,6 +14,7 @@ import torch
 
 from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
+from ..layers import backend
 from ..layers.batch import ForwardBatch, MambaBatch
 from ..layers.kv_buffers import KVBuffers
 from ..layers.paged_attention import AttentionMetadata, DecodeGroup, PrefillSegment, visible
@@ -164,9 +165,28 @@ class ModelRunner:
         write = np.array([w for _, w in states], dtype=np.int64)
         zero = np.array([r is None for r, _ in states])
         device = self.device
+        rows = np.nonzero(decode)[0]
+        if rows.size and backend.use_triton(self.buffers.pool):
+            return self._mamba_in_pool(read, write, zero, rows, np.nonzero(~decode)[0], steps, first_row)
         gathered = self.buffers.gather_states(torch.from_numpy(read).to(device),
                                               torch.from_numpy(zero).to(device) if zero.any() else None)
-        rows = np.nonzero(decode)[0]
         batch = MambaBatch(gathered, torch.from_numpy(rows).to(device), torch.from_numpy(first_row[rows]).to(device),
                            [(int(i), int(first_row[i]), steps[i].count) for i in np.nonzero(~decode)[0]])
         return batch, torch.from_numpy(write).to(device)
+
+    def _mamba_in_pool(self, read, write, zero, decodes, prefills, steps, first_row):
+        """Kernel path: the decode requests' states stay in the pool (the
+        kernels read and write their pages); only prefill rows are gathered
+        and written back."""
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        if prefills.size:
+            zeros = dev(zero[prefills]) if zero[prefills].any() else None
+            gathered = self.buffers.gather_states(dev(read[prefills]), zeros)
+        else:
+            gathered = torch.empty(0, read.shape[1] * self.buffers.page_size, dtype=torch.uint8, device=self.device)
+        batch = MambaBatch(gathered, dev(np.zeros(0, dtype=np.int64)), dev(first_row[decodes]),
+                           [(j, int(first_row[i]), steps[i].count) for j, i in enumerate(prefills)],
+                           decode_pages=(dev(read[decodes]), dev(write[decodes]), dev(zero[decodes])))
+        return batch, dev(write[prefills])

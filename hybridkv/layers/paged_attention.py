@@ -7,6 +7,10 @@ A layer's cache is a view `[num_pages, 2, block_size, kv_heads, head_dim]`
 span several pages; the layer reads the column of the block table that holds
 its pages (`column`).
 
+`store_kv` and `paged_attention` are what model code calls; on CUDA (or
+when forced) they hand over to hybridkv's Triton kernels (layers/backend.py
+decides, layers/triton_ops.py computes the same thing without gathering).
+
 Which keys a query at position i reads (DESIGN section 1):
   full            j <= i
   sliding window  i - W < j <= i
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import backend
 
 
 def visible(kind: str, window: int, chunk: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -69,10 +75,15 @@ class AttentionMetadata:
     store_offsets: torch.Tensor  # [tokens] slot within the page
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # The same metadata as kernel arguments, built on first use by a kernel
+    # backend and shared by the group's layers (layers/backend.py).
+    kernel_inputs: dict = field(default_factory=dict, repr=False)
 
 
 def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:
     """Write the step's new K/V rows (`[tokens, kv_heads, head_dim]`) at their slots."""
+    if backend.use_triton(cache):
+        return backend.store_kv(cache, k, v, meta, column)
     pages = meta.store_pages[column]
     cache[pages, 0, meta.store_offsets] = k.to(cache.dtype)
     cache[pages, 1, meta.store_offsets] = v.to(cache.dtype)
@@ -107,6 +118,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [tokens, q_heads, head_dim] -> [tokens, q_heads, head_dim]. The new
     K/V must already be stored (store_kv)."""
+    if backend.use_triton(cache):
+        return backend.paged_attention(q, cache, meta, column, scale, softcap)
     out = torch.empty_like(q)
     for group in meta.decodes:
         keys, values = _gather(cache, group.pages[column])  # [R, L, H, D]

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import backend
 from ..layers.batch import ForwardBatch
+from ..layers.kv_buffers import TORCH_DTYPES
 from ..layers.mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
 from ..layers.norm import RMSNorm
 from .base import CacheLayer, CausalLM
@@ -51,6 +53,21 @@ class JambaMamba(CacheLayer, nn.Module):
         dt = F.softplus(dt.float() + self.dt_proj.bias.float())
         return dt, self.b_layernorm(B), self.c_layernorm(C)
 
+    def _decode_in_pool(self, batch: ForwardBatch, x, gate, weight, A, D) -> torch.Tensor:
+        """One token per request with the Triton kernels, the states read and
+        written in the pool (layers/triton_ops.py); returns the gated y."""
+        ops = backend.kernels()
+        read, write, zero = batch.mamba[self.group].decode_pages
+        buffers = batch.buffers
+        view = buffers.layout.layer_views[self.layer_name]
+        spec = buffers.layout.groups[view.group].spec
+        (conv_at, ssm_at), (conv_dtype, ssm_dtype) = view.part_offsets, spec.dtypes
+        x = ops.mamba_conv_step(buffers.pool, read, write, zero, view.offset + conv_at, TORCH_DTYPES[conv_dtype], x,
+                                weight, self.conv1d.bias, silu=True)
+        dt, B, C = self._ssm_inputs(x)
+        return ops.mamba_ssm_step(buffers.pool, read, write, zero, view.offset + ssm_at, TORCH_DTYPES[ssm_dtype], x,
+                                  dt, A, B, C, D, gate)
+
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mb = batch.mamba[self.group]
         conv_state, ssm_state = batch.buffers.state_views(mb.states, self.layer_name)
@@ -60,7 +77,10 @@ class JambaMamba(CacheLayer, nn.Module):
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
         y_all = torch.empty(h.shape[0], self.inner, dtype=torch.float32, device=h.device)
-        if mb.decode_rows.numel():
+        if mb.decode_pages is not None and mb.decode_tokens.numel():
+            tokens = mb.decode_tokens
+            y_all[tokens] = self._decode_in_pool(batch, x_all[tokens], gate_all[tokens], weight, A, D)
+        elif mb.decode_rows.numel():
             rows, tokens = mb.decode_rows, mb.decode_tokens
             x, new_conv = causal_conv_step(x_all[tokens], conv_state[rows], weight, self.conv1d.bias)
             x = F.silu(x)

@@ -1,0 +1,364 @@
+"""Kernel timings: each Triton kernel's time, the bytes it must move and the
+bandwidth it reaches, beside the torch reference and (for decode attention)
+torch's scaled_dot_product_attention over the same K/V laid out
+contiguously.
+
+Shapes: Gemma-3-27B attention (32 query heads, 16 KV heads, head_dim 128,
+bfloat16, sliding window 1024; the pool's pages hold two layers, as the
+layout planner makes them), decode at batch 64 x 8K and x 32K; a prefill
+chunk of 2048 tokens after 6144 cached; the store of an 8192-token step; a
+Jamba-1.5-Mini Mamba layer's decode step (8192 channels, state 16, conv 4)
+at batch 64.
+
+Bandwidth is bytes that must move (K/V rows a query may see, states read
+and written, inputs and outputs) over the median time, against the
+device's nominal peak and against a measured device-to-device copy.
+
+    python benchmarks/kernels.py            # CUDA: writes benchmarks/results/kernels.json
+    python benchmarks/kernels.py --quick    # tiny shapes; without CUDA under triton's interpreter
+                                            # (checks the script and the numbers, times mean nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+QUICK = "--quick" in sys.argv
+if not torch.cuda.is_available() and QUICK:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from hybridkv.engine.runner import ModelRunner  # noqa: E402
+from hybridkv.layers import backend  # noqa: E402
+from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
+from hybridkv.layers.paged_attention import paged_attention  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
+# Nominal HBM bandwidth, GB/s (vendor figures).
+PEAKS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100": 3350, "H200": 4800, "A100-SXM4-80GB": 2039,
+         "A100-SXM4-40GB": 1555, "A100-PCIE": 1935}
+
+
+def nominal_peak(name: str) -> float | None:
+    for key, gbps in PEAKS.items():
+        if key in name:
+            return gbps
+    return None
+
+
+class Timer:
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, fn) -> float:
+        """Median seconds per call."""
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+        fn()  # the interpreter: one call, after a first one that traces
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+
+def copy_bandwidth(device, nbytes) -> float | None:
+    """GB/s of a device-to-device copy (read + write), a practical ceiling."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = Timer(device)(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / seconds / 1e9
+
+
+# -- attention -----------------------------------------------------------------
+class PagedLayer:
+    """One attention layer's cache in a pool whose pages hold
+    `layers_per_page` layers' blocks; requests' blocks on shuffled pages;
+    the runner's metadata for one step of (cached tokens, new tokens)."""
+
+    def __init__(self, device, step, kind, window, q_heads, kv_heads, dim, bs=16, layers_per_page=2,
+                 dtype=torch.bfloat16, seed=0):
+        rng = np.random.default_rng(seed)
+        self.step, self.kind, self.window, self.bs = step, kind, window, bs
+        blocks = [-(-(c + n) // bs) for c, n in step]
+        pages = 1 + sum(blocks)
+        layer_elems = 2 * bs * kv_heads * dim
+        pool = torch.empty(pages, layers_per_page * layer_elems, dtype=dtype, device=device)
+        self.cache = pool[:, :layer_elems].view(pages, 2, bs, kv_heads, dim)
+        self.cache.normal_()
+        order = rng.permutation(np.arange(1, pages))
+        self.tables, taken = [], 0
+        for nb in blocks:
+            self.tables.append(order[taken:taken + nb].tolist())
+            taken += nb
+        tokens = sum(n for _, n in step)
+        self.q = torch.randn(tokens, q_heads, dim, dtype=dtype, device=device)
+        counts = np.array([n for _, n in step])
+        starts = np.array([c for c, _ in step])
+        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        positions = np.arange(counts.sum()) - np.repeat(first_row, counts) + np.repeat(starts, counts)
+        spec = type("Spec", (), dict(kind=kind, sliding_window=window, chunk_size=0))
+        group = type("Group", (), dict(block_size=bs, pages_per_block=1, spec=spec))
+        runner = type("Runner", (), dict(device=device))
+        self.meta = ModelRunner._attention(runner, group, self.tables, np.repeat(np.arange(len(step)), counts),
+                                           positions, starts, counts, first_row, counts == 1)
+
+    def visible_keys(self) -> int:
+        """Keys read by the step: per request, from the first key its first
+        query sees to its last query."""
+        total = 0
+        for cached, count in self.step:
+            first = max(0, cached - self.window + 1) if self.kind == "sliding_window" else 0
+            total += cached + count - first
+        return total
+
+    def kv_bytes(self) -> int:
+        _, _, _, heads, dim = self.cache.shape
+        return self.visible_keys() * 2 * heads * dim * self.cache.element_size()
+
+    def attend(self, name, scale):
+        with backend.use_backend(name):
+            return paged_attention(self.q, self.cache, self.meta, 0, scale, None)
+
+    def contiguous(self, context):
+        """K and V of each request as [batch, kv_heads, context, dim] (the
+        SDPA baseline's layout), copied once, outside the timing."""
+        rows = torch.tensor([t[:context // self.bs] for t in self.tables], device=self.cache.device)
+        k = self.cache[rows, 0].flatten(1, 2).transpose(1, 2).contiguous()
+        v = self.cache[rows, 1].flatten(1, 2).transpose(1, 2).contiguous()
+        return k, v
+
+
+def decode_rows(args, device, timer, peak):
+    rows = []
+    q_heads, kv_heads, dim, window = (4, 2, 16, 48) if args.quick else (32, 16, 128, 1024)
+    scale = dim ** -0.5
+    contexts = [64, 160] if args.quick else [8192, 32768]
+    batch = 2 if args.quick else 64
+    for context in contexts:
+        for kind in ("full", "sliding_window"):
+            # Every request at the same length, so that SDPA needs no mask.
+            layer = PagedLayer(device, [(context - 1, 1)] * batch, kind, window, q_heads, kv_heads, dim,
+                               layers_per_page=1 if context > 8192 else 2)
+            ref = layer.attend("torch", scale)
+            out = layer.attend("triton", scale)
+            err = (out.float() - ref.float()).abs().max().item()
+            moved = layer.kv_bytes() + 2 * layer.q.numel() * layer.q.element_size()
+            t_kernel = timer(lambda: layer.attend("triton", scale))
+            t_torch = timer(lambda: layer.attend("torch", scale))
+            k, v = layer.contiguous(context)
+            if kind == "sliding_window":
+                k, v = k[:, :, -window:].contiguous(), v[:, :, -window:].contiguous()
+            q = layer.q.unsqueeze(2)  # [batch, q_heads, 1, dim]
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+            t_sdpa = timer(sdpa)
+            err_sdpa = (sdpa().squeeze(2).float() - ref.float()).abs().max().item()
+            del k, v
+            sweep = {}
+            rows_t, tables, q_pos, k_pos = layer.meta.kernel_inputs["decode"]
+            ops = backend.kernels()
+            out2 = torch.empty_like(layer.q)
+            configs = ([(16, 1, 4), (32, 2, 4)] if args.quick else
+                       [(n, s, w) for n in (32, 64, 128) for s in (1, 2, 4) for w in (4, 8)])
+            for block_n, splits, warps in configs:
+                def run():
+                    ops.paged_decode_attention(out2, layer.q, layer.cache, rows_t, tables[0], q_pos, k_pos,
+                                               kind=kind, window=window, scale=scale, block_n=block_n,
+                                               splits=splits, num_warps=warps)
+                run()
+                assert (out2.float() - ref.float()).abs().max().item() <= max(4 * err, 5e-2), "sweep config is wrong"
+                sweep[f"block_n={block_n} splits={splits} warps={warps}"] = timer(run) * 1e6
+            rows.append(dict(kernel="paged decode attention", kind=kind, shape=f"{batch} x {context}",
+                             seconds=t_kernel, bytes=moved, max_abs_err=err, torch_seconds=t_torch,
+                             sdpa_seconds=t_sdpa, sdpa_max_abs_err=err_sdpa, sweep_us=sweep,
+                             **bandwidth(moved, t_kernel, peak)))
+            del layer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_rows(args, device, timer, peak):
+    rows = []
+    q_heads, kv_heads, dim, window = (4, 2, 16, 48) if args.quick else (32, 16, 128, 1024)
+    cached, chunk = (96, 64) if args.quick else (6144, 2048)
+    scale = dim ** -0.5
+    for kind in ("full", "sliding_window"):
+        layer = PagedLayer(device, [(cached, chunk)], kind, window, q_heads, kv_heads, dim)
+        ref = layer.attend("torch", scale)
+        err = (layer.attend("triton", scale).float() - ref.float()).abs().max().item()
+        t_kernel = timer(lambda: layer.attend("triton", scale))
+        t_torch = timer(lambda: layer.attend("torch", scale))
+        # Score and value FLOPs of the visible (query, key) pairs.
+        pairs = sum(min(pos + 1, window) if kind == "sliding_window" else pos + 1
+                    for pos in range(cached, cached + chunk))
+        flops = 4 * pairs * q_heads * dim
+        moved = layer.kv_bytes() + 2 * layer.q.numel() * layer.q.element_size()
+        rows.append(dict(kernel="paged prefill attention", kind=kind, shape=f"{chunk} after {cached}",
+                         seconds=t_kernel, bytes=moved, max_abs_err=err, torch_seconds=t_torch,
+                         tflops=flops / t_kernel / 1e12, **bandwidth(moved, t_kernel, peak)))
+    return rows
+
+
+def store_rows(args, device, timer, peak):
+    rows = []
+    kv_heads, dim = (2, 16) if args.quick else (16, 128)
+    for tokens in ((16, 2) if args.quick else (8192, 64)):
+        layer = PagedLayer(device, [(0, tokens)], "full", 0, kv_heads, kv_heads, dim)
+        k = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16, device=device)
+        v = torch.randn_like(k)
+        slots = layer.meta.store_pages[0] * layer.bs + layer.meta.store_offsets
+        ops = backend.kernels()
+        ops.store_kv(layer.cache, k, v, slots)
+        err = max((layer.cache[layer.meta.store_pages[0], 0, layer.meta.store_offsets] - k).abs().max().item(),
+                  (layer.cache[layer.meta.store_pages[0], 1, layer.meta.store_offsets] - v).abs().max().item())
+        t_kernel = timer(lambda: ops.store_kv(layer.cache, k, v, slots))
+
+        def torch_store():
+            layer.cache[layer.meta.store_pages[0], 0, layer.meta.store_offsets] = k
+            layer.cache[layer.meta.store_pages[0], 1, layer.meta.store_offsets] = v
+
+        t_torch = timer(torch_store)
+        moved = 2 * (k.numel() + v.numel()) * k.element_size() + slots.numel() * 8  # read + write
+        rows.append(dict(kernel="store K/V", kind="-", shape=f"{tokens} tokens", seconds=t_kernel, bytes=moved,
+                         max_abs_err=err, torch_seconds=t_torch, **bandwidth(moved, t_kernel, peak)))
+    return rows
+
+
+def mamba_rows(args, device, timer, peak):
+    """Jamba-1.5-Mini: d_inner 8192, d_state 16, d_conv 4, conv state
+    bfloat16, SSM state float32; state blocks of whole pages, as planned."""
+    batch, I, N, K = (4, 32, 8, 4) if args.quick else (64, 8192, 16, 4)
+    page = 4096 if args.quick else 128 << 10
+    conv_bytes, ssm_bytes = I * (K - 1) * 2, I * N * 4
+    conv_at = 16
+    ssm_at = conv_at + -(-conv_bytes // 16) * 16
+    width = -(-(ssm_at + ssm_bytes) // page)
+    pool = torch.zeros(1 + 2 * batch * width, page, dtype=torch.uint8, device=device)
+    ids = 1 + torch.randperm(2 * batch * width, device=device).view(2 * batch, width)
+    read, write = ids[:batch], ids[batch:]
+    zero = torch.zeros(batch, dtype=torch.bool, device=device)
+    flat = pool[read].view(batch, -1)
+    flat[:, conv_at:conv_at + conv_bytes].view(torch.bfloat16).normal_()
+    flat[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).normal_()
+    pool[read] = flat.view(batch, width, page)
+    x = torch.randn(batch, I, dtype=torch.bfloat16, device=device)
+    gate = torch.randn(batch, I, device=device)
+    weight = torch.randn(I, K, dtype=torch.bfloat16, device=device)
+    bias = torch.randn(I, dtype=torch.bfloat16, device=device)
+    dt = F.softplus(torch.randn(batch, I, device=device))
+    A = -torch.exp(torch.randn(I, N, device=device))
+    B, C, D = torch.randn(batch, N, device=device), torch.randn(batch, N, device=device), torch.randn(I, device=device)
+    ops = backend.kernels()
+
+    def conv():
+        return ops.mamba_conv_step(pool, read, write, zero, conv_at, torch.bfloat16, x, weight, bias, silu=True)
+
+    def ssm(xc):
+        return ops.mamba_ssm_step(pool, read, write, zero, ssm_at, torch.float32, xc, dt, A, B, C, D, gate)
+
+    def reference():
+        """The torch path: gather, conv + scan steps, scatter."""
+        states = pool[read].reshape(batch, -1)
+        conv_state = states[:, conv_at:conv_at + conv_bytes].view(torch.bfloat16).view(batch, I, K - 1)
+        ssm_state = states[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).view(batch, I, N)
+        xc, new_conv = causal_conv_step(x, conv_state, weight, bias)
+        xc = F.silu(xc)
+        y, new_ssm = selective_scan_step(xc, dt, A, B, C, ssm_state)
+        conv_state.copy_(new_conv)
+        ssm_state.copy_(new_ssm)
+        pool[write] = states.view(batch, width, page)
+        return xc, (y + xc.float() * D) * F.silu(gate)
+
+    before = pool.clone()
+    ref_x, ref_y = reference()
+    pool.copy_(before)
+    xc = conv()
+    y = ssm(xc)
+    err_x = (xc.float() - ref_x.float()).abs().max().item()
+    err_y = (y - ref_y).abs().max().item()
+    t_conv = timer(conv)
+    t_ssm = timer(lambda: ssm(xc))
+    t_torch = timer(reference)
+    conv_moved = 2 * batch * conv_bytes + 2 * x.numel() * 2 + weight.numel() * 2 + bias.numel() * 2
+    ssm_moved = (2 * batch * ssm_bytes + A.numel() * 4 + (xc.numel() * 2) + (dt.numel() + gate.numel() + y.numel()) * 4
+                 + (B.numel() + C.numel()) * 4 + D.numel() * 4)
+    shape = f"{batch} x {I} ch"
+    return [dict(kernel="mamba conv step", kind="-", shape=shape, seconds=t_conv, bytes=conv_moved, max_abs_err=err_x,
+                 torch_seconds=t_torch, **bandwidth(conv_moved, t_conv, peak)),
+            dict(kernel="mamba ssm step", kind="-", shape=shape, seconds=t_ssm, bytes=ssm_moved, max_abs_err=err_y,
+                 torch_seconds=t_torch, **bandwidth(ssm_moved, t_ssm, peak))]
+
+
+def bandwidth(moved, seconds, peak):
+    gbps = moved / seconds / 1e9
+    return dict(gbps=gbps, peak_fraction=gbps / peak if peak else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU: triton's interpreter)")
+    parser.add_argument("--out", default=None, help=f"JSON output (default on CUDA: {RESULTS})")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print("benchmarks/kernels.py needs CUDA (the kernels' timings mean nothing on the CPU interpreter); "
+              "run with --quick for a smoke run of the script under the interpreter.")
+        return
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name(device) if cuda else "CPU (triton interpreter)"
+    peak = nominal_peak(name) if cuda else None
+    timer = Timer(device)
+    torch.manual_seed(0)
+    copy = copy_bandwidth(device, 4 << 30) if not args.quick else None
+    rows = (decode_rows(args, device, timer, peak) + prefill_rows(args, device, timer, peak)
+            + store_rows(args, device, timer, peak) + mamba_rows(args, device, timer, peak))
+
+    print(f"device: {name}; nominal peak {peak or '?'} GB/s; measured copy "
+          f"{f'{copy:.0f}' if copy else '-'} GB/s; torch {torch.__version__}")
+    print(f"{'kernel':<24} {'kind':<15} {'shape':<16} {'time us':>10} {'MB moved':>9} {'GB/s':>8} {'% peak':>7} "
+          f"{'torch ref us':>12} {'SDPA us':>9} {'max err':>9}")
+    for r in rows:
+        frac = f"{100 * r['peak_fraction']:.0f}%" if r["peak_fraction"] else "-"
+        sdpa = f"{r['sdpa_seconds'] * 1e6:.1f}" if "sdpa_seconds" in r else "-"
+        print(f"{r['kernel']:<24} {r['kind']:<15} {r['shape']:<16} {r['seconds'] * 1e6:>10.1f} "
+              f"{r['bytes'] / 1e6:>9.1f} {r['gbps']:>8.1f} {frac:>7} {r['torch_seconds'] * 1e6:>12.1f} {sdpa:>9} "
+              f"{r['max_abs_err']:>9.2e}")
+        if r.get("tflops"):
+            print(f"{'':<24} {'':<15} {'':<16} {r['tflops']:>10.1f} TFLOP/s")
+    sweeps = [r for r in rows if r.get("sweep_us")]
+    if sweeps:
+        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: 64, heuristic, 4)")
+        for r in sweeps:
+            best = min(r["sweep_us"], key=r["sweep_us"].get)
+            us = r["sweep_us"][best]
+            print(f"  {r['kind']:<15} {r['shape']:<12} {best:<32} {us:>9.1f} us {r['bytes'] / us / 1e3:>8.1f} GB/s")
+    out = args.out or (RESULTS if cuda and not args.quick else None)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, triton=__import__("triton").__version__,
+                           nominal_peak_gbps=peak, copy_gbps=copy, quick=args.quick, rows=rows), f, indent=1)
+        print(f"wrote {out}")
+    else:
+        print("(not written: --quick; pass --out to keep it)")
+
+
+if __name__ == "__main__":
+    main()

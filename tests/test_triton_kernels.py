@@ -1,0 +1,553 @@
+"""hybridkv's Triton kernels (layers/triton_ops.py) against the torch
+reference: K/V store, paged attention (decode, prefill, mixed steps) for
+every attention type, the Mamba decode step, and the engine with the
+kernels switched on.
+
+Without a GPU (CI) they run on CPU under triton's interpreter with tiny
+shapes (it runs every program in Python); they skip only when triton is
+not installed. With CUDA they run compiled on the GPU, together with the
+real-size tests at the end (Gemma-3-27B's attention at 8K and 32K, batch
+64; a Jamba-1.5-Mini Mamba layer).
+
+The interpreter must be switched on before the kernels are decorated, so
+TRITON_INTERPRET is set here, before hybridkv.layers.triton_ops is imported
+(nothing else imports it: layers/backend.py imports it on first use).
+
+Cache slots no query may read hold NaN, and so does the null page: a kernel
+that loads one of them (a key outside the window, a released block,
+padding) gets NaN in its output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from hybridkv import Engine, SamplingParams  # noqa: E402
+from hybridkv.core import plan_layout  # noqa: E402
+from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
+from hybridkv.engine.runner import ModelRunner  # noqa: E402
+from hybridkv.layers import backend  # noqa: E402
+from hybridkv.layers import triton_ops as ops  # noqa: E402
+from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
+from hybridkv.layers.paged_attention import paged_attention, store_kv  # noqa: E402
+from oracle import model_dir  # noqa: E402
+
+MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+KINDS = {"full": "full", "sliding": "sliding_window", "chunked": "chunked_local"}
+# (atol, rtol): float32 differs from the reference only by summation order.
+TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="real sizes: CUDA only (the interpreter would take hours)")
+
+
+def test_kernels_run_compiled_on_cuda_or_under_the_interpreter():
+    assert ops.INTERPRETED == (DEVICE == "cpu"), (
+        "hybridkv.layers.triton_ops was imported before this module chose TRITON_INTERPRET")
+
+
+def layer_cache(pages, bs, kv_heads, dim, dtype, layers_per_page=2):
+    """The last of `layers_per_page` layers sharing each page (plus 16
+    spare bytes), viewed as KVBuffers views it: strided, never contiguous."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    layer_bytes = 2 * bs * kv_heads * dim * item
+    pool = torch.zeros(pages, layers_per_page * layer_bytes + 16, dtype=torch.uint8, device=DEVICE)
+    start = (layers_per_page - 1) * layer_bytes
+    return pool[:, start:start + layer_bytes].view(dtype).view(pages, 2, bs, kv_heads, dim)
+
+
+def first_visible(kind, window, chunk, pos):
+    if kind == "sliding_window":
+        return max(0, pos - window + 1)
+    if kind == "chunked_local":
+        return pos // chunk * chunk
+    return 0
+
+
+def ints(values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+# -- store -----------------------------------------------------------------------
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_rows_at_their_slots_and_skips_padding(bs, dtype):
+    torch.manual_seed(bs)
+    kv_heads, dim, tokens = 3, 24, 9
+    cache = layer_cache(6, bs, kv_heads, dim, dtype)
+    k = torch.randn(tokens, 2 * kv_heads, dim).to(DEVICE, dtype)[:, ::2]  # strided input rows
+    v = torch.randn(tokens, kv_heads, dim).to(DEVICE, dtype)
+    slots = ints([1 * bs + 0, -1, 2 * bs + bs - 1, 5 * bs + 3, -1, 3 * bs + 7, 4 * bs, 1 * bs + 1, -1])
+    expected = cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // bs, 0, slot % bs] = k[t]
+            expected[slot // bs, 1, slot % bs] = v[t]
+    ops.store_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)  # the null page and padding rows' slots untouched too
+
+
+def test_store_converts_float32_rows_to_a_bfloat16_cache():
+    # The interpreter rounds float32 -> bfloat16 toward zero (a GPU rounds to
+    # nearest even): equal to the reference within one bfloat16 step.
+    cache = layer_cache(4, 16, 2, 16, torch.bfloat16)
+    k, v = torch.randn(5, 2, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
+    slots = ints([17, 18, -1, 35, 63])
+    ops.store_kv(cache, k, v, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for i, rows in enumerate((k, v)):
+                torch.testing.assert_close(cache[slot // 16, i, slot % 16].float(), rows[t], atol=0, rtol=2 ** -7)
+
+
+# -- paged attention -----------------------------------------------------------
+# A mixed step: prefill chunks (one fresh, one continuing after cached tokens
+# across block and chunk boundaries) and decodes (long past the window, at
+# the first slot of a block, the very first token).
+STEP = [(0, 9), (37, 21), (70, 1), (32, 1), (0, 1)]
+
+
+class AttentionCase:
+    """Requests with `cached` tokens and `count` new ones in one step, their
+    blocks on random pages (`width` pages per block, this layer in column
+    `column`), blocks the layer has released replaced by the null page.
+
+    poison=True (small cases): every slot holds NaN except the keys some
+    query of the step may read. poison=False (real sizes): random values
+    everywhere, NaN in the null page only."""
+
+    def __init__(self, kind, window, chunk, bs, group, dtype, dim=16, q_heads=4, width=1, column=0, seed=0,
+                 step=STEP, layers_per_page=2, poison=True):
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.kind, self.window, self.chunk, self.bs = kind, window, chunk, bs
+        self.step, self.width, self.column, self.dtype, self.poison = step, width, column, dtype, poison
+        kv_heads = q_heads // group
+        blocks = [-(-(cached + count) // bs) for cached, count in step]
+        self.cache = layer_cache(1 + sum(blocks) * width + 3, bs, kv_heads, dim, dtype, layers_per_page)
+        if poison:
+            self.cache.fill_(float("nan"))
+        else:
+            self.cache.normal_(generator=torch.Generator(DEVICE).manual_seed(seed))
+            self.cache[0] = float("nan")
+        free = rng.permutation(np.arange(1, self.cache.shape[0]))
+        self.tables, taken = [], 0  # per request: width page ids per block, flattened
+        for (cached, count), nb in zip(step, blocks):
+            pages = free[taken:taken + nb * width].reshape(nb, width).copy()
+            taken += nb * width
+            live = first_visible(kind, window, chunk, cached)
+            pages[(np.arange(nb) + 1) * bs <= live] = 0  # released blocks
+            self.tables.append(pages.reshape(-1).tolist())
+            if poison:
+                for pos in range(live, cached + count):
+                    page = int(pages[pos // bs, column])
+                    self.cache[page, :, pos % bs] = torch.randn(2, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+        tokens = sum(count for _, count in step)
+        self.q = torch.randn(tokens, q_heads, dim, generator=gen).to(DEVICE, dtype)
+        self.meta = self._metadata()
+
+    def _metadata(self):
+        """What the runner builds for this step (ModelRunner._attention)."""
+        counts = np.array([c for _, c in self.step])
+        starts = np.array([s for s, _ in self.step])
+        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        req_of_token = np.repeat(np.arange(len(self.step)), counts)
+        positions = np.arange(counts.sum()) - np.repeat(first_row, counts) + np.repeat(starts, counts)
+        spec = type("Spec", (), dict(kind=self.kind, sliding_window=self.window, chunk_size=self.chunk))
+        group = type("Group", (), dict(block_size=self.bs, pages_per_block=self.width, spec=spec))
+        runner = type("Runner", (), dict(device=torch.device(DEVICE)))
+        return ModelRunner._attention(runner, group, self.tables, req_of_token, positions, starts, counts,
+                                      first_row, counts == 1)
+
+    def reference(self, scale, softcap):
+        """The torch reference, NaNs zeroed (it multiplies the masked keys'
+        values by a zero weight, so it must not see NaN)."""
+        with backend.use_backend("torch"):
+            if self.poison:  # a clean copy (small)
+                return paged_attention(self.q, self.cache.nan_to_num(0.0), self.meta, self.column, scale,
+                                       softcap).float()
+            self.cache[0] = 0.0
+            try:
+                return paged_attention(self.q, self.cache, self.meta, self.column, scale, softcap).float()
+            finally:
+                self.cache[0] = float("nan")
+
+    def full_tables(self, rows):
+        """This layer's column of whole block tables (released blocks are the
+        null page), padded with the null page, from key position 0."""
+        cols = [t[self.column::self.width] for t in (self.tables[i] for i in rows)]
+        width = max(len(c) for c in cols)
+        return ints([c + [0] * (width - len(c)) for c in cols])
+
+
+CASES = [("full", 0), ("sliding", 5), ("sliding", 23), ("sliding", 40), ("chunked", 24), ("chunked", 48)]
+
+
+def check_attention(case, scale, softcap, splits=1, direct=True):
+    ref = case.reference(scale, softcap)
+    atol, rtol = TOL[case.dtype]
+    # 1. Through the dispatch, on the runner's metadata.
+    with backend.use_backend("triton"):
+        out = paged_attention(case.q, case.cache, case.meta, case.column, scale, softcap)
+    assert out.dtype == case.q.dtype
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    if not direct:
+        return
+    # 2. The kernels on whole block tables that start with released (null) blocks.
+    out = torch.full_like(case.q, float("nan"))
+    decode = [i for i, (_, count) in enumerate(case.step) if count == 1]
+    prefill = [i for i, (_, count) in enumerate(case.step) if count > 1]
+    rows = np.concatenate(([0], np.cumsum([c for _, c in case.step])[:-1]))
+    common = dict(kind=case.kind, window=case.window, chunk=case.chunk, scale=scale, softcap=softcap)
+    if decode:
+        ops.paged_decode_attention(out, case.q, case.cache, ints(rows[decode]), case.full_tables(decode),
+                                   ints([case.step[i][0] for i in decode]), ints([0] * len(decode)),
+                                   splits=splits, block_n=16, **common)
+    if prefill:
+        ops.paged_prefill_attention(out, case.q, case.cache, ints(rows[prefill]),
+                                    ints([case.step[i][1] for i in prefill]), case.full_tables(prefill),
+                                    ints([case.step[i][0] for i in prefill]), ints([0] * len(prefill)),
+                                    max_length=max(case.step[i][1] for i in prefill), block_m=16, block_n=32,
+                                    **common)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("kind,size", CASES)
+def test_paged_attention_matches_the_reference_float32(kind, size, bs, group):
+    # Windows smaller than a block, larger and not a multiple of it; chunks
+    # of one and several blocks; GQA ratios 1/2/4; key splits in the direct run.
+    case = AttentionCase(KINDS[kind], size, size, bs, group, torch.float32, seed=bs + group)
+    check_attention(case, scale=0.3, softcap=None, splits=1 + group // 2)
+
+
+@pytest.mark.parametrize("kind,size", CASES)
+def test_paged_attention_matches_the_reference_bfloat16(kind, size):
+    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.bfloat16, seed=7)
+    check_attention(case, scale=0.3, softcap=None, splits=2)
+
+
+@pytest.mark.parametrize("kind,size", [("sliding", 23), ("full", 0)])
+def test_soft_capped_attention_matches_the_reference(kind, size):
+    # Gemma-2's logit soft-cap (and Gemma-3's query_pre_attn_scalar scale);
+    # large scores so that the cap really bends them.
+    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.float32, seed=3)
+    check_attention(case, scale=2.0, softcap=5.0, splits=2)
+
+
+def test_a_layer_in_a_later_column_of_multi_page_blocks():
+    # A group whose block spans 3 pages; the layer reads column 2.
+    case = AttentionCase("sliding_window", 23, 0, 16, 2, torch.float32, width=3, column=2, seed=11)
+    check_attention(case, scale=0.25, softcap=None)
+
+
+def test_head_dim_not_a_power_of_two():
+    case = AttentionCase("full", 0, 0, 16, 4, torch.float32, dim=24, seed=5, step=[(0, 5), (20, 1), (41, 1)])
+    check_attention(case, scale=24 ** -0.5, softcap=None)
+
+
+def test_store_through_the_dispatch_matches_the_reference():
+    case = AttentionCase("full", 0, 0, 16, 2, torch.float32, width=2, column=1, seed=2)
+    cache = case.cache.nan_to_num(0.0)
+    tokens, heads, dim = case.q.shape[0], cache.shape[3], cache.shape[4]
+    k, v = torch.randn(tokens, heads, dim, device=DEVICE), torch.randn(tokens, heads, dim, device=DEVICE)
+    expected = cache.clone()
+    with backend.use_backend("torch"):
+        store_kv(expected, k, v, case.meta, case.column)
+    with backend.use_backend("triton"):
+        store_kv(cache, k, v, case.meta, case.column)
+    assert torch.equal(cache, expected)
+
+
+# -- Mamba decode step ---------------------------------------------------------
+class MambaCase:
+    """Four requests' states of a Mamba group (`width` pages per state
+    block, this layer's conv and SSM parts at byte offsets that straddle
+    pages). Rows: 0 updates in place, 1 reads one block and writes another
+    (a checkpoint), 2 has no state yet (its read pages are the null page),
+    3 in place again."""
+
+    def __init__(self, conv_dtype, x_dtype, seed=0, channels=20, conv_width=4, state=8, page=64, width=16,
+                 conv_offset=64, ssm_offset=None):
+        gen = torch.Generator().manual_seed(seed)
+        I, K, N = channels, conv_width, state
+        self.channels, self.conv_width, self.state, self.page, self.width = I, K, N, page, width
+        conv_bytes = I * (K - 1) * torch.empty(0, dtype=conv_dtype).element_size()
+        self.conv_offset = conv_offset
+        self.ssm_offset = ssm_offset or conv_offset + -(-conv_bytes // 16) * 16
+        assert self.ssm_offset + I * N * 4 <= page * width
+        self.conv_dtype = conv_dtype
+        pages = 1 + 5 * width
+        self.pool = torch.randint(0, 256, (pages, page), dtype=torch.uint8, generator=gen).to(DEVICE)
+        ids = (torch.randperm(pages - 1, generator=gen)[:5 * width].view(5, width) + 1).to(DEVICE)
+        self.read = torch.stack([ids[0], ids[1], torch.zeros_like(ids[0]), ids[3]])
+        self.write = torch.stack([ids[0], ids[2], ids[4], ids[3]])
+        self.zero = torch.tensor([False, False, True, False], device=DEVICE)
+        # Finite states where they are read (the random bytes elsewhere stay).
+        flat = self.pool[self.read].reshape(4, -1)
+        conv, ssm = self.views(flat)
+        conv.copy_(torch.randn(conv.shape, generator=gen).to(conv_dtype))
+        ssm.copy_(torch.randn(ssm.shape, generator=gen))
+        for r in (0, 1, 3):
+            self.pool[self.read[r]] = flat[r].view(width, page)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(DEVICE)
+
+        self.x = randn(4, I).to(x_dtype)
+        self.weight, self.bias = randn(I, K).to(x_dtype), randn(I).to(x_dtype)
+        self.dt, self.A = F.softplus(randn(4, I)), -torch.exp(randn(I, N))
+        self.B, self.C, self.D, self.gate = randn(4, N), randn(4, N), randn(I), randn(4, I)
+
+    def views(self, flat):
+        I, K, N = self.channels, self.conv_width, self.state
+        conv_bytes = I * (K - 1) * torch.empty(0, dtype=self.conv_dtype).element_size()
+        conv = flat[:, self.conv_offset:self.conv_offset + conv_bytes].view(self.conv_dtype).view(-1, I, K - 1)
+        ssm = flat[:, self.ssm_offset:self.ssm_offset + I * N * 4].view(torch.float32).view(-1, I, N)
+        return conv, ssm
+
+    def states(self, pages, zero):
+        """Conv and SSM states of each row as the torch path gathers them."""
+        flat = self.pool[pages].reshape(pages.shape[0], -1).clone()
+        flat[zero] = 0
+        return self.views(flat)
+
+
+def check_mamba_step(case, x_dtype):
+    conv0, ssm0 = case.states(case.read, case.zero)
+    ref_x, ref_conv = causal_conv_step(case.x, conv0, case.weight, case.bias)
+    ref_x = F.silu(ref_x)
+    ref_y, ref_ssm = selective_scan_step(ref_x, case.dt, case.A, case.B, case.C, ssm0)
+    ref_y = (ref_y + ref_x.float() * case.D) * F.silu(case.gate)
+    written = set(case.write.reshape(-1).tolist())
+    untouched = [p for p in range(case.pool.shape[0]) if p not in written]
+    before = case.pool.clone()
+
+    x = ops.mamba_conv_step(case.pool, case.read, case.write, case.zero, case.conv_offset, case.conv_dtype, case.x,
+                            case.weight, case.bias, silu=True)
+    y = ops.mamba_ssm_step(case.pool, case.read, case.write, case.zero, case.ssm_offset, torch.float32, x,
+                           case.dt, case.A, case.B, case.C, case.D, case.gate)
+
+    atol, rtol = TOL[x_dtype]
+    torch.testing.assert_close(x.float(), ref_x.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(y, ref_y, atol=atol * 5, rtol=rtol)
+    conv1, ssm1 = case.states(case.write, torch.zeros_like(case.zero))
+    torch.testing.assert_close(conv1.float(), ref_conv.to(case.conv_dtype).float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(ssm1, ref_ssm, atol=atol * 5, rtol=rtol)
+    assert torch.equal(case.pool[untouched], before[untouched]), "a page outside the write blocks changed"
+    # Only this layer's parts of the write blocks changed (other layers' bytes stay).
+    flat_before = before[case.write].reshape(4, -1)
+    flat_after = case.pool[case.write].reshape(4, -1)
+    parts = torch.zeros(flat_after.shape[1], dtype=torch.bool, device=DEVICE)
+    parts[case.conv_offset:case.conv_offset + conv1[0].numel() * conv1.element_size()] = True
+    parts[case.ssm_offset:case.ssm_offset + ssm1[0].numel() * 4] = True
+    assert torch.equal(flat_after[:, ~parts], flat_before[:, ~parts])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_decode_step_updates_states_in_place_like_the_reference(dtype):
+    check_mamba_step(MambaCase(dtype, dtype), dtype)
+
+
+def test_mamba_step_without_bias_D_or_gate():
+    case = MambaCase(torch.float32, torch.float32, seed=4)
+    conv0, ssm0 = case.states(case.read, case.zero)
+    ref_x, _ = causal_conv_step(case.x, conv0, case.weight, None)
+    ref_y, _ = selective_scan_step(ref_x, case.dt, case.A, case.B, case.C, ssm0)
+    x = ops.mamba_conv_step(case.pool, case.read, case.write, case.zero, case.conv_offset, torch.float32, case.x,
+                            case.weight, None, silu=False)
+    y = ops.mamba_ssm_step(case.pool, case.read, case.write, case.zero, case.ssm_offset, torch.float32, x,
+                           case.dt, case.A, case.B, case.C)
+    torch.testing.assert_close(x, ref_x, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-5)
+
+
+# -- the engine with the kernels -------------------------------------------------
+@pytest.mark.parametrize("family", ["gemma3", "jamba"])
+def test_engine_with_triton_kernels_generates_the_reference_tokens(tmp_path_factory, family):
+    # Block size 4 and 8 tokens a step: a prompt prefilled in two chunks, a
+    # mixed step (a chunk beside a whole prompt), a one-token prompt (a
+    # decode from the zero Mamba state), decodes past Gemma-3's window of 8
+    # and across Jamba's block boundaries (rolling checkpoints: states read
+    # from one block and written to another), all through the kernels: the
+    # same greedy tokens as the torch reference.
+    path = model_dir(tmp_path_factory, family)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[(5 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 5, 1))]
+
+    def generate(name):
+        with backend.use_backend(name):
+            engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, device=DEVICE,
+                            progress=False)
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+            return [o.outputs[0].token_ids for o in outs]
+
+    assert generate("triton") == generate("torch")
+
+
+def test_backend_switch_auto_is_the_reference_on_cpu_and_triton_there_needs_the_interpreter(monkeypatch):
+    with backend.use_backend("auto"):
+        assert not backend.use_triton(torch.zeros(1))
+        assert backend.use_triton(torch.zeros(1, device="cuda")) if DEVICE == "cuda" else True
+    with backend.use_backend("torch"):
+        assert not backend.use_triton(torch.zeros(1, device=DEVICE))
+    with backend.use_backend("triton"):
+        assert backend.use_triton(torch.zeros(1, device=DEVICE))
+        monkeypatch.setattr(ops, "INTERPRETED", False)
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            backend.use_triton(torch.zeros(1))
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        backend.set_backend("cuda")
+
+
+# -- compiled for an H100, without one -------------------------------------------
+# Under the interpreter nothing is compiled. This compiles every kernel for
+# sm_90a (triton's own compiler and the ptxas it ships, no GPU needed) with
+# the specialisation a launch on Gemma-3-27B / Jamba shapes gets (an int of
+# 1 becomes a constant, multiples of 16 and pointers are marked divisible by
+# 16), in a fresh process: the kernels must be imported without the interpreter.
+AOT = r"""
+import os, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridkv.layers import triton_ops as ops
+
+def compile(fn, args, consts, **options):
+    signature, attrs, consts = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        value = args.get(name)
+        if name in consts:
+            signature[name] = "constexpr"
+        elif isinstance(value, str):
+            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            signature[name], consts[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+H, G, D, BS = 16, 2, 128, 16  # Gemma-3-27B: 16 KV heads, 2 query heads each, head_dim 128
+for dt in ("bf16", "fp32"):
+    p = "*" + dt
+    prec = "ieee" if dt == "fp32" else "tf32"
+    strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
+    qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
+    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", qpos_ptr="*i64", kpos_ptr="*i64", scale=0.1,
+                  softcap=0.0, window=1024, chunk=8192, max_blocks=512, **qo, **strides)
+    for kind, splits in ((0, 1), (1, 4), (2, 2)):
+        compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
+                part_l_ptr="*fp32"), dict(KIND=kind, HAS_SOFTCAP=kind == 1, BLOCK_SIZE=BS, GROUP=G, GROUP_PAD=16,
+                HEAD_DIM=D, DIM_PAD=D, BLOCK_N=64, SPLITS=splits, PRECISION=prec))
+    for kind in (0, 1, 2):
+        compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64"),
+                dict(KIND=kind, HAS_SOFTCAP=kind == 2, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
+                     BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec),
+                num_warps=4 if dt == "fp32" else 8)
+    compile(ops._combine_splits_kernel, dict(out_ptr=p, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
+            part_l_ptr="*fp32", s_ot=H * G * D, s_oh=D, s_od=1, num_q_heads=H * G),
+            dict(HEAD_DIM=D, DIM_PAD=D, SPLITS=4, SPLITS_PAD=4))
+    compile(ops._store_kv_kernel, dict(k_ptr=p, v_ptr=p, cache_ptr=p, slot_ptr="*i64", s_kt=H * D, s_kh=D, s_kd=1,
+            s_vt=H * D, s_vh=D, s_vd=1, num_heads=H, **strides), dict(BLOCK_SIZE=BS, HEAD_DIM=D, HEADS_TILE=16,
+            DIM_PAD=D))
+I, N = 8192, 16  # Jamba-1.5-Mini's Mamba layer
+pages = dict(read_ptr="*i64", write_ptr="*i64", zero_ptr="*i8", base=1000, page_elems=65536, channels=I,
+             s_rr=123, s_rw=1, s_wr=123, s_ww=1)
+compile(ops._conv_step_kernel, dict(x_ptr="*bf16", y_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", pool_ptr="*bf16",
+        s_xr=I, s_xi=1, s_yr=I, s_yi=1, s_wi=4, s_wk=1, **pages),
+        dict(WIDTH=4, WIDTH_PAD=4, BLOCK_I=128, HAS_BIAS=True, SILU=True))
+compile(ops._ssm_step_kernel, dict(x_ptr="*bf16", dt_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32",
+        d_ptr="*fp32", gate_ptr="*fp32", y_ptr="*fp32", pool_ptr="*fp32", s_xr=I, s_xi=1, s_dtr=I, s_dti=1, s_ai=N,
+        s_an=1, s_br=N, s_bn=1, s_cr=N, s_cn=1, s_gr=I, s_gi=1, s_yr=I, s_yi=1, **pages),
+        dict(STATE=N, STATE_PAD=N, BLOCK_I=128, HAS_D=True, HAS_GATE=True))
+print("compiled")
+"""
+
+
+def _nvidia_compiler_available():
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _nvidia_compiler_available(), reason="this triton build has no NVIDIA compiler backend")
+def test_every_kernel_compiles_for_an_h100():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9 warns when unset
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+# -- real sizes, on a GPU ----------------------------------------------------------
+GEMMA3_27B = dict(q_heads=32, group=2, dim=128, scale=168 ** -0.5, window=1024)  # models/gemma-3-27b.json
+
+
+def real_size_step(context, batch, seed=0):
+    """`batch` decodes whose positions spread over the last 512 of `context`."""
+    rng = np.random.default_rng(seed)
+    return [(int(context - 1 - rng.integers(0, 512)), 1) for _ in range(batch)]
+
+
+@gpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [8192, 32768])
+@pytest.mark.parametrize("kind", ["full", "sliding_window"])
+def test_real_size_gemma3_27b_decode_batch_64(context, kind):
+    g = GEMMA3_27B
+    case = AttentionCase(kind, g["window"], 0, 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
+                         step=real_size_step(context, 64), layers_per_page=2 if context <= 8192 else 1,
+                         poison=False)
+    check_attention(case, scale=g["scale"], softcap=None, direct=False)
+
+
+@gpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full", "sliding_window"])
+def test_real_size_gemma3_27b_mixed_prefill_and_decodes(kind):
+    # A 2048-token chunk after 6144 cached tokens, beside 32 decodes at 8K.
+    g = GEMMA3_27B
+    step = [(6144, 2048)] + real_size_step(8192, 32, seed=1)
+    case = AttentionCase(kind, g["window"], 0, 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
+                         step=step, poison=False)
+    check_attention(case, scale=g["scale"], softcap=None, direct=False)
+
+
+@gpu_only
+@pytest.mark.slow
+def test_real_size_jamba_1_5_mini_mamba_decode_step():
+    # The layout's own page size and the offsets of a middle Mamba layer.
+    specs = specs_from_config(load_config(os.path.join(MODELS, "jamba-1.5-mini.json")), dtype="bfloat16")
+    layout = plan_layout(specs, 8 << 30, block_size=16)
+    name = sorted(n for n, v in layout.layer_views.items() if layout.groups[v.group].kind == "mamba")[13]
+    view = layout.layer_views[name]
+    group = layout.groups[view.group]
+    (conv_shape, ssm_shape) = group.spec.shapes
+    case = MambaCase(torch.bfloat16, torch.bfloat16, channels=conv_shape[0], conv_width=conv_shape[1] + 1,
+                     state=ssm_shape[1], page=layout.page_size_bytes, width=group.pages_per_block,
+                     conv_offset=view.offset + view.part_offsets[0], ssm_offset=view.offset + view.part_offsets[1])
+    check_mamba_step(case, torch.bfloat16)
