@@ -22,9 +22,29 @@ from ..modeling.base import CausalLM
 from .scheduler import Scheduled
 
 
-# Decode queries attended together; bigger groups mean fewer calls, smaller
-# ones less padding read when lengths differ (measured on CPU: 16 is best).
+# Decode queries attended together: bigger groups mean fewer calls, smaller
+# ones less padding read when lengths differ. Split a group in two (at most
+# DECODE_GROUP queries apart) only where it would read over PADDING_LIMIT
+# times the blocks its queries need.
 DECODE_GROUP = 16
+PADDING_LIMIT = 1.25
+
+
+def decode_groups(lengths: np.ndarray) -> list[np.ndarray]:
+    """Indices of `lengths` (blocks each query reads), shortest first, in
+    groups that read little padding."""
+    order = np.argsort(lengths, kind="stable")
+    groups, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order):
+            groups.append(order[start:end])
+            break
+        size = end + 1 - start
+        padded = size * lengths[order[end]]
+        if size > DECODE_GROUP and padded > PADDING_LIMIT * lengths[order[start:end + 1]].sum():
+            groups.append(order[start:end])
+            start = end
+    return groups
 
 
 class ModelRunner:
@@ -131,8 +151,7 @@ class ModelRunner:
             q_all = starts[dec]
             lo_all, hi_all = first_visible(q_all) // bs, q_all // bs
             # Shortest first, in groups: each group reads only up to its longest.
-            order = np.argsort(hi_all - lo_all, kind="stable")
-            for part in np.array_split(order, max(1, -(-dec.size // DECODE_GROUP))):
+            for part in decode_groups(hi_all - lo_all + 1):
                 q, lo, hi, rows = q_all[part], lo_all[part], hi_all[part], dec[part]
                 nb = int((hi - lo).max()) + 1
                 blocks = lo[:, None] + np.arange(nb)[None, :]
