@@ -551,3 +551,21 @@ def test_real_size_jamba_1_5_mini_mamba_decode_step():
                      state=ssm_shape[1], page=layout.page_size_bytes, width=group.pages_per_block,
                      conv_offset=view.offset + view.part_offsets[0], ssm_offset=view.offset + view.part_offsets[1])
     check_mamba_step(case, torch.bfloat16)
+
+
+def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
+    from hybridkv.layers import kernel_check
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel_check.check(ops, device)  # the kernels agree with the dense rules
+
+    class Broken:  # a decode kernel that ignores the window
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def paged_decode_attention(self, *args, **kw):
+            kw["window"] = kw["window"] + 7 if kw["window"] else 0
+            return ops.paged_decode_attention(*args, **kw)
+
+    with pytest.raises(AssertionError, match="decode attention"):
+        kernel_check.check(Broken(), device)

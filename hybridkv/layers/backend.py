@@ -5,8 +5,10 @@ into kernel arguments.
 
 The choice, `HYBRIDKV_KERNELS` in the environment or `set_backend()`:
 
-* "auto" (default): the kernels for CUDA tensors when triton imports, the
-  torch reference otherwise (CPU tensors always get the reference);
+* "auto" (default): the kernels for CUDA tensors when triton imports and the
+  kernels pass a self-test on that device (once, a few small launches:
+  layers/kernel_check.py), the torch reference otherwise (CPU tensors always
+  get the reference);
 * "torch": always the reference;
 * "triton": always the kernels; on CPU tensors this needs triton's
   interpreter (`TRITON_INTERPRET=1` set before the kernels are imported),
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -29,6 +32,7 @@ _choice = os.environ.get("HYBRIDKV_KERNELS", "auto")
 _ops = None
 _available: bool | None = None
 _sm_count: dict[int, int] = {}
+_verified: dict[str, bool] = {}
 
 
 def set_backend(name: str) -> None:
@@ -66,6 +70,24 @@ def triton_available() -> bool:
     return _available
 
 
+def verified(device: torch.device) -> bool:
+    """Whether the kernels passed their self-test on `device` (run once per
+    device, layers/kernel_check.py). "auto" keeps the reference where they
+    did not, with a warning that says why."""
+    key = str(device)
+    if key not in _verified:
+        from .kernel_check import check
+
+        try:
+            check(kernels(), device)
+            _verified[key] = True
+        except Exception as error:  # noqa: BLE001 - any failure means: do not trust the kernels here
+            warnings.warn(f"hybridkv: Triton kernels failed their self-test on {device} ({error}); "
+                          f"using the torch reference", RuntimeWarning, stacklevel=2)
+            _verified[key] = False
+    return _verified[key]
+
+
 def kernels():
     """The kernel module, imported on first use (triton reads
     TRITON_INTERPRET when it decorates them)."""
@@ -80,7 +102,7 @@ def use_triton(t: torch.Tensor) -> bool:
     if _choice == "torch":
         return False
     if _choice == "auto":
-        return t.is_cuda and triton_available()
+        return t.is_cuda and triton_available() and verified(t.device)
     if not triton_available():
         raise RuntimeError("HYBRIDKV_KERNELS=triton but triton is not importable (pip install 'hybridkv[triton]')")
     if not t.is_cuda and not kernels().INTERPRETED:
