@@ -1,0 +1,56 @@
+"""Every benchmark script runs in --quick mode and prints a well-formed
+table and JSON (no timing is asserted: these machines are noisy)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def run(script, tmp_path, *extra):
+    out = tmp_path / f"{script}.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--quick",
+                           "--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_manager_overhead_quick(tmp_path):
+    text, data = run("manager_overhead", tmp_path)
+    assert "us/decode step" in text and "pool pages" in text
+    for row in data["models"].values():
+        assert row["admissions"] > 0 and row["us_per_decode_step"] > 0 and 0 <= row["hit_rate"] <= 1
+    assert any(data["scaling"].values())  # small pools hold no Gemma-3-27B rows in --quick
+
+
+def test_memory_quick(tmp_path):
+    text, data = run("memory", tmp_path)
+    assert "Requests that fit" in text
+    for row in data["models"]:
+        assert row["waste_fraction"] <= 0.01
+        for cell in row["mix"].values():
+            assert cell["hybridkv"] > 0 and cell["contiguous"] > 0
+
+
+def test_hybrid_prefix_quick(tmp_path):
+    text, data = run("hybrid_prefix", tmp_path)
+    assert set(data["results"]) == {"every_block", "prompt_end", "hybridkv"}
+    assert "hit rate" in text
+
+
+def test_engine_throughput_quick(tmp_path):
+    text, data = run("engine_throughput", tmp_path)
+    assert "speedup" in text and "TTFT" in text
+    row = data["throughput"][0]
+    assert row["hybridkv"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+    assert data["shared_prefix"][0]["on"]["hit_rate"] > 0
+
+
+def test_kernels_quick(tmp_path):
+    pytest.importorskip("triton")
+    text, data = run("kernels", tmp_path)
+    assert "GB/s" in text and data
