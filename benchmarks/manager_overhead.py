@@ -2,8 +2,9 @@
 
 A scheduler loop admits waiting requests while the pool allows (lookup,
 allocate, mark computed, chunk by chunk up to each Mamba checkpoint), then
-decodes one token for every running request (append, allocate 1, mark 1),
-and frees finished ones. Reports microseconds per admission and per decode
+decodes one token for every running request (append, allocate 1, mark 1:
+the batched calls, `*_many`, as an engine's step makes them), and frees
+finished ones. Reports microseconds per admission and per decode
 request-step, peak pages and the prefix hit rate; a second table shows that
 the per-step cost does not grow with the pool size or the context length.
 
@@ -90,26 +91,25 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
         t0 = perf()
         finished = []
         preempted = []
-        for rid, state in running.items():
-            if rid in preempted:
-                continue
-            token = state[1][state[0] & 7]
-            kv.append_token_ids(rid, [token])
-            while not kv.allocate_slots(rid, 1):
-                victim = next(r for r in reversed(running) if r not in preempted)
+        ids = list(running)
+        tokens = [state[1][state[0] & 7] for state in running.values()]
+        kv.append_token_ids_many(ids, tokens)
+        done = 0
+        while done < len(ids):
+            done += kv.allocate_slots_many(ids[done:] if done else ids, 1)
+            if done < len(ids):  # out of pages: preempt the newest request left
+                victim = ids.pop()
+                tokens.pop()
                 preempted.append(victim)
-                if victim == rid:
-                    break
                 kv.free(victim)
-            if rid in preempted:
-                kv.free(rid)
-                continue
-            kv.mark_computed(rid, 1)
+        kv.mark_computed_many(ids, 1)
+        for rid, token in zip(ids, tokens):
+            state = running[rid]
             state[2].append(token)
             state[0] -= 1
-            decode_steps += 1
             if state[0] <= 0:
                 finished.append(rid)
+        decode_steps += len(ids)
         for rid in finished:
             kv.free(rid)
             del running[rid]

@@ -307,3 +307,37 @@ def test_unknown_request_is_also_a_key_error():
     kv = manager({"f": FULL})
     with pytest.raises(KeyError, match="unknown request id 'zz'"):
         kv.free("zz")
+
+
+def test_many_request_calls_equal_one_by_one_calls():
+    specs = {"w": window(5), "f": FULL, "m": MAMBA}
+    one, many = manager(specs, pages=200), manager(specs, pages=200)
+    ids = ["a", "b", "c"]
+    for kv in (one, many):
+        for i, rid in enumerate(ids):
+            prefill(kv, rid, list(range(10 + i * 7)))
+    for step in range(30):
+        tokens = [step, step + 1, step + 2]
+        for rid, t in zip(ids, tokens):
+            one.append_token_ids(rid, [t])
+            assert one.allocate_slots(rid, 1)
+            one.mark_computed(rid, 1)
+        many.append_token_ids_many(ids, tokens)
+        assert many.allocate_slots_many(ids, 1) == 3
+        many.mark_computed_many(ids, 1)
+        assert [one.get_block_tables(r) for r in ids] == [many.get_block_tables(r) for r in ids]
+    many.check_invariants()
+    with pytest.raises(ValueError):
+        many.append_token_ids_many(ids, [1])
+    with pytest.raises(ValueError):
+        many.allocate_slots_many(["a", "nope"], 1)
+
+
+def test_allocate_slots_many_stops_at_the_first_that_does_not_fit():
+    kv = manager({"f": FULL}, pages=5)  # 4 usable pages of 4 tokens
+    prefill(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8])  # 2 pages each: the pool is full
+    prefill(kv, "b", [9, 8, 7, 6, 5, 4, 3, 2])
+    kv.append_token_ids_many(["a", "b"], [9, 9])
+    assert kv.allocate_slots_many(["a", "b"], 1) == 0  # a needs a new page
+    kv.free("b")
+    assert kv.allocate_slots_many(["a"], 1) == 1

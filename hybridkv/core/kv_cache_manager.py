@@ -204,6 +204,52 @@ class KVCacheManager:
                 return
         req.tokens.extend(_token_list(token_ids, "token_ids"))
 
+    # -- a decode step for many requests at once ------------------------------
+    # The same calls for a list of requests, with the fast paths inlined: a
+    # scheduler decoding hundreds of requests per step saves a method call
+    # and the argument checks per request.
+    def allocate_slots_many(self, request_ids: Sequence[str], num_new_tokens: int = 1) -> int:
+        """`allocate_slots` for each request in order; stops at the first that
+        does not fit and returns how many got their slots."""
+        num_new_tokens = _count(num_new_tokens, "num_new_tokens")
+        requests = self._requests
+        for i, request_id in enumerate(request_ids):
+            req = requests.get(request_id)
+            if req is not None and req.started:
+                target = req.num_computed + num_new_tokens
+                if target <= req.capacity and req.steady and target <= len(req.tokens):
+                    if target > req.num_allocated:
+                        req.num_allocated = target
+                    continue
+            if not self.allocate_slots(request_id, num_new_tokens):
+                return i
+        return len(request_ids)
+
+    def mark_computed_many(self, request_ids: Sequence[str], num_tokens: int = 1) -> None:
+        """`mark_computed` for each request."""
+        num_tokens = _count(num_tokens, "num_tokens")
+        requests = self._requests
+        for request_id in request_ids:
+            req = requests.get(request_id)
+            if req is not None:
+                n = req.num_computed + num_tokens
+                if n < req.next_event and n <= req.num_allocated:
+                    req.num_computed = n
+                    continue
+            self.mark_computed(request_id, num_tokens)
+
+    def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """One sampled token per request: `token_ids[i]` joins `request_ids[i]`."""
+        if len(request_ids) != len(token_ids):
+            raise ValueError(f"{len(request_ids)} requests but {len(token_ids)} tokens")
+        requests = self._requests
+        for request_id, token in zip(request_ids, token_ids):
+            req = requests.get(request_id)
+            if req is not None and type(token) is int and token >= 0:
+                req.tokens.append(token)
+            else:
+                self.append_token_ids(request_id, [token])
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """A child sharing the parent's blocks (parallel sampling). A partly
         filled block is copied when either one first writes into it; the
