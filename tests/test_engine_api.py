@@ -14,13 +14,6 @@ def engine():
     return Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="32MiB", max_model_len=256, progress=False)
 
 
-def finish_all(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return outs
 
 
 @pytest.mark.parametrize("make", [
@@ -45,7 +38,7 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, make):
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4), request_id="bystander")
     with pytest.raises(ValueError):
         make(engine)
-    outs = finish_all(engine)
+    outs = engine.drain()
     assert len(outs["bystander"].outputs[0].token_ids) == 4
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert not engine.has_unfinished_requests()
@@ -71,7 +64,7 @@ def test_streaming_step_and_abort_free_blocks(engine):
     engine.step()
     engine.abort("drop")
     assert "drop" not in engine.kv
-    outs = finish_all(engine)
+    outs = engine.drain()
     assert len(outs["keep"].outputs[0].token_ids) == 50
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
@@ -114,7 +107,7 @@ def test_a_request_that_can_never_fit_the_cache_is_refused_at_admission():
     small.add_request([1] * 20, SamplingParams(max_tokens=40))  # fits
     with pytest.raises(ValueError, match="needs .* KV cache pages"):
         small.add_request([1] * 20, SamplingParams(max_tokens=4000))
-    assert len(finish_all(small)) == 1
+    assert len(small.drain()) == 1
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -16,13 +16,6 @@ from kv_shadow import MIXES, ShadowRunner, layer_specs, layout_for_requests, lay
 MODELS = ["tiny-gemma3", "tiny-jamba"]
 
 
-def drain(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return outs
 
 
 def assert_idle(engine):
@@ -84,7 +77,7 @@ def test_hybrid_aborts_at_every_stage_give_every_block_back(name):
             break
     else:
         pytest.fail("the n=2 request never reached decode")
-    outs.update(drain(engine))
+    outs.update(engine.drain())
     with pytest.raises(ValueError, match="unknown request id"):
         engine.abort(keep[0])  # after finishing
     assert [outs[k].outputs[0].token_ids for k in keep] == expected
@@ -127,7 +120,7 @@ def test_non_finite_logits_fail_one_request_not_the_loop():
         return logits
 
     engine.model.compute_logits = broken
-    outs = drain(engine)
+    outs = engine.drain()
     assert outs[good].outputs[0].finish_reason == "length" and len(outs[good].outputs[0].token_ids) == 6
     assert outs[bad].outputs[0].finish_reason == "error"
     assert_idle(engine)
@@ -153,7 +146,7 @@ def test_hybrid_cache_salt_isolates_tenants_in_the_engine():
 
     def run(salt):
         rid = engine.add_request(prompt, params, cache_salt=salt)
-        return drain(engine)[rid]
+        return engine.drain()[rid]
 
     first = run("tenant-a")
     other = run("tenant-b")

@@ -304,6 +304,16 @@ class Engine:
                         bar.update(1)
         return [results[i] for i in ids]
 
+    def drain(self) -> dict[str, RequestOutput]:
+        """Step until no request is left; the final output of each request
+        that finished meanwhile, by request id."""
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return finished
+
     @property
     def stats(self) -> dict:
         cache = self.kv.stats

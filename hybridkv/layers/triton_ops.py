@@ -118,6 +118,38 @@ def _first_visible(q_pos, window, chunk, KIND: tl.constexpr):
 
 
 @triton.jit
+def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
+                     scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Scores of the query rows `q` against the keys `n` of a table row (only
+    where `ok`: a key outside is never loaded), in base 2 for exp2, and the
+    pointers and mask to load the same rows of V."""
+    page = tl.load(table_row + (n // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
+    kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
+               + d[None, :] * s_cd)
+    kv_mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFTCAP:
+        # softcap * tanh(s / softcap), tanh written with exp (the interpreter
+        # has no tanh); it saturates to +-1, no overflow.
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s * 1.4426950408889634, kv_ptrs, kv_mask
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: tl.constexpr):
+    """Fold one tile of (already masked, base-2) scores into the running
+    max, sum and weighted sum of V."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, qpos_ptr, kpos_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr,
                          scale, softcap, window, chunk, max_blocks,
@@ -166,28 +198,11 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, qpos_pt
     table_row = table_ptr + r * s_tr
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        block = n // BLOCK_SIZE
-        ok = (n >= lo) & (n < stop) & (block < max_blocks)
-        page = tl.load(table_row + block * s_tb, mask=ok, other=0).to(tl.int64)
-        kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
-                   + d[None, :] * s_cd)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        # Logits in base 2 (for exp2), soft-capped first when the model
-        # caps them: softcap * tanh(s / softcap), tanh written with exp
-        # (the interpreter has no tanh); it saturates to +-1, no overflow.
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-        s = s * 1.4426950408889634
+        ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
+        s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs,
+                                               s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -312,20 +327,10 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
         table_row = table_ptr + seg * s_tr
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            block = n // BLOCK_SIZE
-            ok = (n >= lo) & (n <= hi) & (block < max_blocks)
-            page = tl.load(table_row + block * s_tb, mask=ok, other=0).to(tl.int64)
-            kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
-                       + d[None, :] * s_cd)
-            kv_mask = ok[:, None] & d_ok[None, :]
-            k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-            # Logits in base 2 (for exp2), soft-capped first when the model
-            # caps them: softcap * tanh(s / softcap), tanh written with exp
-            # (the interpreter has no tanh); it saturates to +-1, no overflow.
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            if HAS_SOFTCAP:
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-            s = s * 1.4426950408889634
+            ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
+            s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp,
+                                                   s_cs, s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
+                                                   PRECISION)
             k_pos = (key0 + n)[None, :]
             seen = ok[None, :] & (k_pos <= q_pos[:, None])
             if KIND == 1:
@@ -333,13 +338,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
             elif KIND == 2:
                 seen &= (k_pos // chunk) == (q_pos[:, None] // chunk)
             s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (first_row + m)[:, None] * s_ot + head * s_oh + d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
