@@ -25,6 +25,20 @@ from .base import CacheLayer, CausalLM
 from .blocks import GatedMLP, PagedSelfAttention
 
 
+def _padded_prefills(prefills, device):
+    """The step's prefill chunks side by side, longest first: state rows,
+    token rows [chunks, longest] (padding repeats a chunk's last token),
+    lengths, and which entries are real tokens."""
+    prefills = sorted(prefills, key=lambda p: -p[2])
+    rows = torch.tensor([row for row, _, _ in prefills], device=device)
+    starts = torch.tensor([start for _, start, _ in prefills], device=device)
+    lengths = torch.tensor([count for _, _, count in prefills], device=device)
+    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
+    valid = offsets < lengths[:, None]
+    tokens = starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
+    return rows, tokens, lengths, valid
+
+
 class JambaMamba(CacheLayer, nn.Module):
     def __init__(self, config):
         nn.Module.__init__(self)
@@ -89,15 +103,16 @@ class JambaMamba(CacheLayer, nn.Module):
             conv_state[rows] = new_conv.to(conv_state.dtype)
             ssm_state[rows] = new_ssm.to(ssm_state.dtype)
             y_all[tokens] = (y + x.float() * D) * F.silu(gate_all[tokens].float())
-        for row, start, count in mb.prefills:
-            end = start + count
-            x, new_conv = causal_conv(x_all[start:end], conv_state[row], weight, self.conv1d.bias)
+        if mb.prefills:
+            rows, tokens, lengths, valid = _padded_prefills(mb.prefills, h.device)
+            x, new_conv = causal_conv(x_all[tokens], lengths, conv_state[rows], weight, self.conv1d.bias)
             x = F.silu(x)
             dt, B, C = self._ssm_inputs(x)
-            y, new_ssm = selective_scan(x, dt, A, B, C, ssm_state[row])
-            conv_state[row] = new_conv.to(conv_state.dtype)
-            ssm_state[row] = new_ssm.to(ssm_state.dtype)
-            y_all[start:end] = (y + x.float() * D) * F.silu(gate_all[start:end].float())
+            y, new_ssm = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths)
+            conv_state[rows] = new_conv.to(conv_state.dtype)
+            ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+            gate = gate_all[tokens].float()
+            y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
         return self.out_proj(y_all.to(h.dtype))
 
 
