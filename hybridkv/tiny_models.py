@@ -13,7 +13,7 @@ import random
 import shutil
 import tempfile
 
-VERSION = 1
+VERSION = 2
 
 _WORDS = """the of and to in is that for it as was with be by on not he this are or his from at which but have
 an they you were her she there been one all we their if has will would what so can more about when up out
@@ -47,11 +47,11 @@ MODELS = {
     "tiny-jamba": ("jamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
                                  mamba_d_state=16, mamba_dt_rank=8)),
-    "small-gemma3": ("gemma3", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=12,
-                                    num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=128)),
-    "small-jamba": ("jamba", dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+    "small-gemma3": ("gemma3", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=12,
+                                    num_attention_heads=6, num_key_value_heads=2, head_dim=32, sliding_window=128)),
+    "small-jamba": ("jamba", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=8, num_attention_heads=6,
                                   num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
-                                  mamba_d_state=16, mamba_dt_rank=16)),
+                                  mamba_d_state=16, mamba_dt_rank=12)),
 }
 
 
