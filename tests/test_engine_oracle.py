@@ -84,6 +84,17 @@ def test_hybrid_batch_of_different_lengths_matches_transformers(family_model):
     check_all(reference, prompt_list, outs, records, engine)
 
 
+def test_long_prompts_in_one_chunk_match_transformers(family_model):
+    # Prompts far longer than the window in one prefill chunk: the attention
+    # of each segment runs in query tiles (layers/paged_attention.py).
+    family, path, reference = family_model
+    prompt_list = prompts(2, lengths=(420, 300))
+    engine, outs, records = run(path, prompt_list, max_num_batched_tokens=1024)
+    check_all(reference, prompt_list, outs, records, engine)
+    if family == "gemma3":  # (Jamba's prefill also stops at a Mamba checkpoint)
+        assert engine.num_steps == GREEDY.max_tokens
+
+
 def test_hybrid_chunked_prefill_matches_transformers(family_model):
     # A token budget smaller than the prompts: prefill in chunks of 7, the
     # Mamba state and the window crossing chunk boundaries.

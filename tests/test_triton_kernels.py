@@ -257,6 +257,22 @@ def test_head_dim_not_a_power_of_two():
     check_attention(case, scale=24 ** -0.5, softcap=None)
 
 
+@pytest.mark.parametrize("kind,size", [("full", 0), ("sliding", 5), ("sliding", 40), ("sliding", 130), ("chunked", 24),
+                                       ("chunked", 70)])
+def test_long_prefill_in_query_tiles_matches_one_masked_call(kind, size, monkeypatch):
+    # The reference cuts a long prefill segment into query tiles with
+    # only the key columns they can see; the result must be what one masked
+    # call over all keys gives (fresh prompt, and one continuing mid-block).
+    import hybridkv.layers.paged_attention as pa
+
+    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.float32, seed=size,
+                         step=[(0, 600), (45, 530), (7, 1)])
+    tiled = case.reference(0.3, None)
+    assert any(len(pa._query_tiles(case.meta, seg)) > 2 for seg in case.meta.prefills)
+    monkeypatch.setattr(pa, "_query_tiles", lambda meta, seg: [(0, seg.length, 0, seg.mask.shape[-1])])
+    torch.testing.assert_close(tiled, case.reference(0.3, None), atol=2e-6, rtol=1e-5)
+
+
 def test_store_through_the_dispatch_matches_the_reference():
     case = AttentionCase("full", 0, 0, 16, 2, torch.float32, width=2, column=1, seed=2)
     cache = case.cache.nan_to_num(0.0)
