@@ -8,6 +8,10 @@ every request waits for). Workload 2: 64 prompts sharing a 500-token system
 prompt, hybridkv with and without prefix caching (on the bigger models). Each measurement runs in
 its own process, so peak RSS (model + cache + activations) is its own.
 
+These machines are noisy (the same cell moves by 20% between runs), so each
+comparison runs `--repeat` times as interleaved pairs (A, B, A, B, ...); the
+tables show medians, and a ratio is the median of the per-pair ratios.
+
     python benchmarks/engine_throughput.py             # CPU, tiny and small models
     python benchmarks/engine_throughput.py --quick     # seconds: CI smoke run
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # GPU, 1B shapes
@@ -182,6 +186,20 @@ def measure(**args) -> dict:
     raise RuntimeError(f"worker failed ({args['engine']} {args['model']}):\n{proc.stderr[-3000:]}")
 
 
+def pairs(repeat: int, first: dict, second: dict) -> tuple[list[dict], list[dict]]:
+    """`repeat` runs of each, interleaved so that both see the same noise."""
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(measure(**first))
+        b.append(measure(**second))
+    return a, b
+
+
+def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
+    """The run with the median `key` (lower median for an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
 def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12) -> float:
     """Decode tokens/s if each step only had to read the weights once."""
     import torch
@@ -209,6 +227,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="interleaved runs per comparison, medians reported (default 3; 1 with --quick)")
     parser.add_argument("--models", default=None, help="comma-separated model names")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "engine_throughput.json"))
     args = parser.parse_args()
@@ -230,17 +250,21 @@ def main() -> None:
     print(f"device {args.device}, {dtype}, {args.threads} threads; {n} prompts of 100-1000 tokens, {new} new tokens")
     print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
           f"{'peak RSS MiB':>13} {'speedup':>8}")
+    repeat = args.repeat or (1 if args.quick else 3)
     for model in models:
         for batch in batches:
-            base = measure(engine="transformers", model=model, workload="random", num_prompts=batch, **common)
-            ours = measure(engine="hybridkv", model=model, workload="random", num_prompts=batch,
-                           prefix_caching=True, **common)
+            runs = pairs(repeat, dict(engine="transformers", model=model, workload="random", num_prompts=batch,
+                                      **common),
+                         dict(engine="hybridkv", model=model, workload="random", num_prompts=batch,
+                              prefix_caching=True, **common))
+            base, ours = median_run(runs[0]), median_run(runs[1])
+            speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(*runs))
             for name, r in (("transformers", base), ("hybridkv", ours)):
-                speed = r["tokens_per_s"] / base["tokens_per_s"]
+                speed = 1.0 if r is base else speedup
                 print(f"{model:<16} {batch:>5} {name:<13} {r['tokens_per_s']:>9.1f} {r['ttft_mean']:>9.3f}s "
                       f"{r['ttft_p90']:>8.3f}s {r['peak_rss_mib']:>13.0f} {speed:>7.2f}x")
-            row = {"model": model, "batch": batch, "transformers": base, "hybridkv": ours,
-                   "speedup": ours["tokens_per_s"] / base["tokens_per_s"]}
+            row = {"model": model, "batch": batch, "transformers": base, "hybridkv": ours, "speedup": speedup,
+                   "runs": {"transformers": runs[0], "hybridkv": runs[1]}}
             if gpu:
                 row["weight_bound_tokens_per_s"] = weight_bound(model, batch)
                 print(f"{'':<16} {'':>5} {'weights bound':<13} {row['weight_bound_tokens_per_s']:>9.0f}")
@@ -250,14 +274,17 @@ def main() -> None:
     shared = []
     shared_models = [m for m in models if not m.startswith("tiny-")] or models  # the bigger ones: prefill matters
     for model in shared_models:
-        off = measure(engine="hybridkv", model=model, workload="shared", num_prompts=n, prefix_caching=False, **common)
-        on = measure(engine="hybridkv", model=model, workload="shared", num_prompts=n, prefix_caching=True, **common)
-        gain = off["ttft_mean"] / on["ttft_mean"]
+        spec = dict(engine="hybridkv", model=model, workload="shared", num_prompts=n, **common)
+        runs = pairs(repeat, dict(spec, prefix_caching=False), dict(spec, prefix_caching=True))
+        off, on = median_run(runs[0], "ttft_mean"), median_run(runs[1], "ttft_mean")
+        gain = statistics.median(a["ttft_mean"] / b["ttft_mean"] for a, b in zip(*runs))
         print(f"{model:<16} {off['ttft_mean']:>8.3f}s {on['ttft_mean']:>8.3f}s {gain:>5.1f}x {on['hit_rate']:>9.1%}")
-        shared.append({"model": model, "off": off, "on": on, "ttft_gain": gain})
+        shared.append({"model": model, "off": off, "on": on, "ttft_gain": gain,
+                       "runs": {"off": runs[0], "on": runs[1]}})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "throughput": rows,
+        json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "repeat": repeat,
+                   "throughput": rows,
                    "shared_prefix": shared}, f, indent=1)
     print(f"wrote {args.out}")
 
