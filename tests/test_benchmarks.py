@@ -36,6 +36,12 @@ def test_memory_quick(tmp_path):
             assert cell["hybridkv"] > 0 and cell["contiguous"] > 0
 
 
+def test_prefill_tiles_quick(tmp_path):
+    text, data = run("prefill_tiles", tmp_path)
+    assert "query tiles" in text
+    assert data["models"] and all(row["one_call_s"] > 0 and row["query_tiles_s"] > 0 for row in data["models"])
+
+
 def test_hybrid_prefix_quick(tmp_path):
     text, data = run("hybrid_prefix", tmp_path)
     assert set(data["results"]) == {"every_block", "prompt_end", "hybridkv"}

@@ -1,0 +1,76 @@
+"""Prefill attention in query tiles against one masked call per chunk.
+
+The torch attention reference (layers/paged_attention.py) cuts a long
+prefill chunk into query tiles that score only the keys they may read. This
+script prefills the same prompts with the engine both ways, interleaved in
+one process (these machines are noisy), and prints the best time of each.
+
+    python benchmarks/prefill_tiles.py                  # tiny-gemma3 and small-gemma3
+    python benchmarks/prefill_tiles.py --quick          # seconds: CI smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default="tiny-gemma3,small-gemma3")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prefill_tiles.json"))
+    args = parser.parse_args()
+    import torch
+
+    import hybridkv.layers.paged_attention as attention
+    from engine_throughput import prompts_for
+    from hybridkv import Engine, SamplingParams
+    from hybridkv.tiny_models import tiny_model_dir
+
+    torch.set_num_threads(args.threads)
+    models = ["tiny-gemma3"] if args.quick else args.models.split(",")
+    num, repeat = (4, 1) if args.quick else (32, args.repeat)
+    tiled = attention._query_tiles
+
+    def one_call(meta, seg):
+        return [(0, seg.length, 0, seg.mask.shape[-1])]
+
+    print(f"{num} prompts of 100-1000 tokens, prefill + 1 token, float32, {args.threads} threads, best of {repeat}")
+    print(f"{'model':<14} {'one call s':>11} {'query tiles s':>14} {'speedup':>8}")
+    rows = []
+    try:
+        for model in models:
+            engine = Engine(tiny_model_dir(model), kv_cache_memory="512MiB", progress=False,
+                            max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
+            prompts = prompts_for("random", num, engine.vocab_size)
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            best = {"one": float("inf"), "tiles": float("inf")}
+            for _ in range(repeat):
+                for name, tiles in (("one", one_call), ("tiles", tiled)):
+                    attention._query_tiles = tiles
+                    start = time.perf_counter()
+                    engine.generate(prompts, params, use_tqdm=False)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            print(f"{model:<14} {best['one']:>11.2f} {best['tiles']:>14.2f} {best['one'] / best['tiles']:>7.2f}x")
+            rows.append({"model": model, "one_call_s": best["one"], "query_tiles_s": best["tiles"],
+                         "speedup": best["one"] / best["tiles"]})
+    finally:
+        attention._query_tiles = tiled
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"prompts": num, "repeat": repeat, "threads": args.threads, "models": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
