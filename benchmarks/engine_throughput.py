@@ -227,6 +227,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", choices=["throughput", "shared"], default=None,
+                        help="run one of the two workloads (the JSON then holds only that one)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="interleaved runs per comparison, medians reported (default 3; 1 with --quick)")
     parser.add_argument("--models", default=None, help="comma-separated model names")
@@ -251,7 +253,7 @@ def main() -> None:
     print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
           f"{'peak RSS MiB':>13} {'speedup':>8}")
     repeat = args.repeat or (1 if args.quick else 3)
-    for model in models:
+    for model in models if args.only != "shared" else []:
         for batch in batches:
             runs = pairs(repeat, dict(engine="transformers", model=model, workload="random", num_prompts=batch,
                                       **common),
@@ -273,7 +275,7 @@ def main() -> None:
     print(f"{'model':<16} {'TTFT off':>9} {'TTFT on':>9} {'gain':>6} {'hit rate':>9}")
     shared = []
     shared_models = [m for m in models if not m.startswith("tiny-")] or models  # the bigger ones: prefill matters
-    for model in shared_models:
+    for model in shared_models if args.only != "throughput" else []:
         spec = dict(engine="hybridkv", model=model, workload="shared", num_prompts=n, **common)
         runs = pairs(repeat, dict(spec, prefix_caching=False), dict(spec, prefix_caching=True))
         off, on = median_run(runs[0], "ttft_mean"), median_run(runs[1], "ttft_mean")

@@ -26,7 +26,11 @@ def manager(specs, pages=64, block_size=4, **kw):
 
 
 def prefill(kv, rid, tokens, chunk=None, salt=None):
-    kv.add_request(rid, tokens, cache_salt=salt)
+    """Add the request (tokens=None: it was added already) and compute its
+    prompt, chunk by chunk, stopping at each planned checkpoint."""
+    if tokens is not None:
+        kv.add_request(rid, tokens, cache_salt=salt)
+    tokens = kv._requests[rid].tokens
     while True:
         done = kv.get_computed_tokens(rid)
         if kv._requests[rid].started and done == len(tokens):
@@ -152,6 +156,33 @@ def test_mamba_branch_point_checkpoint_from_second_use_of_a_prefix():
     assert 12 in kv._requests["b"].checkpoints
     kv.add_request("c", system + [42, 43, 44, 45, 46, 47])
     assert kv.get_computed_tokens("c") == 12
+
+
+def test_mamba_branch_point_from_a_request_still_waiting():
+    # Both arrive before either starts (a burst with one system prompt): the
+    # first prefill already checkpoints the shared prefix, the second hits it.
+    kv = manager({"f": FULL, "m": MAMBA}, pages=400)
+    system = list(range(100, 112))  # 3 blocks
+    kv.add_request("a", system + [1, 2, 3, 4, 5, 6])
+    kv.add_request("b", system + [7, 8, 9, 10, 11])
+    prefill(kv, "a", None)
+    assert 12 in kv._requests["a"].checkpoints
+    assert kv.get_computed_tokens("b") == 12
+    kv.check_invariants()
+
+
+def test_mamba_a_request_added_back_is_not_its_own_branch_point():
+    # Preemption frees a request and adds it again under the same id: its
+    # own private prefix must not count as shared with another request.
+    kv = manager({"f": FULL, "m": MAMBA}, pages=400)
+    prompt = list(range(200, 219))  # 4 full blocks + 3 tokens
+    kv.add_request("a", prompt)
+    kv.free("a")
+    kv.add_request("a", prompt + [7])
+    kv.get_computed_tokens("a")
+    assert kv.coordinator.sightings.shared_blocks(kv._requests["a"].keys) == 0
+    kv.add_request("b", prompt[:9])  # another request: the first 2 blocks are shared now
+    assert kv.coordinator.sightings.shared_blocks(kv._requests["a"].keys) == 2
 
 
 def test_mamba_rolling_checkpoint_serves_the_next_chat_turn():

@@ -13,9 +13,10 @@ few positions:
   on, this state enters the free queue on probation (at its head): kept while
   memory is free, first to go under pressure, because in a chat the next turn
   resumes from the end of the answer, not of the prompt;
-* the branch point: the end of the longest prefix this prompt shares with an
-  earlier request (a shared system prompt or chat history shows up as such a
-  prefix from its second use on, and is then likely to be shared again);
+* the branch point: the end of the longest prefix this prompt shares with
+  another request's, earlier or waiting beside it (a shared system prompt or
+  chat history shows up as such a prefix from its second use on, and is then
+  likely to be shared again);
 * the end of the sequence: while decoding, a rolling checkpoint at each block
   boundary, each one replacing the request's previous one, so that when the
   request finishes its latest state is cached for the next turn of a chat,
@@ -41,7 +42,7 @@ class CheckpointPolicy:
 
     def plan(self, num_tokens: int, block_size: int, hit: int, shared: int) -> list[int]:
         """Checkpoint positions inside the prompt (ascending, all > hit).
-        `shared` is the length of the longest prefix seen in earlier prompts."""
+        `shared` is the length of the longest prefix seen in other prompts."""
         last = (num_tokens - 1) // block_size * block_size  # a later hit can reach at most this
         if self.every_block:
             return list(range(hit + block_size, last + 1, block_size))
@@ -73,33 +74,46 @@ def get_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
 
 
 class PrefixSightings:
-    """A bounded LRU set of the block keys of recent prompts, to find branch
-    points: the prefix a new prompt shares with any earlier one."""
+    """A bounded LRU map of the block keys of recent prompts to how many
+    requests' prompts held them, to find branch points: the prefix a prompt
+    shares with any other request's. A request is recorded when it is added,
+    so a request waiting beside it counts as much as one that came before:
+    a burst of requests with one system prompt checkpoints it on its first
+    prefill, and the others hit there (rather than a second request computing
+    it once more to leave the checkpoint)."""
 
     def __init__(self, capacity: int = 1 << 16):
         self.capacity = capacity
-        self._seen: OrderedDict = OrderedDict()
+        self._seen: OrderedDict = OrderedDict()  # key -> [requests that held it, the last one's id]
 
     def shared_blocks(self, keys: list) -> int:
-        """Number of leading keys seen before. Keys chain, so seen prefixes
-        are prefix-closed and a binary search finds the boundary."""
+        """Number of leading keys that a recorded request's prompt shares
+        with at least one other request's. Keys chain, so such prefixes are
+        prefix-closed and a binary search finds the boundary."""
         lo, hi = 0, len(keys)
         seen = self._seen
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in seen:
+            entry = seen.get(keys[mid - 1])
+            if entry is not None and entry[0] >= 2:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def record(self, keys: list) -> None:
+    def record(self, keys: list, owner: str) -> None:
+        """`owner`'s prompt holds `keys`. Recording again for the same owner
+        (a preempted request added back) counts its own blocks once."""
         seen = self._seen
         for key in keys:
-            if key in seen:
-                seen.move_to_end(key)
+            entry = seen.get(key)
+            if entry is None:
+                seen[key] = [1, owner]
             else:
-                seen[key] = None
+                if entry[1] != owner:
+                    entry[0] += 1
+                    entry[1] = owner
+                seen.move_to_end(key)
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 

@@ -43,6 +43,13 @@ class Coordinator:
     def new_request(self, request_id: str, tokens: list[int], root) -> CacheRequest:
         return CacheRequest(request_id, tokens, [m.empty_table() for m in self.managers], root)
 
+    def sight(self, req: CacheRequest) -> None:
+        """Record a new request's prompt for branch points (checkpoints.py)."""
+        if self.sightings is not None:
+            blocks = len(req.tokens) // self.block_size
+            self.extend_keys(req, blocks)
+            self.sightings.record(req.keys[:blocks], req.request_id)
+
     # -- prefix hits -------------------------------------------------------
     def find_hit(self, req: CacheRequest) -> int:
         """Longest valid hit in tokens: a multiple of the block size, at most
@@ -117,7 +124,7 @@ class Coordinator:
         for g, manager in enumerate(managers):
             manager.install_hit(req, found[g] if found else [], hit_blocks)
         req.started = True
-        self.plan_checkpoints(req, hit, record=True)
+        self.plan_checkpoints(req, hit)
         copies = self.pending_copies
         for manager in managers:
             manager.allocate(req, target, copies)
@@ -137,9 +144,8 @@ class Coordinator:
         req.steady = steady
         req.next_event = event
 
-    def plan_checkpoints(self, req: CacheRequest, hit: int, record: bool) -> None:
-        """Choose where the request saves Mamba states inside its prompt;
-        `record`: remember its prefix for later branch points (on start)."""
+    def plan_checkpoints(self, req: CacheRequest, hit: int) -> None:
+        """Choose where the request saves Mamba states inside its prompt."""
         if not (self.has_mamba and self.caching):
             return
         bs = self.block_size
@@ -149,8 +155,6 @@ class Coordinator:
         shared = 0
         if self.sightings is not None:
             shared = self.sightings.shared_blocks(keys) * bs
-            if record:
-                self.sightings.record(keys)
         req.checkpoints = self.policy.plan(len(req.tokens), bs, hit, shared)
         last = (len(req.tokens) - 1) // bs * bs
         req.probation_at = last if self.policy.on_probation(last, len(req.tokens), bs, shared) else -1
@@ -159,7 +163,7 @@ class Coordinator:
         """The next planned checkpoint after the computed tokens (or, before
         the first allocation, after the hit it will take)."""
         if not req.started:
-            self.plan_checkpoints(req, hit, record=False)
+            self.plan_checkpoints(req, hit)
             done = hit
         else:
             done = req.num_computed

@@ -126,6 +126,7 @@ class KVCacheManager:
         req = self.coordinator.new_request(request_id, tokens, root)
         if self.enable_prefix_caching:
             req.prompt_bytes = token_bytes_of(arr)  # hashed later without converting again
+        self.coordinator.sight(req)
         self._requests[request_id] = req
 
     def get_computed_tokens(self, request_id: str) -> int:
