@@ -372,3 +372,14 @@ def test_allocate_slots_many_stops_at_the_first_that_does_not_fit():
     assert kv.allocate_slots_many(["a", "b"], 1) == 0  # a needs a new page
     kv.free("b")
     assert kv.allocate_slots_many(["a"], 1) == 1
+
+
+def test_prefix_sightings_forget_a_chain_from_its_end():
+    from hybridkv.core.checkpoints import PrefixSightings
+
+    seen = PrefixSightings(capacity=6)
+    seen.record(["a", "b", "c", "d"], "r1")
+    seen.record(["a", "b", "c", "d"], "r2")
+    seen.record(["x", "y"], "r3")  # 6 keys: nothing dropped yet
+    seen.record(["p", "q"], "r4")  # drops d and c, the end of the oldest chain
+    assert seen.shared_blocks(["a", "b", "c", "d"]) == 2

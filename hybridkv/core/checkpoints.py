@@ -103,9 +103,12 @@ class PrefixSightings:
 
     def record(self, keys: list, owner: str) -> None:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
-        (a preempted request added back) counts its own blocks once."""
+        (a preempted request added back) counts its own blocks once. Last
+        key first: a prefix then stays more recent than its extensions, so
+        the LRU drops a chain from its end and seen prefixes stay
+        prefix-closed (what the binary search in shared_blocks needs)."""
         seen = self._seen
-        for key in keys:
+        for key in reversed(keys):
             entry = seen.get(key)
             if entry is None:
                 seen[key] = [1, owner]
