@@ -73,18 +73,22 @@ def get_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
         raise ValueError(f"unknown checkpoint policy {policy!r}; expected one of {sorted(POLICIES)}") from None
 
 
+_SHARED = object()  # held by two or more requests (compared by identity: never a request id)
+
+
 class PrefixSightings:
-    """A bounded LRU map of the block keys of recent prompts to how many
-    requests' prompts held them, to find branch points: the prefix a prompt
-    shares with any other request's. A request is recorded when it is added,
-    so a request waiting beside it counts as much as one that came before:
-    a burst of requests with one system prompt checkpoints it on its first
-    prefill, and the others hit there (rather than a second request computing
-    it once more to leave the checkpoint)."""
+    """A bounded LRU map of the block keys of recent prompts, to find branch
+    points: the prefix a prompt shares with any other request's. A key maps
+    to the one request whose prompt held it, or to `_SHARED` once a second
+    one's did. A request is recorded when it is added, so a request waiting
+    beside it counts as much as one that came before: a burst of requests
+    with one system prompt checkpoints it on its first prefill, and the
+    others hit there (rather than a second request computing it once more to
+    leave the checkpoint)."""
 
     def __init__(self, capacity: int = 1 << 16):
         self.capacity = capacity
-        self._seen: OrderedDict = OrderedDict()  # key -> [requests that held it, the last one's id]
+        self._seen: OrderedDict = OrderedDict()  # key -> the request that held it, or _SHARED
 
     def shared_blocks(self, keys: list) -> int:
         """Number of leading keys that a recorded request's prompt shares
@@ -94,8 +98,7 @@ class PrefixSightings:
         seen = self._seen
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            entry = seen.get(keys[mid - 1])
-            if entry is not None and entry[0] >= 2:
+            if seen.get(keys[mid - 1]) is _SHARED:
                 lo = mid
             else:
                 hi = mid - 1
@@ -103,19 +106,18 @@ class PrefixSightings:
 
     def record(self, keys: list, owner: str) -> None:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
-        (a preempted request added back) counts its own blocks once. Last
-        key first: a prefix then stays more recent than its extensions, so
-        the LRU drops a chain from its end and seen prefixes stay
+        (a preempted request added back) does not make its blocks shared.
+        Last key first: a prefix then stays more recent than its extensions,
+        so the LRU drops a chain from its end and shared prefixes stay
         prefix-closed (what the binary search in shared_blocks needs)."""
         seen = self._seen
         for key in reversed(keys):
-            entry = seen.get(key)
-            if entry is None:
-                seen[key] = [1, owner]
+            holder = seen.get(key)
+            if holder is None:
+                seen[key] = owner
             else:
-                if entry[1] != owner:
-                    entry[0] += 1
-                    entry[1] = owner
+                if holder is not _SHARED and holder != owner:
+                    seen[key] = _SHARED
                 seen.move_to_end(key)
         while len(seen) > self.capacity:
             seen.popitem(last=False)
