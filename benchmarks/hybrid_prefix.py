@@ -8,7 +8,7 @@ model) on the Jamba-1.5-Mini config at one KV budget, once per policy:
 
 * every_block  a checkpoint at every block boundary (prompt and decode)
 * prompt_end   only at the end of each prompt
-* hybridkv     the project's rule: prompt end, branch points seen before,
+* hybridkv     the project's rule: prompt end, branch points shared with other requests,
                and a rolling end-of-sequence checkpoint (core/checkpoints.py)
 
 Trace: conversations of 2-8 turns, each turn the whole history plus a new

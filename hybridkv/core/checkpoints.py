@@ -35,7 +35,7 @@ from dataclasses import dataclass
 class CheckpointPolicy:
     name: str
     every_block: bool = False  # plan a checkpoint at every block boundary of the prompt
-    branch_points: bool = False  # plan one where the prompt leaves the prefixes seen before
+    branch_points: bool = False  # plan one where the prompt leaves the prefixes other requests share
     rolling: bool = False  # checkpoint at block boundaries past the prompt
     supersede: bool = False  # a rolling checkpoint drops the request's previous one
     probation: bool = False  # the prompt-end checkpoint (unless also a branch point) is released on probation
