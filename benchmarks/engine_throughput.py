@@ -227,6 +227,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-tokens", type=int, default=2048,
+                        help="hybridkv's token budget per step (max_num_batched_tokens); the engine's default is 1024")
     parser.add_argument("--only", choices=["throughput", "shared"], default=None,
                         help="run one of the two workloads (the JSON then holds only that one)")
     parser.add_argument("--repeat", type=int, default=None,
@@ -247,9 +249,10 @@ def main() -> None:
         models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba"]
     n, new = (8, 16) if args.quick else (64, 128)
     batches = [n] + ([1] if gpu and not args.quick else [])
-    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=2048)
+    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=args.batch_tokens)
     rows = []
-    print(f"device {args.device}, {dtype}, {args.threads} threads; {n} prompts of 100-1000 tokens, {new} new tokens")
+    print(f"device {args.device}, {dtype}, {args.threads} threads; {n} prompts of 100-1000 tokens, {new} new tokens; "
+          f"hybridkv budget {args.batch_tokens} tokens per step")
     print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
           f"{'peak RSS MiB':>13} {'speedup':>8}")
     repeat = args.repeat or (1 if args.quick else 3)
@@ -286,6 +289,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "repeat": repeat,
+                   "batch_tokens": args.batch_tokens,
                    "throughput": rows,
                    "shared_prefix": shared}, f, indent=1)
     print(f"wrote {args.out}")
