@@ -54,7 +54,8 @@ def prompts_for(kind: str, n: int, vocab: int, seed: int = 0, low=100, high=1000
 
 
 def model_path(name: str, dtype: str) -> str:
-    from hybridkv.tiny_models import MODELS, cache_root, tiny_model_dir
+    from hybridkv.files import cache_root
+    from hybridkv.tiny_models import MODELS, tiny_model_dir
 
     if name in MODELS:
         return tiny_model_dir(name, dtype="float32")

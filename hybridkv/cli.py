@@ -35,7 +35,7 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from .demo import main as demo_main
 
-    demo_main(num_requests=args.requests, max_tokens=args.max_tokens, progress=not args.no_progress)
+    demo_main(tiny=args.tiny, num_requests=args.requests, max_tokens=args.max_tokens, progress=not args.no_progress)
     return 0
 
 
@@ -48,7 +48,9 @@ def _serve(args) -> int:
         return 2
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -68,15 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="PNG", help="also draw the layout (needs matplotlib)")
     plan.set_defaults(func=_plan)
 
-    demo = sub.add_parser("demo", help="serve a batch on tiny built-in Gemma-3 and Jamba models")
-    demo.add_argument("--requests", type=int, default=32)
+    demo = sub.add_parser("demo", help="serve a batch of questions on the real Gemma-3 270M (or --tiny models)")
+    demo.add_argument("--tiny", action="store_true",
+                      help="the built-in tiny Gemma-3 and Jamba models (random weights) instead of the real model")
+    demo.add_argument("--requests", type=int, default=32, help="requests per tiny model (default 32)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=_demo)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/server.md)")
     serve.add_argument("model", nargs="?", default=None,
-                       help="a Hugging Face model folder (default: the built-in tiny-gemma3, no download)")
+                       help="a Hugging Face model folder or a .gguf file (default: the built-in tiny-gemma3)")
+    serve.add_argument("--model", dest="model_option", default=None, metavar="PATH",
+                       help="the same, as an option: a model folder or a .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=os.environ.get("HYBRIDKV_API_KEY"),

@@ -13,6 +13,8 @@ import random
 import shutil
 import tempfile
 
+from .files import cache_root
+
 VERSION = 2
 
 _WORDS = """the of and to in is that for it as was with be by on not he this are or his from at which but have
@@ -110,10 +112,6 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def cache_root() -> str:
-    return os.environ.get("HYBRIDKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hybridkv"))
 
 
 def tiny_model_dir(name: str = "tiny-gemma3", dtype: str = "float32") -> str:

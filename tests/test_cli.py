@@ -36,17 +36,41 @@ def test_plan_plot_draws_the_layout(tmp_path, capsys):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_demo_the_readme_main_job_serves_both_families(capsys):
-    # `hybridkv demo`, smaller: every request finishes, the shared system
-    # prompt is hit, and the pool holds less than a contiguous cache would.
-    assert main(["demo", "--requests", "6", "--max-tokens", "4", "--no-progress"]) == 0
+def test_demo_tiny_serves_both_families(capsys):
+    # `hybridkv demo --tiny`, smaller: every request finishes, the shared
+    # system prompt is hit, and the pool holds less than a contiguous cache.
+    assert main(["demo", "--tiny", "--requests", "6", "--max-tokens", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
     for name in ("tiny-gemma3", "tiny-jamba"):
         assert name in out
     assert "sliding_window" in out and "mamba" in out
-    from hybridkv.demo import run_model
+    from hybridkv.demo import run_tiny
 
-    row = run_model("tiny-jamba", num_requests=6, max_tokens=4, progress=False)
+    row = run_tiny("tiny-jamba", num_requests=6, max_tokens=4, progress=False)
     assert row["requests"] == 6 and row["tokens_per_s"] > 0
     assert row["hit_rate"] > 0.5  # all six share a ~120-word system prompt
     assert 0 < row["peak_bytes"] < row["contiguous_bytes"]
+
+
+def test_demo_the_readme_main_job_speaks_on_the_real_model(capsys):
+    # `hybridkv demo` as the README runs it, shorter: real completions of
+    # the library questions, the long prompt past the 512-token window
+    # releasing sliding-window pages, hits on the shared preamble.
+    from hybridkv.demo import real_model_path
+
+    if real_model_path() is None:
+        if os.environ.get("HYBRIDKV_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail("HYBRIDKV_REQUIRE_REAL_MODEL=1 but the model package is missing")
+        assert main(["demo", "--requests", "2", "--max-tokens", "2", "--no-progress"]) == 0
+        assert "tiny-gemma3" in capsys.readouterr().out  # the fallback
+        return
+    assert main(["demo", "--max-tokens", "6", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-270m" in out and "Q: Where can I find books about the history of Rome?" in out
+    answers = [line for line in out.splitlines() if line.strip().startswith("A:")]
+    assert len(answers) == 4 and all(len(a.strip()) > 4 for a in answers)
+    assert "781-token prompt" in out or "-token prompt]" in out
+    released = next(line for line in out.splitlines() if "left the window" in line)
+    assert int(released.rsplit(" ", 1)[1]) > 0
+    hit = next(line for line in out.splitlines() if "hit rate" in line)
+    assert float(hit.split()[3]) > 50

@@ -4,8 +4,6 @@
 import asyncio
 import gc
 import json
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -24,6 +22,7 @@ from hybridkv.cli import build_parser, main  # noqa: E402
 from hybridkv.server import build_app  # noqa: E402
 from hybridkv.server.engine_loop import EngineFailed, EngineLoop  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
+from serving import running  # noqa: E402
 
 MODEL = "tiny-gemma3"
 KEY = "test-key"
@@ -49,21 +48,8 @@ def ref_engine():
 def server():
     engine = Engine(tiny_model_dir(MODEL), kv_cache_memory="64MiB", progress=False)
     app = build_app(engine, model_name=MODEL, api_key=KEY, max_waiting=256)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other processes
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app, engine=engine)
-    srv.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
-    assert not thread.is_alive(), "the server did not shut down"
+    with running(app) as url:
+        yield SimpleNamespace(url=url, app=app, engine=engine)
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +414,6 @@ def test_serve_command_options():
     assert (args.model, args.port, args.api_key, args.max_waiting, args.served_model_name) == \
         ("some/folder", 9000, "k", 8, "m")
     assert main(["serve", "--max-waiting", "-1"]) == 2
+    args = build_parser().parse_args(["serve", "--model", "model.gguf"])
+    assert (args.model, args.model_option) == (None, "model.gguf")
+    assert main(["serve", "a", "--model", "b.gguf"]) == 2

@@ -35,6 +35,9 @@ class CacheStats:
     evictions: int  # cache keys dropped to reuse their blocks
     free_pages: int
     total_pages: int  # usable pages (the null page excluded)
+    # per group: pages released mid-request because no query reads them again
+    # (left a sliding window or a finished local chunk)
+    released_pages: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -374,7 +377,8 @@ class KVCacheManager:
     def stats(self) -> CacheStats:
         return CacheStats(self._num_started, self._queried_tokens, self._hit_tokens,
                           self.pool.num_cached_blocks, self.pool.num_evictions,
-                          self.pool.num_free_pages, self.pool.num_pages - 1)
+                          self.pool.num_free_pages, self.pool.num_pages - 1,
+                          tuple(getattr(m, "released_pages", 0) for m in self.coordinator.managers))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (e.g. after weights change). Blocks in

@@ -24,7 +24,8 @@ import torch
 from ..core import KVCacheManager, plan_layout
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
-from ..modeling.loader import load_model, load_tokenizer
+from ..layers.linear import configure as configure_linears
+from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, Sequence, Status
 from .runner import ModelRunner
@@ -49,8 +50,11 @@ class Engine:
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         self.device = torch.device(device)
+        model_dir = resolve_model_dir(model_dir, progress=progress)
+        self.model_dir = model_dir
         self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress)
         self.dtype = next(self.model.parameters()).dtype
+        self.linear_backend = configure_linears(self.model, self.device)  # layers/linear.py
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = self.config.vocab_size
         context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
@@ -193,7 +197,9 @@ class Engine:
             row += 1
         touched: dict[str, Request] = {}
         if to_sample:
-            chosen = logits[torch.tensor([r for _, r in to_sample], device=logits.device)]
+            rows = [r for _, r in to_sample]
+            # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
+            chosen = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
             tokens = sample(chosen, [q.request.params for q, _ in to_sample],
                             [q.generator for q, _ in to_sample], self.generator)
         else:

@@ -1,5 +1,14 @@
-"""Next tokens from logits: greedy, temperature, top-k, top-p, per-request
-generators (a request's seed fixes its tokens whatever else is batched)."""
+"""Next tokens from logits, for the whole batch at once: greedy rows from
+one max over the batch, the others through temperature, top-k and top-p as
+batched tensor ops, then one draw per row. A request with a seed draws from
+its own generator (its tokens do not depend on what else is batched); the
+rest share the engine's generator in one batched draw.
+
+Cost matters here: a 262,144-word vocabulary makes a batch-64 logits tensor
+67 MB, and a pass over it costs as much as a layer of the model on the CPU.
+So greedy rows take one pass (the max gives the token and tells whether the
+row is finite), and a sort happens only for rows that ask for top-k/top-p.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +17,47 @@ import torch
 from .sampling_params import SamplingParams
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, on one row of float32 logits."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits
+def _needs_sort(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _filtered_probabilities(logits: torch.Tensor, params: list[SamplingParams], sort: bool):
+    """(probabilities, order): rows of `logits` after temperature and, when
+    `sort`, top-k and top-p, as probabilities over `order`'s columns (None:
+    all columns, unsorted)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temperature[:, None]
+    if not sort:
+        return torch.softmax(logits, dim=-1), None
+    vocab = logits.shape[-1]
+    ranked, order = torch.sort(logits, dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+    keep = torch.arange(vocab, device=logits.device)[None, :] < top_k[:, None]
+    ranked = ranked.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(ranked, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p.
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=logits.device)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    return torch.softmax(ranked.masked_fill(drop, float("-inf")), dim=-1), order
+
+
+def _draw(logits, rows, params, generators, default, sort) -> list[int]:
+    """Tokens for `rows` of `logits`, all filtered the same way (a row's
+    token must not depend on which other rows are drawn with it)."""
+    chosen = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+    probs, order = _filtered_probabilities(chosen, [params[i] for i in rows], sort)
+    probs = probs.to(default.device)
+    choice = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    if shared:
+        index = torch.tensor(shared, device=probs.device)
+        choice[index] = torch.multinomial(probs[index], 1, generator=default)[:, 0]
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            choice[j] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if order is not None:
+        choice = order.to(choice.device).gather(1, choice[:, None])[:, 0]
+    return choice.tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -29,19 +65,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of `logits` [rows, vocab] (float32); None for a row
     whose logits are not all finite (a broken model: the caller fails that
     request alone)."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    out: list[int | None] = [None] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy and finite[i]]
-    if greedy:
-        picks = logits[greedy].argmax(dim=-1).tolist()
-        for i, token in zip(greedy, picks):
-            out[i] = token
-    for i, p in enumerate(params):
-        if p.greedy or not finite[i]:
-            continue
-        probs = torch.softmax(_filter(logits[i], p), dim=-1)
-        generator = generators[i] or default
-        if generator.device != probs.device:
-            probs = probs.to(generator.device)
-        out[i] = int(torch.multinomial(probs, 1, generator=generator).item())
+    best, picks = logits.max(dim=-1)  # NaN or +inf anywhere makes the max non-finite
+    finite = torch.isfinite(best).tolist()
+    out: list[int | None] = [token if ok else None for token, ok in zip(picks.tolist(), finite)]
+    vocab = logits.shape[-1]
+    for sort in (False, True):
+        rows = [i for i, p in enumerate(params) if not p.greedy and finite[i] and _needs_sort(p, vocab) == sort]
+        if rows:
+            for i, token in zip(rows, _draw(logits, rows, params, generators, default, sort)):
+                out[i] = token
     return out

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.batch import ForwardBatch
+from ..layers.linear import Linear
 from ..layers.paged_attention import paged_attention, store_kv
 from .base import CacheLayer
 
@@ -16,9 +17,10 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: Linear | None = None
         if activation in ("silu", "swish"):
             self.act = F.silu
         elif activation.startswith("gelu"):
@@ -28,17 +30,14 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {activation!r}")
 
     def fuse(self) -> None:
-        """One matmul for gate and up: their weights become views of one tensor."""
-        fused = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
-        size = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight.data, self.up_proj.weight.data = fused[:size], fused[size:]
-        self._gate_up = fused
+        """After loading: gate and up as one product (`gate_up_proj`)."""
+        self.gate_up_proj = Linear.fused([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        fused = getattr(self, "_gate_up", None)
-        if fused is None:
+        if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, fused).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -53,37 +52,28 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_proj: Linear | None = None
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
 
     def fuse(self) -> None:
-        """One matmul for q, k and v: their weights become views of one tensor."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.cat([p.weight.data for p in projections])
-        bias = torch.cat([p.bias.data for p in projections]) if self.q_proj.bias is not None else None
-        start = 0
-        for p in projections:
-            end = start + p.weight.shape[0]
-            p.weight.data = weight[start:end]
-            if bias is not None:
-                p.bias.data = bias[start:end]
-            start = end
-        self._qkv = (weight, bias)
+        """After loading: q, k and v as one product (`qkv_proj`)."""
+        self.qkv_proj = Linear.fused([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor):
         """q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
         tokens = x.shape[0]
-        fused = getattr(self, "_qkv", None)
-        if fused is None:
+        if self.qkv_proj is None:
             return (self.q_proj(x).view(tokens, self.num_heads, self.head_dim),
                     self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim),
                     self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
         kv = self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, *fused).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..layers.batch import ForwardBatch
+from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from .base import CausalLM
@@ -69,7 +70,7 @@ class GemmaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(
             GemmaDecoderLayer(config, t, qk_norm, attn_softcap) for t in self.layer_types)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = {}

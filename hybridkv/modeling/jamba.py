@@ -19,6 +19,7 @@ from torch import nn
 from ..layers import backend
 from ..layers.batch import ForwardBatch
 from ..layers.kv_buffers import TORCH_DTYPES
+from ..layers.linear import Linear
 from ..layers.mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
 from ..layers.norm import RMSNorm
 from .base import CacheLayer, CausalLM
@@ -47,14 +48,14 @@ class JambaMamba(CacheLayer, nn.Module):
         self.state_size = config.mamba_d_state
         self.conv_width = config.mamba_d_conv
         self.dt_rank = config.mamba_dt_rank
-        self.in_proj = nn.Linear(hidden, 2 * self.inner, bias=config.mamba_proj_bias)
+        self.in_proj = Linear(hidden, 2 * self.inner, bias=config.mamba_proj_bias)
         self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner,
                                 bias=config.mamba_conv_bias, padding=self.conv_width - 1)
-        self.x_proj = nn.Linear(self.inner, self.dt_rank + 2 * self.state_size, bias=False)
+        self.x_proj = Linear(self.inner, self.dt_rank + 2 * self.state_size, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
         self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden, bias=config.mamba_proj_bias)
+        self.out_proj = Linear(self.inner, hidden, bias=config.mamba_proj_bias)
         eps = config.rms_norm_eps
         self.dt_layernorm = RMSNorm(self.dt_rank, eps)
         self.b_layernorm = RMSNorm(self.state_size, eps)
@@ -120,7 +121,7 @@ class JambaMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
                                      for _ in range(config.num_experts))
 
@@ -167,7 +168,7 @@ class JambaForCausalLM(CausalLM):
             JambaDecoderLayer(config, i % period == offset, moe and i % e_period == e_offset)
             for i in range(config.num_hidden_layers))
         self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..layers.batch import ForwardBatch
+from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from .base import CausalLM
@@ -42,7 +43,7 @@ class LlamaForCausalLM(CausalLM):
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)

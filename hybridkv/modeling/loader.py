@@ -1,6 +1,7 @@
 """Load a local Hugging Face folder: config (transformers' config classes),
 weights (`*.safetensors`, sharded index included) into hybridkv's own model
-code, and the tokenizer when the folder has one."""
+code, and the tokenizer when the folder has one. A GGUF file is first
+converted into such a folder (gguf.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"
                            "JambaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM")
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_dir(path: str, progress: bool = True) -> str:
+    """The Hugging Face folder to load for `path`: itself, or for a GGUF
+    file (or a folder holding one) its converted folder (modeling/gguf.py)."""
+    from .gguf import find_gguf, gguf_model_dir
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a model is a folder or a .gguf file path, got {type(path).__name__}")
+    path = os.fspath(path)
+    gguf = find_gguf(path)
+    return path if gguf is None else gguf_model_dir(gguf, progress=progress)
 
 
 def read_config(model_dir: str):

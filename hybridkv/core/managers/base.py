@@ -97,6 +97,10 @@ class AttentionManager(GroupManager):
     """Block tables over positions; subclasses say which leading blocks a
     request no longer needs (`first_needed_block`) and how a hit is found."""
 
+    def __init__(self, group, pool, caching, verify):
+        super().__init__(group, pool, caching, verify)
+        self.released_pages = 0  # pages given back because no query reads them again
+
     def first_needed_block(self, num_computed: int) -> int:
         """Blocks before this index are never read again once `num_computed`
         tokens are computed."""
@@ -197,6 +201,7 @@ class AttentionManager(GroupManager):
                 if block:
                     table[j] = NULL
                     release(block)
+                    self.released_pages += self.width
             req.num_released[g] = first
             req.tables_changed()
 

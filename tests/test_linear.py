@@ -1,0 +1,52 @@
+"""Linear layers' product, chosen once per device: oneDNN for float32 on
+the CPU (packed weights replace the dense ones; a weight shared with an
+embedding stays dense), F.linear elsewhere; the same results either way."""
+
+import pytest
+import torch
+from torch import nn
+
+from hybridkv.layers import linear
+from hybridkv.layers.linear import Linear, configure
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.up = Linear(16, 40, bias=True)
+        self.head = Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as Gemma's LM head
+
+
+def test_cpu_float32_uses_onednn_and_agrees_with_f_linear():
+    if linear._onednn_ops() is None:
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(7, 16)
+    expected = (nn.functional.linear(x, model.up.weight, model.up.bias), nn.functional.linear(x, model.embed.weight))
+    assert configure(model, torch.device("cpu")) == "onednn"
+    assert model.up.weight.numel() == 0 and model.up._packed is not None  # dense copy dropped
+    assert model.head._packed is None and model.head.weight is model.embed.weight  # tied stays dense
+    got = (model.up(x), model.head(x))
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, rtol=1e-5, atol=1e-5)
+    assert model.up(x[None]).shape == (1, 7, 40)  # leading dimensions kept
+
+
+def test_other_dtypes_and_the_override_keep_f_linear(monkeypatch):
+    assert linear.choose(torch.device("cpu"), torch.bfloat16) == "torch"
+    monkeypatch.setenv("HYBRIDKV_LINEAR", "torch")
+    assert linear.choose(torch.device("cpu"), torch.float32) == "torch"
+    model = Tiny()
+    assert configure(model, torch.device("cpu")) == "torch"
+    assert model.up._matmul is None and model.up.weight.numel() == 40 * 16
+
+
+def test_fused_linear_is_the_parts_side_by_side():
+    torch.manual_seed(1)
+    parts = [Linear(8, n, bias=True) for n in (3, 5, 2)]
+    fused = Linear.fused(parts)
+    x = torch.randn(4, 8)
+    assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=-1))

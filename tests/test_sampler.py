@@ -1,0 +1,67 @@
+"""The batched sampler: greedy rows are the first maximum, a broken row
+fails alone, filters keep only what they allow, and a seeded request's
+tokens do not depend on the rest of the batch."""
+
+import pytest
+import torch
+
+from hybridkv import SamplingParams
+from hybridkv.engine.sampler import sample
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def draw(logits, params, generators=None, seed=0):
+    generators = generators or [None] * len(params)
+    return sample(logits, params, generators, torch.Generator().manual_seed(seed))
+
+
+def test_greedy_rows_take_the_first_maximum():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
+    assert draw(logits, [GREEDY, GREEDY]) == [1, 0]
+
+
+def test_a_row_with_nan_or_inf_fails_alone():
+    logits = torch.randn(3, 50)
+    logits[0, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    hot = SamplingParams(temperature=1.0)
+    out = draw(logits, [GREEDY, hot, hot])
+    assert out[0] is None and out[2] is None and isinstance(out[1], int)
+    masked = torch.full((1, 10), float("-inf"))
+    masked[0, 4] = 0.0  # -inf entries are ordinary masks
+    assert draw(masked, [hot]) == [4]
+
+
+def test_top_k_and_top_p_keep_only_what_they_allow():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 100, generator=gen)
+    top5 = set(torch.topk(logits[0], 5).indices.tolist())
+    params = SamplingParams(temperature=2.0, top_k=5)
+    seen = {draw(logits, [params], seed=s)[0] for s in range(200)}
+    assert seen <= top5 and len(seen) > 1
+    assert {draw(logits, [SamplingParams(temperature=5.0, top_p=1e-6)], seed=s)[0] for s in range(20)} == \
+        {int(logits.argmax())}
+    assert {draw(logits, [SamplingParams(temperature=5.0, top_k=1)], seed=s)[0] for s in range(20)} == \
+        {int(logits.argmax())}
+
+
+def test_unfiltered_draws_follow_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    counts = torch.bincount(torch.tensor(draw(logits, params)), minlength=4).float() / 4000
+    assert torch.allclose(counts, torch.softmax(logits[0], -1), atol=0.03)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20, "top_p": 0.9}])
+def test_a_seeded_row_ignores_the_rest_of_the_batch(filters):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=gen)
+    seeded = SamplingParams(temperature=1.0, seed=11, **filters)
+
+    def alone():
+        return draw(logits[2:3], [seeded], [torch.Generator().manual_seed(11)])[0]
+
+    mixed = draw(logits, [SamplingParams(temperature=0.7), GREEDY, seeded, SamplingParams(temperature=1.3, top_k=3)],
+                 [None, None, torch.Generator().manual_seed(11), None], seed=5)
+    assert mixed[2] == alone()
