@@ -189,7 +189,8 @@ def run_llamacpp(args) -> dict:
         arrival = start + i * args["gap"]
         time.sleep(max(0.0, arrival - time.perf_counter()))
         first = None
-        for count, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=False)):
+        # reset=True (the default) keeps the longest prefix shared with the previous prompt
+        for count, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
             if first is None:
                 first = time.perf_counter()
             if count + 1 == n:
@@ -282,6 +283,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None, help="interleaved runs per cell (default 2)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if installed")
+    parser.add_argument("--only", choices=["batch", "staggered"], default=None, help="run one of the two workloads")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "real_gemma3.json"))
     args = parser.parse_args()
     if args.worker:
@@ -310,7 +312,7 @@ def main() -> None:
     print(f"\nbatch: B prompts of {prompt_len} tokens together, {new} new tokens each, greedy")
     print(f"{'batch':>5} {'engine':<13} {'tok/s':>8} {'TTFT mean':>10} {'peak RSS MiB':>13} {'vs transformers':>16}")
     rows = []
-    for batch in batches:
+    for batch in batches if args.only != "staggered" else []:
         runs = {e: [] for e in engines}
         for _ in range(repeat):
             for e in engines:
@@ -330,11 +332,11 @@ def main() -> None:
     print(f"{'engine':<13} {'tok/s':>8} {'TTFT mean':>10} {'TTFT p90':>9} {'hit rate':>9} {'peak RSS MiB':>13}")
     staggered = {}
     runs = {e: [] for e in engines}
-    for _ in range(repeat):
+    for _ in range(repeat if args.only != "batch" else 0):
         for e in engines:
             runs[e].append(measure(engine=e, workload="staggered", batch=staggered_n, new_tokens=staggered_new,
                                    gap=gap, **common))
-    for e in engines:
+    for e in engines if args.only != "batch" else []:
         med = sorted(runs[e], key=lambda r: r["ttft_mean"])[(repeat - 1) // 2]
         staggered[e] = dict(med, runs=runs[e])
         hit = f"{med['hit_rate']:.1%}" if "hit_rate" in med else "-"

@@ -95,39 +95,88 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path: str, wanted=lambda name: True):
+    """(name, CPU tensor) for the tensors of a .safetensors file whose name
+    is `wanted`, each read straight into its own memory.
+
+    Why not `safetensors.safe_open`: it maps the file, and every page a
+    weight is read from stays in the process's resident memory for as long
+    as any tensor of the file lives (a tied embedding keeps it all), beside
+    the model's own copy: twice the model at load. Plain reads leave one copy.
+    The format is an 8-byte header length, a JSON header of name -> dtype,
+    shape, data offsets, then the bytes (little-endian)."""
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        try:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length}")
+            header = json.loads(f.read(length))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+        base = 8 + length
+        for name, info in header.items():
+            if name == "__metadata__" or not wanted(name):
+                continue
+            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+            begin, end = info.get("data_offsets", (0, -1))
+            tensor = torch.empty(info.get("shape", ()), dtype=dtype or torch.uint8)
+            nbytes = tensor.numel() * tensor.element_size()
+            if dtype is None or end - begin != nbytes or base + end > size:
+                raise ValueError(f"{path}: tensor {name!r} has a bad entry ({info}) or the file is truncated")
+            f.seek(base + begin)
+            if nbytes and f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != nbytes:
+                raise ValueError(f"{path}: tensor {name!r} is cut short")
+            yield name, tensor
+
+
 def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True):
-    """(model, text config) with every parameter loaded from the checkpoint."""
-    from safetensors import safe_open
+    """(model, text config) with every parameter loaded from the checkpoint.
+
+    The model is built on the meta device and each checkpoint tensor, read
+    into its own memory, becomes its parameter: already in the right dtype
+    on the CPU it is not copied again (peak memory: one model); other dtypes
+    or devices get one converted copy, one tensor at a time."""
     from tqdm.auto import tqdm
 
     config, text, architecture = read_config(model_dir)
     model_class, renames = _architectures()[architecture]
     torch_dtype = resolve_dtype(dtype, text)
+    device = torch.device(device)
     with torch.device("meta"):
         model: CausalLM = model_class(text)
-    model = model.to_empty(device=device).to(torch_dtype)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+
+    def parameter(name: str) -> str | None:
+        """The model parameter a checkpoint tensor fills (None: not ours)."""
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        name = model.weight_name(name)
+        return name if name in params else None  # vision tower, rotary buffers ...
+
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="loading weights", unit="shard", disable=not progress or len(files) < 2):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = name
-                for old, new in renames.items():
-                    if target.startswith(old):
-                        target = new + target[len(old):]
-                        break
-                target = model.weight_name(target)
-                if target is None or target not in params:
-                    continue  # vision tower, rotary buffers ...
-                tensor = f.get_tensor(name)
-                param = params[target]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor.to(torch_dtype))
-                loaded.add(target)
+        for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None):
+            target = parameter(name)
+            if tuple(tensor.shape) != tuple(params[target].shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"{tuple(params[target].shape)}")
+            owner, _, leaf = target.rpartition(".")
+            value = tensor.to(device=device, dtype=torch_dtype)
+            model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+            loaded.add(target)
+    model.tie_weights()
     if "lm_head.weight" not in loaded and getattr(text, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
