@@ -38,10 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hybridkv.engine.runner import ModelRunner  # noqa: E402
-from hybridkv.layers import backend  # noqa: E402
+from hybridkv.core import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
-from hybridkv.layers.paged_attention import paged_attention  # noqa: E402
+from hybridkv.layers.step import StepInputs  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
 # Nominal HBM bandwidth, GB/s (vendor figures).
@@ -86,13 +86,16 @@ def copy_bandwidth(device, nbytes) -> float | None:
 # -- attention -----------------------------------------------------------------
 class PagedLayer:
     """One attention layer's cache in a pool whose pages hold
-    `layers_per_page` layers' blocks; requests' blocks on shuffled pages;
-    the runner's metadata for one step of (cached tokens, new tokens)."""
+    `layers_per_page` layers' blocks; requests' blocks on shuffled pages in
+    a persistent table; both backends' metadata for one step of (cached
+    tokens, new tokens)."""
 
     def __init__(self, device, step, kind, window, q_heads, kv_heads, dim, bs=16, layers_per_page=2,
                  dtype=torch.bfloat16, seed=0):
         rng = np.random.default_rng(seed)
-        self.step, self.kind, self.window, self.bs = step, kind, window, bs
+        self.step, self.bs = step, bs
+        self.spec = (SlidingWindowSpec(kv_heads, dim, sliding_window=window) if kind == "sliding_window"
+                     else FullAttentionSpec(kv_heads, dim))
         blocks = [-(-(c + n) // bs) for c, n in step]
         pages = 1 + sum(blocks)
         layer_elems = 2 * bs * kv_heads * dim
@@ -100,43 +103,38 @@ class PagedLayer:
         self.cache = pool[:, :layer_elems].view(pages, 2, bs, kv_heads, dim)
         self.cache.normal_()
         order = rng.permutation(np.arange(1, pages))
-        self.tables, taken = [], 0
-        for nb in blocks:
-            self.tables.append(order[taken:taken + nb].tolist())
+        table = np.zeros((1, len(step), max(blocks)), dtype=np.int64)
+        taken = 0
+        for i, nb in enumerate(blocks):
+            table[0, i, :nb] = order[taken:taken + nb]
             taken += nb
+        self.table = torch.from_numpy(table).to(device)
         tokens = sum(n for _, n in step)
         self.q = torch.randn(tokens, q_heads, dim, dtype=dtype, device=device)
         counts = np.array([n for _, n in step])
-        starts = np.array([c for c, _ in step])
-        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        positions = np.arange(counts.sum()) - np.repeat(first_row, counts) + np.repeat(starts, counts)
-        spec = type("Spec", (), dict(kind=kind, sliding_window=window, chunk_size=0))
-        group = type("Group", (), dict(block_size=bs, pages_per_block=1, spec=spec))
-        runner = type("Runner", (), dict(device=device))
-        self.meta = ModelRunner._attention(runner, group, self.tables, np.repeat(np.arange(len(step)), counts),
-                                           positions, starts, counts, first_row, counts == 1)
+        self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
+                                           np.arange(len(step)), device)
+        self.meta = {"torch": paged_attention.build(self.inputs, self.table, self.spec, bs),
+                     "triton": kernel_attention.build(self.inputs, self.table, self.spec, bs)}
 
     def visible_keys(self) -> int:
         """Keys read by the step: per request, from the first key its first
         query sees to its last query."""
-        total = 0
-        for cached, count in self.step:
-            first = max(0, cached - self.window + 1) if self.kind == "sliding_window" else 0
-            total += cached + count - first
-        return total
+        return sum(cached + count - self.spec.first_visible(cached) for cached, count in self.step)
 
     def kv_bytes(self) -> int:
         _, _, _, heads, dim = self.cache.shape
         return self.visible_keys() * 2 * heads * dim * self.cache.element_size()
 
     def attend(self, name, scale):
-        with backend.use_backend(name):
-            return paged_attention(self.q, self.cache, self.meta, 0, scale, None)
+        if name == "torch":
+            return paged_attention.attend(self.q, self.cache, self.meta["torch"], 0, scale, None)
+        return kernel_attention.attend(backend.kernels(), self.q, self.cache, self.meta["triton"], 0, scale, None)
 
     def contiguous(self, context):
         """K and V of each request as [batch, kv_heads, context, dim] (the
         SDPA baseline's layout), copied once, outside the timing."""
-        rows = torch.tensor([t[:context // self.bs] for t in self.tables], device=self.cache.device)
+        rows = self.table[0, :, :context // self.bs]
         k = self.cache[rows, 0].flatten(1, 2).transpose(1, 2).contiguous()
         v = self.cache[rows, 1].flatten(1, 2).transpose(1, 2).contiguous()
         return k, v
@@ -171,16 +169,17 @@ def decode_rows(args, device, timer, peak):
             err_sdpa = (sdpa().squeeze(2).float() - ref.float()).abs().max().item()
             del k, v
             sweep = {}
-            rows_t, tables, q_pos, k_pos = layer.meta.kernel_inputs["decode"]
+            meta = layer.meta["triton"]
+            rows_t, slot_rows = meta.decode
+            q_pos, first = meta.positions[rows_t], meta.first_key[rows_t]
             ops = backend.kernels()
             out2 = torch.empty_like(layer.q)
             configs = ([(16, 1, 4), (32, 2, 4)] if args.quick else
                        [(n, s, w) for n in (32, 64, 128) for s in (1, 2, 4) for w in (4, 8)])
             for block_n, splits, warps in configs:
                 def run():
-                    ops.paged_decode_attention(out2, layer.q, layer.cache, rows_t, tables[0], q_pos, k_pos,
-                                               kind=kind, window=window, scale=scale, block_n=block_n,
-                                               splits=splits, num_warps=warps)
+                    ops.paged_decode_attention(out2, layer.q, layer.cache, rows_t, meta.table[0], slot_rows, q_pos,
+                                               first, scale=scale, block_n=block_n, splits=splits, num_warps=warps)
                 run()
                 assert (out2.float() - ref.float()).abs().max().item() <= max(4 * err, 5e-2), "sweep config is wrong"
                 sweep[f"block_n={block_n} splits={splits} warps={warps}"] = timer(run) * 1e6
@@ -223,16 +222,16 @@ def store_rows(args, device, timer, peak):
         layer = PagedLayer(device, [(0, tokens)], "full", 0, kv_heads, kv_heads, dim)
         k = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16, device=device)
         v = torch.randn_like(k)
-        slots = layer.meta.store_pages[0] * layer.bs + layer.meta.store_offsets
+        ref = layer.meta["torch"]
+        slots = layer.meta["triton"].slots[0]
         ops = backend.kernels()
         ops.store_kv(layer.cache, k, v, slots)
-        err = max((layer.cache[layer.meta.store_pages[0], 0, layer.meta.store_offsets] - k).abs().max().item(),
-                  (layer.cache[layer.meta.store_pages[0], 1, layer.meta.store_offsets] - v).abs().max().item())
+        err = max((layer.cache[ref.store_pages[0], 0, ref.store_offsets] - k).abs().max().item(),
+                  (layer.cache[ref.store_pages[0], 1, ref.store_offsets] - v).abs().max().item())
         t_kernel = timer(lambda: ops.store_kv(layer.cache, k, v, slots))
 
         def torch_store():
-            layer.cache[layer.meta.store_pages[0], 0, layer.meta.store_offsets] = k
-            layer.cache[layer.meta.store_pages[0], 1, layer.meta.store_offsets] = v
+            paged_attention.store(layer.cache, k, v, ref, 0)
 
         t_torch = timer(torch_store)
         moved = 2 * (k.numel() + v.numel()) * k.element_size() + slots.numel() * 8  # read + write

@@ -40,9 +40,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = ["tiny-gemma3"] if args.quick else args.models.split(",")
     num, repeat = (4, 1) if args.quick else (32, args.repeat)
-    tiled = attention._query_tiles
+    tiled = attention.query_tiles
 
-    def one_call(meta, seg):
+    def one_call(spec, seg):
         return [(0, seg.length, 0, seg.mask.shape[-1])]
 
     print(f"{num} prompts of 100-1000 tokens, prefill + 1 token, float32, {args.threads} threads, best of {repeat}")
@@ -57,7 +57,7 @@ def main() -> None:
             best = {"one": float("inf"), "tiles": float("inf")}
             for _ in range(repeat):
                 for name, tiles in (("one", one_call), ("tiles", tiled)):
-                    attention._query_tiles = tiles
+                    attention.query_tiles = tiles
                     start = time.perf_counter()
                     engine.generate(prompts, params, use_tqdm=False)
                     best[name] = min(best[name], time.perf_counter() - start)
@@ -65,7 +65,7 @@ def main() -> None:
             rows.append({"model": model, "one_call_s": best["one"], "query_tiles_s": best["tiles"],
                          "speedup": best["one"] / best["tiles"]})
     finally:
-        attention._query_tiles = tiled
+        attention.query_tiles = tiled
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"prompts": num, "repeat": repeat, "threads": args.threads, "models": rows}, f, indent=1)

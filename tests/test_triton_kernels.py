@@ -35,17 +35,24 @@ import torch.nn.functional as F  # noqa: E402
 pytest.importorskip("triton")
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
-from hybridkv.core import plan_layout  # noqa: E402
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, plan_layout  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.engine.runner import ModelRunner  # noqa: E402
-from hybridkv.layers import backend  # noqa: E402
+from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
 from hybridkv.layers import triton_ops as ops  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
-from hybridkv.layers.paged_attention import paged_attention, store_kv  # noqa: E402
+from hybridkv.layers.step import StepInputs  # noqa: E402
 from oracle import model_dir  # noqa: E402
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 KINDS = {"full": "full", "sliding": "sliding_window", "chunked": "chunked_local"}
+
+
+def make_spec(kind, size, kv_heads=2, dim=16):
+    if kind == "sliding_window":
+        return SlidingWindowSpec(kv_heads, dim, sliding_window=size)
+    if kind == "chunked_local":
+        return ChunkedLocalSpec(kv_heads, dim, chunk_size=size)
+    return FullAttentionSpec(kv_heads, dim)
 # (atol, rtol): float32 differs from the reference only by summation order.
 TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="real sizes: CUDA only (the interpreter would take hours)")
@@ -64,14 +71,6 @@ def layer_cache(pages, bs, kv_heads, dim, dtype, layers_per_page=2):
     pool = torch.zeros(pages, layers_per_page * layer_bytes + 16, dtype=torch.uint8, device=DEVICE)
     start = (layers_per_page - 1) * layer_bytes
     return pool[:, start:start + layer_bytes].view(dtype).view(pages, 2, bs, kv_heads, dim)
-
-
-def first_visible(kind, window, chunk, pos):
-    if kind == "sliding_window":
-        return max(0, pos - window + 1)
-    if kind == "chunked_local":
-        return pos // chunk * chunk
-    return 0
 
 
 def ints(values):
@@ -120,19 +119,21 @@ STEP = [(0, 9), (37, 21), (70, 1), (32, 1), (0, 1)]
 class AttentionCase:
     """Requests with `cached` tokens and `count` new ones in one step, their
     blocks on random pages (`width` pages per block, this layer in column
-    `column`), blocks the layer has released replaced by the null page.
+    `column`), blocks the layer has released replaced by the null page, in
+    a persistent table (`[width, slots, max_blocks]`, from key position 0)
+    at shuffled slot rows.
 
     poison=True (small cases): every slot holds NaN except the keys some
     query of the step may read. poison=False (real sizes): random values
     everywhere, NaN in the null page only."""
 
-    def __init__(self, kind, window, chunk, bs, group, dtype, dim=16, q_heads=4, width=1, column=0, seed=0,
+    def __init__(self, kind, size, bs, group, dtype, dim=16, q_heads=4, width=1, column=0, seed=0,
                  step=STEP, layers_per_page=2, poison=True):
         gen = torch.Generator().manual_seed(seed)
         rng = np.random.default_rng(seed)
-        self.kind, self.window, self.chunk, self.bs = kind, window, chunk, bs
-        self.step, self.width, self.column, self.dtype, self.poison = step, width, column, dtype, poison
         kv_heads = q_heads // group
+        self.spec = make_spec(kind, size, kv_heads, dim)
+        self.bs, self.step, self.width, self.column, self.dtype, self.poison = bs, step, width, column, dtype, poison
         blocks = [-(-(cached + count) // bs) for cached, count in step]
         self.cache = layer_cache(1 + sum(blocks) * width + 3, bs, kv_heads, dim, dtype, layers_per_page)
         if poison:
@@ -141,53 +142,50 @@ class AttentionCase:
             self.cache.normal_(generator=torch.Generator(DEVICE).manual_seed(seed))
             self.cache[0] = float("nan")
         free = rng.permutation(np.arange(1, self.cache.shape[0]))
-        self.tables, taken = [], 0  # per request: width page ids per block, flattened
-        for (cached, count), nb in zip(step, blocks):
+        self.slot_rows = rng.permutation(len(step) + 2)[:len(step)]  # rows of a table with spare slots
+        table = np.zeros((width, len(step) + 2, max(blocks) + 2), dtype=np.int64)
+        taken = 0
+        for (cached, count), nb, row in zip(step, blocks, self.slot_rows):
             pages = free[taken:taken + nb * width].reshape(nb, width).copy()
             taken += nb * width
-            live = first_visible(kind, window, chunk, cached)
+            live = self.spec.first_visible(cached)
             pages[(np.arange(nb) + 1) * bs <= live] = 0  # released blocks
-            self.tables.append(pages.reshape(-1).tolist())
+            table[:, row, :nb] = pages.T
             if poison:
                 for pos in range(live, cached + count):
                     page = int(pages[pos // bs, column])
                     self.cache[page, :, pos % bs] = torch.randn(2, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+        self.table = torch.from_numpy(table).to(DEVICE)
         tokens = sum(count for _, count in step)
         self.q = torch.randn(tokens, q_heads, dim, generator=gen).to(DEVICE, dtype)
-        self.meta = self._metadata()
+        counts = np.array([c for _, c in step])
+        self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
+                                           self.slot_rows, DEVICE)
+        self.meta = paged_attention.build(self.inputs, self.table, self.spec, bs)
+        self.kernel_meta = kernel_attention.build(self.inputs, self.table, self.spec, bs)
 
-    def _metadata(self):
-        """What the runner builds for this step (ModelRunner._attention)."""
-        counts = np.array([c for _, c in self.step])
-        starts = np.array([s for s, _ in self.step])
-        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        req_of_token = np.repeat(np.arange(len(self.step)), counts)
-        positions = np.arange(counts.sum()) - np.repeat(first_row, counts) + np.repeat(starts, counts)
-        spec = type("Spec", (), dict(kind=self.kind, sliding_window=self.window, chunk_size=self.chunk))
-        group = type("Group", (), dict(block_size=self.bs, pages_per_block=self.width, spec=spec))
-        runner = type("Runner", (), dict(device=torch.device(DEVICE)))
-        return ModelRunner._attention(runner, group, self.tables, req_of_token, positions, starts, counts,
-                                      first_row, counts == 1)
+    def fixed(self):
+        """The same step as a fixed-shape decode step (every sequence one
+        token; no host layout): (inputs, reference meta, kernel meta)."""
+        assert all(count == 1 for _, count in self.step)
+        inputs = StepInputs(self.inputs.input_ids, self.inputs.positions, self.inputs.slot_rows,
+                            self.inputs.seq_of_token)
+        return (inputs, paged_attention.build(inputs, self.table, self.spec, self.bs),
+                kernel_attention.build(inputs, self.table, self.spec, self.bs))
 
-    def reference(self, scale, softcap):
-        """The torch reference, NaNs zeroed (it multiplies the masked keys'
-        values by a zero weight, so it must not see NaN)."""
-        with backend.use_backend("torch"):
-            if self.poison:  # a clean copy (small)
-                return paged_attention(self.q, self.cache.nan_to_num(0.0), self.meta, self.column, scale,
-                                       softcap).float()
-            self.cache[0] = 0.0
-            try:
-                return paged_attention(self.q, self.cache, self.meta, self.column, scale, softcap).float()
-            finally:
-                self.cache[0] = float("nan")
-
-    def full_tables(self, rows):
-        """This layer's column of whole block tables (released blocks are the
-        null page), padded with the null page, from key position 0."""
-        cols = [t[self.column::self.width] for t in (self.tables[i] for i in rows)]
-        width = max(len(c) for c in cols)
-        return ints([c + [0] * (width - len(c)) for c in cols])
+    def reference(self, scale, softcap, meta=None):
+        """The torch reference on a NaN-free copy (it reads masked slots of
+        blocks it gathers; the engine's store keeps those finite, this test
+        poisons them)."""
+        meta = meta or self.meta
+        if self.poison:  # a clean copy (small)
+            return paged_attention.attend(self.q, self.cache.nan_to_num(0.0), meta, self.column, scale,
+                                          softcap).float()
+        self.cache[0] = 0.0
+        try:
+            return paged_attention.attend(self.q, self.cache, meta, self.column, scale, softcap).float()
+        finally:
+            self.cache[0] = float("nan")
 
 
 CASES = [("full", 0), ("sliding", 5), ("sliding", 23), ("sliding", 40), ("chunked", 24), ("chunked", 48)]
@@ -196,29 +194,30 @@ CASES = [("full", 0), ("sliding", 5), ("sliding", 23), ("sliding", 40), ("chunke
 def check_attention(case, scale, softcap, splits=1, direct=True):
     ref = case.reference(scale, softcap)
     atol, rtol = TOL[case.dtype]
-    # 1. Through the dispatch, on the runner's metadata.
-    with backend.use_backend("triton"):
-        out = paged_attention(case.q, case.cache, case.meta, case.column, scale, softcap)
+    # 1. Through the kernel backend's metadata and ops.
+    out = kernel_attention.attend(ops, case.q, case.cache, case.kernel_meta, case.column, scale, softcap)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     if not direct:
         return
-    # 2. The kernels on whole block tables that start with released (null) blocks.
+    # 2. The kernels called directly, with key splits and small tiles.
     out = torch.full_like(case.q, float("nan"))
     decode = [i for i, (_, count) in enumerate(case.step) if count == 1]
     prefill = [i for i, (_, count) in enumerate(case.step) if count > 1]
     rows = np.concatenate(([0], np.cumsum([c for _, c in case.step])[:-1]))
-    common = dict(kind=case.kind, window=case.window, chunk=case.chunk, scale=scale, softcap=softcap)
+    table = case.table[case.column]
+    positions = case.inputs.positions
+    first = case.spec.first_visible(positions)
+    slots = case.slot_rows
     if decode:
-        ops.paged_decode_attention(out, case.q, case.cache, ints(rows[decode]), case.full_tables(decode),
-                                   ints([case.step[i][0] for i in decode]), ints([0] * len(decode)),
-                                   splits=splits, block_n=16, **common)
+        r = ints(rows[decode])
+        ops.paged_decode_attention(out, case.q, case.cache, r, table, ints(slots[decode]), positions[r], first[r],
+                                   scale=scale, softcap=softcap, splits=splits, block_n=16)
     if prefill:
         ops.paged_prefill_attention(out, case.q, case.cache, ints(rows[prefill]),
-                                    ints([case.step[i][1] for i in prefill]), case.full_tables(prefill),
-                                    ints([case.step[i][0] for i in prefill]), ints([0] * len(prefill)),
-                                    max_length=max(case.step[i][1] for i in prefill), block_m=16, block_n=32,
-                                    **common)
+                                    ints([case.step[i][1] for i in prefill]), table, ints(slots[prefill]), positions,
+                                    first, max_length=max(case.step[i][1] for i in prefill), scale=scale,
+                                    softcap=softcap, block_m=16, block_n=32)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
 
@@ -228,13 +227,13 @@ def check_attention(case, scale, softcap, splits=1, direct=True):
 def test_paged_attention_matches_the_reference_float32(kind, size, bs, group):
     # Windows smaller than a block, larger and not a multiple of it; chunks
     # of one and several blocks; GQA ratios 1/2/4; key splits in the direct run.
-    case = AttentionCase(KINDS[kind], size, size, bs, group, torch.float32, seed=bs + group)
+    case = AttentionCase(KINDS[kind], size, bs, group, torch.float32, seed=bs + group)
     check_attention(case, scale=0.3, softcap=None, splits=1 + group // 2)
 
 
 @pytest.mark.parametrize("kind,size", CASES)
 def test_paged_attention_matches_the_reference_bfloat16(kind, size):
-    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.bfloat16, seed=7)
+    case = AttentionCase(KINDS[kind], size, 16, 2, torch.bfloat16, seed=7)
     check_attention(case, scale=0.3, softcap=None, splits=2)
 
 
@@ -242,18 +241,18 @@ def test_paged_attention_matches_the_reference_bfloat16(kind, size):
 def test_soft_capped_attention_matches_the_reference(kind, size):
     # Gemma-2's logit soft-cap (and Gemma-3's query_pre_attn_scalar scale);
     # large scores so that the cap really bends them.
-    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.float32, seed=3)
+    case = AttentionCase(KINDS[kind], size, 16, 2, torch.float32, seed=3)
     check_attention(case, scale=2.0, softcap=5.0, splits=2)
 
 
 def test_a_layer_in_a_later_column_of_multi_page_blocks():
     # A group whose block spans 3 pages; the layer reads column 2.
-    case = AttentionCase("sliding_window", 23, 0, 16, 2, torch.float32, width=3, column=2, seed=11)
+    case = AttentionCase("sliding_window", 23, 16, 2, torch.float32, width=3, column=2, seed=11)
     check_attention(case, scale=0.25, softcap=None)
 
 
 def test_head_dim_not_a_power_of_two():
-    case = AttentionCase("full", 0, 0, 16, 4, torch.float32, dim=24, seed=5, step=[(0, 5), (20, 1), (41, 1)])
+    case = AttentionCase("full", 0, 16, 4, torch.float32, dim=24, seed=5, step=[(0, 5), (20, 1), (41, 1)])
     check_attention(case, scale=24 ** -0.5, softcap=None)
 
 
@@ -263,27 +262,44 @@ def test_long_prefill_in_query_tiles_matches_one_masked_call(kind, size, monkeyp
     # The reference cuts a long prefill segment into query tiles with
     # only the key columns they can see; the result must be what one masked
     # call over all keys gives (fresh prompt, and one continuing mid-block).
-    import hybridkv.layers.paged_attention as pa
-
-    case = AttentionCase(KINDS[kind], size, size, 16, 2, torch.float32, seed=size,
-                         step=[(0, 600), (45, 530), (7, 1)])
+    case = AttentionCase(KINDS[kind], size, 16, 2, torch.float32, seed=size, step=[(0, 600), (45, 530), (7, 1)])
     tiled = case.reference(0.3, None)
-    assert any(len(pa._query_tiles(case.meta, seg)) > 2 for seg in case.meta.prefills)
-    monkeypatch.setattr(pa, "_query_tiles", lambda meta, seg: [(0, seg.length, 0, seg.mask.shape[-1])])
+    assert any(len(paged_attention.query_tiles(case.spec, seg)) > 2 for seg in case.meta.prefills)
+    monkeypatch.setattr(paged_attention, "query_tiles", lambda spec, seg: [(0, seg.length, 0, seg.mask.shape[-1])])
     torch.testing.assert_close(tiled, case.reference(0.3, None), atol=2e-6, rtol=1e-5)
 
 
-def test_store_through_the_dispatch_matches_the_reference():
-    case = AttentionCase("full", 0, 0, 16, 2, torch.float32, width=2, column=1, seed=2)
+@pytest.mark.parametrize("kind,size", [("full", 0), ("sliding", 5), ("sliding", 23), ("chunked", 24)])
+def test_fixed_shape_decode_metadata_reads_what_the_exact_one_reads(kind, size):
+    # A decode-only step at fixed shapes (no host layout: what a CUDA graph
+    # captures) gives what the eager metadata gives, on both backends.
+    step = [(70, 1), (32, 1), (0, 1), (5, 1), (44, 1)]
+    case = AttentionCase(KINDS[kind], size, 16, 2, torch.float32, seed=13, step=step)
+    exact = case.reference(0.3, None)
+    _, ref_meta, kernel_meta = case.fixed()
+    assert len(ref_meta.decodes) == 1 and ref_meta.decodes[0].pages.shape[-1] == \
+        paged_attention.read_bound(case.spec, 16, case.table.shape[2])
+    torch.testing.assert_close(case.reference(0.3, None, meta=ref_meta), exact, atol=2e-6, rtol=1e-5)
+    out = kernel_attention.attend(ops, case.q, case.cache, kernel_meta, case.column, 0.3, None)
+    torch.testing.assert_close(out.float(), exact, atol=2e-5, rtol=1e-5)
+
+
+def test_store_matches_the_reference_and_zeroes_the_rest_of_the_last_block():
+    case = AttentionCase("full", 0, 16, 2, torch.float32, width=2, column=1, seed=2)
     cache = case.cache.nan_to_num(0.0)
     tokens, heads, dim = case.q.shape[0], cache.shape[3], cache.shape[4]
     k, v = torch.randn(tokens, heads, dim, device=DEVICE), torch.randn(tokens, heads, dim, device=DEVICE)
+    cache[:] = float("nan")  # what another layer type may have left in the pages
     expected = cache.clone()
-    with backend.use_backend("torch"):
-        store_kv(expected, k, v, case.meta, case.column)
-    with backend.use_backend("triton"):
-        store_kv(cache, k, v, case.meta, case.column)
-    assert torch.equal(cache, expected)
+    paged_attention.store(expected, k, v, case.meta, case.column)
+    kernel_attention.store(ops, cache, k, v, case.kernel_meta, case.column)
+    written = ~torch.isnan(cache)
+    assert torch.equal(cache[written], expected[written])  # the kernel writes the same slots
+    # The reference also zeroes each sequence's last block after its last new token.
+    for (cached, count), row in zip(case.step, case.slot_rows):
+        last = cached + count - 1
+        page = int(case.table[case.column, row, last // 16])
+        assert torch.equal(expected[page, :, last % 16 + 1:], torch.zeros_like(expected[page, :, last % 16 + 1:]))
 
 
 # -- Mamba decode step ---------------------------------------------------------
@@ -402,30 +418,32 @@ def test_engine_with_triton_kernels_generates_the_reference_tokens(tmp_path_fact
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [[(5 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 5, 1))]
 
-    def generate(name):
-        with backend.use_backend(name):
-            engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, device=DEVICE,
-                            progress=False)
-            outs = engine.generate(prompts, params, use_tqdm=False)
-            assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
-            return [o.outputs[0].token_ids for o in outs]
+    def generate(name, fixed=False):
+        engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, device=DEVICE,
+                        progress=False, backend=name, fixed_shape_decode=fixed)
+        assert engine.backend.name == name
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        return [o.outputs[0].token_ids for o in outs]
 
-    assert generate("triton") == generate("torch")
+    reference = generate("torch")
+    assert generate("triton") == reference
+    assert generate("triton", fixed=True) == reference
 
 
-def test_backend_switch_auto_is_the_reference_on_cpu_and_triton_there_needs_the_interpreter(monkeypatch):
-    with backend.use_backend("auto"):
-        assert not backend.use_triton(torch.zeros(1))
-        assert backend.use_triton(torch.zeros(1, device="cuda")) if DEVICE == "cuda" else True
-    with backend.use_backend("torch"):
-        assert not backend.use_triton(torch.zeros(1, device=DEVICE))
-    with backend.use_backend("triton"):
-        assert backend.use_triton(torch.zeros(1, device=DEVICE))
-        monkeypatch.setattr(ops, "INTERPRETED", False)
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-            backend.use_triton(torch.zeros(1))
+def test_backend_is_chosen_once_auto_is_the_reference_on_cpu_and_triton_there_needs_the_interpreter(monkeypatch):
+    assert backend.choose("auto", "cpu").name == "torch"
+    assert backend.choose("torch", DEVICE).name == "torch"
+    assert backend.choose("triton", DEVICE).name == "triton"
+    if DEVICE == "cuda":
+        assert backend.choose("auto", "cuda").name == "triton"
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "torch")
+    assert backend.choose(None, DEVICE).name == "torch"
+    monkeypatch.setattr(ops, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        backend.choose("triton", "cpu")
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        backend.set_backend("cuda")
+        backend.choose("cuda", DEVICE)
 
 
 # -- compiled for an H100, without one -------------------------------------------
@@ -466,15 +484,15 @@ for dt in ("bf16", "fp32"):
     prec = "ieee" if dt == "fp32" else "tf32"
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
-    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", qpos_ptr="*i64", kpos_ptr="*i64", scale=0.1,
-                  softcap=0.0, window=1024, chunk=8192, max_blocks=512, **qo, **strides)
-    for kind, splits in ((0, 1), (1, 4), (2, 2)):
-        compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
-                part_l_ptr="*fp32"), dict(KIND=kind, HAS_SOFTCAP=kind == 1, BLOCK_SIZE=BS, GROUP=G, GROUP_PAD=16,
-                HEAD_DIM=D, DIM_PAD=D, BLOCK_N=64, SPLITS=splits, PRECISION=prec))
-    for kind in (0, 1, 2):
-        compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64"),
-                dict(KIND=kind, HAS_SOFTCAP=kind == 2, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
+    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", slot_ptr="*i64", first_ptr="*i64", scale=0.1,
+                  softcap=0.0, max_blocks=512, **qo, **strides)
+    for softcap, splits in ((False, 1), (True, 4), (False, 2)):
+        compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
+                part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
+                GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=64, SPLITS=splits, PRECISION=prec))
+    for softcap in (False, True):
+        compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
+                dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
                      BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec),
                 num_warps=4 if dt == "fp32" else 8)
     compile(ops._combine_splits_kernel, dict(out_ptr=p, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
@@ -535,7 +553,7 @@ def real_size_step(context, batch, seed=0):
 @pytest.mark.parametrize("kind", ["full", "sliding_window"])
 def test_real_size_gemma3_27b_decode_batch_64(context, kind):
     g = GEMMA3_27B
-    case = AttentionCase(kind, g["window"], 0, 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
+    case = AttentionCase(kind, g["window"], 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
                          step=real_size_step(context, 64), layers_per_page=2 if context <= 8192 else 1,
                          poison=False)
     check_attention(case, scale=g["scale"], softcap=None, direct=False)
@@ -548,7 +566,7 @@ def test_real_size_gemma3_27b_mixed_prefill_and_decodes(kind):
     # A 2048-token chunk after 6144 cached tokens, beside 32 decodes at 8K.
     g = GEMMA3_27B
     step = [(6144, 2048)] + real_size_step(8192, 32, seed=1)
-    case = AttentionCase(kind, g["window"], 0, 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
+    case = AttentionCase(kind, g["window"], 16, g["group"], torch.bfloat16, dim=g["dim"], q_heads=g["q_heads"],
                          step=step, poison=False)
     check_attention(case, scale=g["scale"], softcap=None, direct=False)
 
@@ -575,13 +593,13 @@ def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel_check.check(ops, device)  # the kernels agree with the dense rules
 
-    class Broken:  # a decode kernel that ignores the window
+    class Broken:  # a decode kernel that reads one key too many below the window
         def __getattr__(self, name):
             return getattr(ops, name)
 
-        def paged_decode_attention(self, *args, **kw):
-            kw["window"] = kw["window"] + 7 if kw["window"] else 0
-            return ops.paged_decode_attention(*args, **kw)
+        def paged_decode_attention(self, out, q, cache, rows, table, slots, q_pos, first_key, **kw):
+            return ops.paged_decode_attention(out, q, cache, rows, table, slots, q_pos, (first_key - 1).clamp(min=0),
+                                              **kw)
 
     with pytest.raises(AssertionError, match="decode attention"):
         kernel_check.check(Broken(), device)

@@ -45,11 +45,8 @@ def _by_spec(specs: dict[str, LayerSpec]) -> dict[LayerSpec, int]:
 
 
 def _kept_tokens(spec: AttentionSpec, tokens: int) -> int:
-    if spec.kind == "sliding_window":
-        return min(tokens, spec.sliding_window - 1)
-    if spec.kind == "chunked_local":
-        return min(tokens, tokens % spec.chunk_size or spec.chunk_size)
-    return tokens
+    """Keys the next query (at position `tokens`) reads, besides its own."""
+    return tokens - spec.first_visible(tokens)
 
 
 def exact_bytes(specs: dict[str, LayerSpec], tokens: int) -> int:

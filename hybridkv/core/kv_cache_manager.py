@@ -151,16 +151,8 @@ class KVCacheManager:
     def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
         and, on the first call, beyond the prefix hit, which it takes).
-        False, with nothing changed, if the pool cannot hold them now."""
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is not None and req.started and type(num_new_tokens) is int and num_new_tokens >= 0:
-            # Decode fast path (the coordinator's, inlined: it runs for every
-            # request every step): the tokens fit in the blocks the request has.
-            target = req.num_computed + num_new_tokens
-            if target <= req.capacity and req.steady and target <= len(req.tokens):
-                if target > req.num_allocated:
-                    req.num_allocated = target
-                return True
+        False, with nothing changed, if the pool cannot hold them now.
+        (A decode step over many requests: `allocate_slots_many`.)"""
         req = self._get(request_id)
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
         hit = None if req.started else self._hit(req)
@@ -179,13 +171,8 @@ class KVCacheManager:
 
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """The forward pass computed the next `num_tokens` tokens: cache the
-        blocks they complete and release what the layers no longer read."""
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is not None and type(num_tokens) is int and num_tokens >= 0:
-            n = req.num_computed + num_tokens
-            if n < req.next_event and n <= req.num_allocated:
-                req.num_computed = n  # decode fast path: nothing completes or leaves a window
-                return
+        blocks they complete and release what the layers no longer read.
+        (A decode step over many requests: `mark_computed_many`.)"""
         req = self._get(request_id)
         num_tokens = _count(num_tokens, "num_tokens")
         if req.num_computed + num_tokens > req.num_allocated:
@@ -197,21 +184,21 @@ class KVCacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their slots come with the next
-        allocate_slots)."""
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is None:
-            req = self._get(request_id)
-        if type(token_ids) is list and len(token_ids) == 1:
-            token = token_ids[0]
-            if type(token) is int and token >= 0:  # the decode step's one sampled token
-                req.tokens.append(token)
-                return
-        req.tokens.extend(_token_list(token_ids, "token_ids"))
+        allocate_slots). (One token each for many requests:
+        `append_token_ids_many`.)"""
+        self._get(request_id).tokens.extend(_token_list(token_ids, "token_ids"))
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """The request's token ids, prompt and appended: the manager's own
+        list, live (an engine reads it instead of keeping a copy; never
+        modify it but through append_token_ids)."""
+        return self._get(request_id).tokens
 
     # -- a decode step for many requests at once ------------------------------
-    # The same calls for a list of requests, with the fast paths inlined: a
-    # scheduler decoding hundreds of requests per step saves a method call
-    # and the argument checks per request.
+    # The calls an engine's decode step makes, for a list of requests, with
+    # the coordinator's fast paths inlined: a step decoding hundreds of
+    # requests saves a method call and the argument checks per request. The
+    # single-request calls above take the general path.
     def allocate_slots_many(self, request_ids: Sequence[str], num_new_tokens: int = 1) -> int:
         """`allocate_slots` for each request in order; stops at the first that
         does not fit and returns how many got their slots."""

@@ -142,16 +142,16 @@ def _spec_brief(spec: LayerSpec) -> str:
 
 
 def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
+    """At most this many blocks of a request at once: a Mamba group one
+    state; an attention group the blocks covering what the next queries
+    read (at most span - 1 earlier keys) and the `chunk` tokens being
+    computed, a range that may straddle one more block boundary."""
+    if group.kind == "mamba":
+        return 1  # one live recurrent state
     bs = group.block_size
     all_blocks = -(-num_tokens // bs)
-    spec = group.spec
-    if spec.kind == "full":
-        return all_blocks
-    if spec.kind == "sliding_window":
-        return min(all_blocks, -(-(spec.sliding_window - 1 + chunk) // bs) + 1)
-    if spec.kind == "chunked_local":
-        return min(all_blocks, -(-(spec.chunk_size + chunk) // bs) + 1)
-    return 1  # one live recurrent state
+    span = group.spec.span
+    return all_blocks if span is None else min(all_blocks, -(-(span - 1 + chunk) // bs) + 1)
 
 
 def _mamba_layer_layout(spec: MambaSpec) -> tuple[int, tuple[int, ...]]:

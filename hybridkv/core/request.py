@@ -51,7 +51,7 @@ class CacheRequest:
         self.steady = False
         self.next_event = 0
         self.prompt_bytes = None  # canonical bytes of the prompt, for hashing
-        self.table_version = next(_versions)  # renewed whenever an attention block table changes
+        self.table_version = next(_versions)  # renewed whenever a block table or a Mamba state block changes
 
     def tables_changed(self) -> None:
         self.table_version = next(_versions)

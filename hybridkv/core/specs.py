@@ -55,12 +55,38 @@ class AttentionSpec:
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.bytes_per_token
 
+    # The read rule. A query at position i reads the keys first_visible(i) ..
+    # i, a contiguous range for every attention type; this is the one place
+    # that says where it starts. It takes ints, numpy arrays or torch
+    # tensors alike (the managers, the runner's metadata and the kernels'
+    # inputs all call it). `last_reader(j)`, its inverse, is the last query
+    # position that still reads key j (NEVER: every later one does).
+    @property
+    def span(self) -> int | None:
+        """Keys one query reads at most, itself included (None: unbounded)."""
+        return None
+
+    def first_visible(self, q):
+        raise NotImplementedError
+
+    def last_reader(self, j: int) -> int:
+        raise NotImplementedError
+
+
+NEVER = 1 << 62  # a position no request reaches
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Query i reads keys j <= i: the layer keeps every token."""
 
     kind = "full"
+
+    def first_visible(self, q):
+        return q * 0
+
+    def last_reader(self, j: int) -> int:
+        return NEVER
 
 
 @dataclass(frozen=True)
@@ -75,6 +101,17 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         _require_positive("SlidingWindowSpec", sliding_window=self.sliding_window)
 
+    @property
+    def span(self) -> int:
+        return self.sliding_window
+
+    def first_visible(self, q):
+        start = q - (self.sliding_window - 1)
+        return start * (start > 0)  # max(0, start) for ints, numpy and torch alike
+
+    def last_reader(self, j: int) -> int:
+        return j + self.sliding_window - 1
+
 
 @dataclass(frozen=True)
 class ChunkedLocalSpec(AttentionSpec):
@@ -86,6 +123,16 @@ class ChunkedLocalSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_positive("ChunkedLocalSpec", chunk_size=self.chunk_size)
+
+    @property
+    def span(self) -> int:
+        return self.chunk_size
+
+    def first_visible(self, q):
+        return q // self.chunk_size * self.chunk_size
+
+    def last_reader(self, j: int) -> int:
+        return (j // self.chunk_size + 1) * self.chunk_size - 1
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ the paged hybrid KV cache.
     outs = engine.generate(["Hello", [1, 17, 42]], SamplingParams(temperature=0, max_tokens=32))
 
 The step loop (docs/engine.md): schedule (scheduler.py) -> copy pages for
-copy-on-write, build metadata and run the model (runner.py) -> mark the
-computed tokens in the KV cache manager (caches full blocks, releases what
-left a window) -> sample -> append tokens, fork n > 1 children after the
-prompt, check stop conditions, free finished sequences.
+copy-on-write, write the step's inputs and run the model (runner.py; decode
+steps at fixed shapes, captured as CUDA graphs on a GPU) -> mark the computed
+tokens in the KV cache manager (caches full blocks, releases what left a
+window) -> sample the batch (sampler.py) -> append tokens, fork n > 1
+children after the prompt, check stop conditions, free finished sequences.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 from ..core import KVCacheManager, plan_layout
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
+from ..layers.backend import choose as choose_backend
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
-from .outputs import CompletionOutput, RequestOutput
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .runner import ModelRunner
 from .sampler import sample
@@ -45,7 +48,12 @@ class Engine:
     def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
                  dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
-                 checkpoint_policy: str = "hybridkv", progress: bool = True):
+                 checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
+                 enforce_eager: bool = False, fixed_shape_decode: bool | None = None):
+        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
+        "triton" (layers/backend.py), chosen once here. `enforce_eager`: no
+        CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
+        shapes (None: where CUDA graphs capture them)."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -63,8 +71,11 @@ class Engine:
         self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy)
-        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.backend = choose_backend(backend, self.device)
+        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
+                                  self.max_model_len, enforce_eager=enforce_eager,
+                                  fixed_shape_decode=fixed_shape_decode)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
@@ -123,6 +134,9 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} continuations cannot run together: max_num_seqs is "
+                             f"{self.scheduler.max_num_seqs}")
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -142,8 +156,8 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, text, ids, params, time.perf_counter(), cache_salt)
         seq_id = request_id if params.n == 1 else f"{request_id}#0"
-        seq = Sequence(seq_id, request, 0, list(ids), self._generator(params, 0))
-        self.scheduler.add(seq)  # the KV cache manager checks the ids once more
+        seq = Sequence(seq_id, request, 0, self._generator(params, 0))
+        self.scheduler.add(seq, ids)  # the KV cache manager checks the ids once more
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.num_prompt_tokens += len(ids)
@@ -181,8 +195,12 @@ class Engine:
                 s.seq.request.metrics.first_scheduled_time = now
         logits = self.runner.execute(steps)
         self.num_steps += 1
+        kv = self.kv
+        decodes = [s.seq.seq_id for s in steps if s.count == 1]
+        kv.mark_computed_many(decodes, 1)
         for s in steps:
-            self.kv.mark_computed(s.seq.seq_id, s.count)
+            if s.count > 1:
+                kv.mark_computed(s.seq.seq_id, s.count)
         # Who samples from which logits row: every step that reaches the end
         # of its tokens; a prompt with n > 1 forks its children now, and they
         # all sample from the prompt's last row.
@@ -204,6 +222,8 @@ class Engine:
                             [q.generator for q, _ in to_sample], self.generator)
         else:
             tokens = []
+        sampled = [(seq, token) for (seq, _), token in zip(to_sample, tokens) if token is not None]
+        kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
         now = time.perf_counter()
         for (seq, _), token in zip(to_sample, tokens):
             request = seq.request
@@ -211,8 +231,6 @@ class Engine:
             if token is None:
                 self._finish(seq, "error")
                 continue
-            seq.token_ids.append(token)
-            self.kv.append_token_ids(seq.seq_id, [token])
             self.num_generated_tokens += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -234,7 +252,7 @@ class Engine:
         for index in range(1, request.params.n):
             child_id = f"{request.request_id}#{index}"
             self.kv.fork(parent.seq_id, child_id)
-            child = Sequence(child_id, request, index, list(parent.token_ids), self._generator(request.params, index))
+            child = Sequence(child_id, request, index, self._generator(request.params, index))
             self.scheduler.add_running(child)
             request.sequences.append(child)
             children.append(child)
@@ -245,16 +263,29 @@ class Engine:
         params = seq.request.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
-            for stop in params.stop:
-                found = text.find(stop)
-                if found >= 0:
-                    seq.text = text[:found]
-                    return "stop"
+        if params.stop and self.tokenizer is not None and self._stop_string(seq, params):
+            return "stop"
         if seq.num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
+
+    def _stop_string(self, seq: Sequence, params: SamplingParams) -> bool:
+        """Does the new token complete a stop string? The text grows by the
+        new token's characters only, and only its tail can hold a new match:
+        work per new token, not per token generated so far."""
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        detokenizer = seq.detokenizer
+        before = len(detokenizer.text)
+        if not detokenizer.update(seq.token_ids, seq.num_prompt_tokens):
+            return False
+        text = detokenizer.text
+        since = max(0, before - max(len(stop) for stop in params.stop) + 1)
+        found = [i for i in (text.find(stop, since) for stop in params.stop) if i >= 0]
+        if not found:
+            return False
+        seq.text = text[:min(found)]
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -266,12 +297,16 @@ class Engine:
         completions = []
         for seq in request.sequences:
             text = seq.text
-            if text is None:
-                text = ""
-                if seq.status is Status.FINISHED and self.tokenizer is not None:
-                    text = self.tokenizer.decode(seq.output_ids,
-                                                 skip_special_tokens=request.params.skip_special_tokens)
-            completions.append(CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason))
+            if seq.status is Status.FINISHED:
+                token_ids = seq.output_ids  # one copy, at the end
+                if text is None:
+                    text = ""
+                    if self.tokenizer is not None:
+                        text = self.tokenizer.decode(token_ids, skip_special_tokens=request.params.skip_special_tokens)
+            else:
+                token_ids = TokenIds(seq.token_ids, seq.num_prompt_tokens)  # a live view: no copy per step
+                text = text or ""
+            completions.append(CompletionOutput(seq.index, text, token_ids, seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics)
 

@@ -2,14 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class TokenIds(Sequence):
+    """The output tokens of a running sequence, read from its live token
+    list (no copy per step: a step's outputs cost the same at token 10 and
+    at token 10,000). Compares equal to a list of the same ids."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int):
+        self._tokens, self._start = tokens, start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._tokens[self._start + i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + index]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
 
 
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list once finished; a live view while running
     finish_reason: str | None  # "length" | "stop" | "abort"; None while running
 
 

@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 
@@ -18,19 +19,23 @@ class Status(enum.Enum):
 
 class Sequence:
     """One continuation of a prompt: what the scheduler schedules and the
-    KV cache manager holds blocks for (under `seq_id`)."""
+    KV cache manager holds blocks for (under `seq_id`).
 
-    def __init__(self, seq_id: str, request: "Request", index: int, token_ids: list[int],
-                 generator: torch.Generator | None):
+    Its token ids (prompt + generated) are the manager's list, read here,
+    never copied: the scheduler sets `token_ids` when it hands the sequence
+    to the manager, and sampled tokens join through the manager."""
+
+    def __init__(self, seq_id: str, request: "Request", index: int, generator: torch.Generator | None):
         self.seq_id = seq_id
         self.request = request
         self.index = index
-        self.token_ids = token_ids  # prompt + generated
+        self.token_ids: list[int] = []  # the manager's list (set by the scheduler)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.generator = generator
         self.text: str | None = None  # set when a stop string cut it; else decoded at the end
+        self.detokenizer: IncrementalDetokenizer | None = None  # for stop strings, made on first use
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,10 +1,23 @@
 """The model runner: turns a scheduled step into tensors, runs the model over
 the paged cache, and returns the logits to sample from.
 
-All per-step metadata is built here, once per KV cache group (not per
-layer), with numpy over the whole batch: for every new token the page and
-slot it is stored at (one page per column of a multi-page block), and for
-every query the pages it reads and which of their keys it may see.
+Who builds what (docs/engine.md has the diagram):
+* the persistent tables (tables.py) hold every running sequence's block
+  table on the device, refreshed only where the manager changed them;
+* the runner writes the step's facts (`StepInputs`: tokens, positions, each
+  sequence's table row) into device tensors, once;
+* the backend chosen at start (layers/backend.py) turns them into its own
+  metadata, once per KV cache group, and its ops are what the layers call.
+
+Two kinds of step. A decode step (one new token per sequence) at fixed
+shapes: padded to a bucket of sequences (1, 2, 4, ... up to max_num_seqs),
+its inputs in preallocated buffers, padded rows pointing at the padding
+table row (sink pages) and never sampled; on CUDA each bucket's forward and
+LM head is captured once as a CUDA graph and replayed. Any other step
+(prefill chunks, mixed) runs eagerly with host-side metadata that reads only
+the blocks each query needs. On the CPU decode steps run eagerly too (no
+graph to gain, and the exact reads are cheaper than a bound), unless
+`fixed_shape_decode` asks for the fixed path (the tests do).
 """
 
 from __future__ import annotations
@@ -14,47 +27,45 @@ import torch
 
 from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
-from ..layers import backend
-from ..layers.batch import ForwardBatch, MambaBatch
+from ..layers.backend import Backend
 from ..layers.kv_buffers import KVBuffers
-from ..layers.paged_attention import AttentionMetadata, DecodeGroup, PrefillSegment, visible
+from ..layers.step import StepBatch, StepInputs
 from ..modeling.base import CausalLM
 from .scheduler import Scheduled
+from .tables import DeviceTables
 
 
-# Decode queries attended together: bigger groups mean fewer calls, smaller
-# ones less padding read when lengths differ. Split a group in two (at most
-# DECODE_GROUP queries apart) only where it would read over PADDING_LIMIT
-# times the blocks its queries need.
-DECODE_GROUP = 16
-PADDING_LIMIT = 1.25
-
-
-def decode_groups(lengths: np.ndarray) -> list[np.ndarray]:
-    """Indices of `lengths` (blocks each query reads), shortest first, in
-    groups that read little padding."""
-    order = np.argsort(lengths, kind="stable")
-    groups, start = [], 0
-    for end in range(1, len(order) + 1):
-        if end == len(order):
-            groups.append(order[start:end])
-            break
-        size = end + 1 - start
-        padded = size * lengths[order[end]]
-        if size > DECODE_GROUP and padded > PADDING_LIMIT * lengths[order[start:end + 1]].sum():
-            groups.append(order[start:end])
-            start = end
-    return groups
+def buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get their own shapes: powers of two, and
+    max_num_seqs itself."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, layout: KVCacheLayout, kv: KVCacheManager, device: torch.device):
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, kv: KVCacheManager, device: torch.device,
+                 backend: Backend, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+                 fixed_shape_decode: bool | None = None):
         self.model = model
         self.layout = layout
         self.kv = kv
         self.device = device
+        self.backend = backend
         self.buffers = KVBuffers(layout, device)
-        self._table_cache: dict[str, tuple] = {}
+        self.tables = DeviceTables(layout, kv, max_num_seqs, max_model_len, device, self.buffers.sink_page)
+        self.use_graphs = device.type == "cuda" and not enforce_eager
+        self.fixed_shape_decode = self.use_graphs if fixed_shape_decode is None else fixed_shape_decode
+        self.buckets = buckets(max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        size = self.buckets[-1]
+        self.decode_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.decode_positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.decode_slots = torch.full((size,), self.tables.pad_row, dtype=torch.int64, device=device)
+        self.decode_rows = torch.arange(size, device=device)
         for name, module in model.cache_layers().items():
             view = layout.layer_views.get(name)
             if view is None:
@@ -62,150 +73,105 @@ class ModelRunner:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
+            module.backend = backend
             if layout.groups[view.group].kind != "mamba":
                 module.cache = self.buffers.attention_cache(name)
 
+    def release(self, seq_id: str) -> None:
+        """The sequence no longer runs: its table row is free."""
+        self.tables.release(seq_id)
+
     @torch.inference_mode()
     def execute(self, steps: list[Scheduled]) -> torch.Tensor:
-        """Run one step; logits [sampled rows, vocab] for the steps that
-        complete their known tokens, in order."""
+        """Run one step; logits [sampled rows, vocab] (float32) for the
+        steps that complete their known tokens, in order."""
         for pairs in self.kv.take_copies().values():
             self.buffers.copy_pages(pairs)
-        batch, writes = self.prepare(steps)
-        hidden = self.model(batch)
-        for group, pages in writes.items():
-            self.buffers.scatter_states(pages, batch.mamba[group].states)
-        rows, end = [], 0
-        for step in steps:
-            end += step.count
-            if step.completes:
-                rows.append(end - 1)
-        if not rows:
+        rows = [self.tables.slot(s.seq.seq_id) for s in steps]
+        if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
+            return self._decode(steps, rows)
+        return self._eager(steps, rows)
+
+    # -- the fixed-shape decode step -------------------------------------------
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _decode(self, steps: list[Scheduled], rows: list[int]) -> torch.Tensor:
+        n = len(steps)
+        size = self.bucket(n)
+        host = np.zeros((3, size), dtype=np.int64)
+        host[0, :n] = [s.seq.token_ids[s.start] for s in steps]
+        host[1, :n] = [s.start for s in steps]
+        host[2, :n] = rows
+        host[2, n:] = self.tables.pad_row
+        staged = torch.from_numpy(host).to(self.device)  # one copy for the three
+        if self.use_graphs and size not in self.graphs:
+            self._capture(size)
+        self.decode_ids[:size] = staged[0]
+        self.decode_positions[:size] = staged[1]
+        self.decode_slots[:size] = staged[2]
+        if self.use_graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            return logits[:n]
+        return self.decode_forward(size)[:n]
+
+    def decode_forward(self, size: int) -> torch.Tensor:
+        """Forward and LM head of a decode step of `size` rows read from the
+        decode buffers: no host value, no data-dependent shape (this is what
+        a CUDA graph captures, and what torch.compile(fullgraph=True) takes)."""
+        inputs = StepInputs(self.decode_ids[:size], self.decode_positions[:size], self.decode_slots[:size],
+                            self.decode_rows[:size])
+        return self._forward(inputs, all_rows=True)
+
+    def _capture(self, size: int) -> None:
+        """Capture the bucket's decode step, run on padding only (the sink
+        pages), so that warming up and capturing change no real state."""
+        self.decode_slots[:size] = self.tables.pad_row
+        self.decode_positions[:size] = 0
+        self.decode_ids[:size] = 0
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels, settle allocations
+                self.decode_forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self.decode_forward(size)
+        self.graphs[size] = (graph, logits)
+
+    # -- any step, eagerly -------------------------------------------------------
+    def _eager(self, steps: list[Scheduled], rows: list[int]) -> torch.Tensor:
+        counts = np.fromiter((s.count for s in steps), dtype=np.int64, count=len(steps))
+        ids = np.fromiter((t for s in steps for t in s.seq.token_ids[s.start:s.start + s.count]), dtype=np.int64,
+                          count=int(counts.sum()))
+        inputs = StepInputs.from_host(ids, np.fromiter((s.start for s in steps), dtype=np.int64, count=len(steps)),
+                                      counts, rows, self.device)
+        hidden = self._forward(inputs, all_rows=False)
+        starts = inputs.host.starts
+        sampled = [int(starts[i] + counts[i] - 1) for i, s in enumerate(steps) if s.completes]
+        if not sampled:
             return torch.empty(0, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(sampled, device=self.device)])
 
-    def _tables(self, steps: list[Scheduled]) -> list:
-        """The block tables (page ids per group) of the step's sequences,
-        kept from the previous step while the manager has not changed them."""
-        previous, current = self._table_cache, {}
-        out = []
-        for s in steps:
-            seq_id = s.seq.seq_id
-            version = self.kv.table_version(seq_id)
-            cached = previous.get(seq_id)
-            if cached is None or cached[0] != version:
-                cached = (version, self.kv.get_block_tables(seq_id))
-            current[seq_id] = cached
-            out.append(cached[1])
-        self._table_cache = current
-        return out
-
-    # -- metadata ----------------------------------------------------------
-    def prepare(self, steps: list[Scheduled]):
-        kv, device = self.kv, self.device
-        counts = np.array([s.count for s in steps], dtype=np.int64)
-        starts = np.array([s.start for s in steps], dtype=np.int64)
-        total = int(counts.sum())
-        first_row = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        req_of_token = np.repeat(np.arange(len(steps)), counts)
-        positions = np.arange(total) - np.repeat(first_row, counts) + np.repeat(starts, counts)
-        input_ids = np.fromiter((t for s in steps for t in s.seq.token_ids[s.start:s.start + s.count]),
-                                dtype=np.int64, count=total)
-        tables = self._tables(steps)
-        batch = ForwardBatch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
-                             self.buffers)
-        writes = {}
-        decode = counts == 1
+    def _forward(self, inputs: StepInputs, all_rows: bool) -> torch.Tensor:
+        """Build each group's metadata with the backend, run the model, write
+        back the Mamba states; the logits of every row, or the hidden states."""
+        batch = StepBatch(inputs)
+        tables = self.tables
+        backend = self.backend
         for group in self.layout.groups:
+            g = group.index
             if group.kind == "mamba":
-                batch.mamba[group.index], writes[group.index] = self._mamba(group, steps, first_row, decode)
+                batch.mamba[g] = backend.mamba.build(inputs, self.buffers, tables.read[g], tables.write[g],
+                                                     tables.zero[g])
             else:
-                batch.attention[group.index] = self._attention(
-                    group, [t[group.index] for t in tables], req_of_token, positions, starts, counts, first_row,
-                    decode)
-        return batch, writes
-
-    def _attention(self, group, rows, req_of_token, positions, starts, counts, first_row, decode):
-        bs, width, device = group.block_size, group.pages_per_block, self.device
-        spec = group.spec
-        kind = spec.kind
-        window = getattr(spec, "sliding_window", 0)
-        chunk = getattr(spec, "chunk_size", 0)
-        table = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
-        for i, r in enumerate(rows):
-            table[i, :len(r)] = r
-        columns = np.arange(width)[:, None]
-        store_pages = table[req_of_token[None, :], (positions // bs)[None, :] * width + columns]
-        meta = AttentionMetadata(kind, window, chunk, bs, torch.from_numpy(store_pages).to(device),
-                                 torch.from_numpy(positions % bs).to(device))
-
-        def first_visible(q):
-            if kind == "sliding_window":
-                return np.maximum(0, q - window + 1)
-            if kind == "chunked_local":
-                return q // chunk * chunk
-            return np.zeros_like(q)
-
-        dec = np.nonzero(decode)[0]
-        if dec.size:
-            q_all = starts[dec]
-            lo_all, hi_all = first_visible(q_all) // bs, q_all // bs
-            # Shortest first, in groups: each group reads only up to its longest.
-            for part in decode_groups(hi_all - lo_all + 1):
-                q, lo, hi, rows = q_all[part], lo_all[part], hi_all[part], dec[part]
-                nb = int((hi - lo).max()) + 1
-                blocks = lo[:, None] + np.arange(nb)[None, :]
-                inside = blocks <= hi[:, None]
-                pages = table[rows[None, :, None], np.minimum(blocks, hi[:, None])[None] * width + columns[:, :, None]]
-                pages = np.where(inside[None], pages, 0)
-                key_pos = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(rows), nb * bs)
-                mask = visible(kind, window, chunk, torch.from_numpy(q[:, None]), torch.from_numpy(key_pos))
-                mask &= torch.from_numpy(np.repeat(inside, bs, axis=1))
-                meta.decodes.append(DecodeGroup(
-                    torch.from_numpy(first_row[rows]).to(device), torch.from_numpy(pages).to(device),
-                    mask.to(device), torch.from_numpy(q).to(device), torch.from_numpy(lo * bs).to(device),
-                    torch.from_numpy(hi - lo + 1).to(device)))
-        for i in np.nonzero(~decode)[0]:
-            start, count = int(starts[i]), int(counts[i])
-            lo, hi = int(first_visible(np.array([start]))[0]) // bs, (start + count - 1) // bs
-            blocks = np.arange(lo, hi + 1)
-            pages = table[i, blocks[None, :] * width + columns]
-            q_pos = torch.arange(start, start + count)[:, None]
-            k_pos = torch.from_numpy((blocks[:, None] * bs + np.arange(bs)).reshape(-1))[None, :]
-            meta.prefills.append(PrefillSegment(int(first_row[i]), count, torch.from_numpy(pages).to(device),
-                                                visible(kind, window, chunk, q_pos, k_pos).to(device),
-                                                start, lo * bs))
-        return meta
-
-    def _mamba(self, group, steps, first_row, decode):
-        states = [self.kv.get_state_blocks(s.seq.seq_id)[group.index] for s in steps]
-        width = group.pages_per_block
-        read = np.array([r if r is not None else (0,) * width for r, _ in states], dtype=np.int64)
-        write = np.array([w for _, w in states], dtype=np.int64)
-        zero = np.array([r is None for r, _ in states])
-        device = self.device
-        rows = np.nonzero(decode)[0]
-        if rows.size and backend.use_triton(self.buffers.pool):
-            return self._mamba_in_pool(read, write, zero, rows, np.nonzero(~decode)[0], steps, first_row)
-        gathered = self.buffers.gather_states(torch.from_numpy(read).to(device),
-                                              torch.from_numpy(zero).to(device) if zero.any() else None)
-        batch = MambaBatch(gathered, torch.from_numpy(rows).to(device), torch.from_numpy(first_row[rows]).to(device),
-                           [(int(i), int(first_row[i]), steps[i].count) for i in np.nonzero(~decode)[0]])
-        return batch, torch.from_numpy(write).to(device)
-
-    def _mamba_in_pool(self, read, write, zero, decodes, prefills, steps, first_row):
-        """Kernel path: the decode requests' states stay in the pool (the
-        kernels read and write their pages); only prefill rows are gathered
-        and written back."""
-        def dev(a):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-        if prefills.size:
-            zeros = dev(zero[prefills]) if zero[prefills].any() else None
-            gathered = self.buffers.gather_states(dev(read[prefills]), zeros)
-        else:
-            gathered = torch.empty(0, read.shape[1] * self.buffers.page_size, dtype=torch.uint8, device=self.device)
-        batch = MambaBatch(gathered, dev(np.zeros(0, dtype=np.int64)), dev(first_row[decodes]),
-                           [(j, int(first_row[i]), steps[i].count) for j, i in enumerate(prefills)],
-                           decode_pages=(dev(read[decodes]), dev(write[decodes]), dev(zero[decodes])))
-        return batch, dev(write[prefills])
+                batch.attention[g] = backend.attention.build(inputs, tables.attention[g], group.spec,
+                                                             group.block_size)
+        hidden = self.model(batch)
+        for meta in batch.mamba.values():
+            backend.mamba.finish(meta)
+        return self.model.compute_logits(hidden) if all_rows else hidden

@@ -2,11 +2,13 @@
 tokens each.
 
 Each step has a token budget. Running sequences go first, oldest first: a
-decoding one takes one token, one still in prefill takes the next chunk.
-Then waiting sequences are admitted first come, first served, while the
-budget, `max_num_seqs` and the KV cache allow; a prompt longer than what is
-left of the budget is prefilled in chunks over several steps. Every prefill
-chunk ends at the next Mamba checkpoint position, so the state there exists.
+decoding one takes one token (consecutive decoding sequences get their
+slots in one `allocate_slots_many` call), one still in prefill takes the
+next chunk. Then waiting sequences are admitted first come, first served,
+while the budget, `max_num_seqs` and the KV cache allow; a prompt longer than
+what is left of the budget is prefilled in chunks over several steps. Every
+prefill chunk ends at the next Mamba checkpoint position, so the state there
+exists.
 
 A waiting prompt whose next block is being computed in this very step by
 another sequence (two requests with the same system prompt arriving
@@ -22,6 +24,7 @@ caching usually gives most of them back).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..core import KVCacheManager
@@ -41,35 +44,51 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_release: Callable[[str], None] = lambda seq_id: None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.on_release = on_release  # a sequence left the running set (the runner frees its table row)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.kv.add_request(seq.seq_id, seq.token_ids, cache_salt=seq.request.cache_salt)
+    def add(self, seq: Sequence, token_ids) -> None:
+        """Queue a sequence with its prompt (the manager keeps the tokens;
+        the sequence reads them from there)."""
+        self.kv.add_request(seq.seq_id, token_ids, cache_salt=seq.request.cache_salt)
+        seq.token_ids = self.kv.token_ids(seq.seq_id)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked child: it already holds its blocks."""
+        seq.token_ids = self.kv.token_ids(seq.seq_id)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _drop(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        self.on_release(seq.seq_id)
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: free every block, requeue at the head."""
-        self.kv.free(seq.seq_id)
+        tokens = seq.token_ids
+        self._drop(seq)
         self.running.remove(seq)
-        self.kv.add_request(seq.seq_id, seq.token_ids, cache_salt=seq.request.cache_salt)
+        self.kv.add_request(seq.seq_id, tokens, cache_salt=seq.request.cache_salt)
+        seq.token_ids = self.kv.token_ids(seq.seq_id)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         seq.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+
+    def _decoding(self, seq: Sequence) -> bool:
+        """Has the sequence computed all but its last (sampled) token?"""
+        return self.kv.num_computed_tokens(seq.seq_id) == len(seq.token_ids) - 1
 
     def schedule(self) -> list[Scheduled]:
         kv = self.kv
@@ -80,6 +99,26 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._decoding(seq):
+                # The run of decoding sequences from here: slots for all in one call.
+                run = []
+                j = i
+                while j < len(self.running) and len(run) < budget and self._decoding(self.running[j]):
+                    run.append(self.running[j])
+                    j += 1
+                got = kv.allocate_slots_many([s.seq_id for s in run], 1)
+                for s in run[:got]:
+                    out.append(Scheduled(s, len(s.token_ids) - 1, 1))
+                    taken.add(s.seq_id)
+                i += got
+                budget -= got
+                if got == len(run):
+                    continue
+                seq = run[got]  # did not fit: make room, then retry from it
+                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
+                self.preempt(victim)
+                preempted = True
+                continue
             done = kv.num_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
             while not kv.allocate_slots(seq.seq_id, count):
@@ -97,8 +136,11 @@ class Scheduler:
             return out  # no room to admit anyone this step
         computing = self._keys_computed(out)
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            # A prompt with n > 1 forks n - 1 children once computed: room for all of them.
+            if len(self.running) + (1 if seq.request.forked else seq.request.params.n) > self.max_num_seqs:
+                break
             done = kv.get_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
             upcoming = kv.block_keys(seq.seq_id, done, done + count)
@@ -132,13 +174,13 @@ class Scheduler:
         return keys
 
     def finish(self, seq: Sequence) -> None:
-        self.kv.free(seq.seq_id)
+        self._drop(seq)
         self.running.remove(seq)
         seq.status = Status.FINISHED
 
     def abort(self, seq: Sequence) -> None:
         if seq.seq_id in self.kv:
-            self.kv.free(seq.seq_id)
+            self._drop(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

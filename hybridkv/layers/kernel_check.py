@@ -12,19 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
 from .mamba_ops import causal_conv_step, selective_scan_step
-from .paged_attention import visible
 
 _TOLERANCE = 2e-3  # float32 inputs; the kernels' dots may run in tf32
 
 
-def _dense_attention(q, cache, table, q_positions, kind, window, chunk, scale):
+def _dense_attention(q, cache, table, q_positions, spec, scale):
     """q [queries, heads, dim] at `q_positions`, keys = every slot of the
-    pages in `table` (positions from 0), under the layer's rule."""
-    bs, kv_heads = cache.shape[2], cache.shape[3]
+    pages in `table` (positions from 0), under the layer's read rule."""
+    kv_heads = cache.shape[3]
     keys = cache[table, 0].reshape(-1, kv_heads, cache.shape[-1])
     values = cache[table, 1].reshape(-1, kv_heads, cache.shape[-1])
-    mask = visible(kind, window, chunk, q_positions[:, None], torch.arange(keys.shape[0], device=q.device)[None, :])
+    k_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
+    mask = (k_pos >= spec.first_visible(q_positions[:, None])) & (k_pos <= q_positions[:, None])
     groups = q.shape[1] // kv_heads
     keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
@@ -48,27 +49,29 @@ def _check_attention(ops, device) -> None:
     q = torch.randn(len(lengths), kv_heads * groups, dim, generator=gen).to(device)
     scale = dim ** -0.5
     positions = torch.tensor([n - 1 for n in lengths], device=device)
-    for kind, window, chunk in (("full", 0, 0), ("sliding_window", 20, 0), ("chunked_local", 0, 32)):
+    rows = torch.arange(len(lengths), device=device)
+    for spec in (FullAttentionSpec(kv_heads, dim), SlidingWindowSpec(kv_heads, dim, sliding_window=20),
+                 ChunkedLocalSpec(kv_heads, dim, chunk_size=32)):
         out = torch.empty_like(q)
-        ops.paged_decode_attention(out, q, cache, torch.arange(len(lengths), device=device), table, positions,
-                                   torch.zeros_like(positions), kind=kind, window=window, chunk=chunk, scale=scale)
+        ops.paged_decode_attention(out, q, cache, rows, table, rows, positions, spec.first_visible(positions),
+                                   scale=scale)
         for r, nb in enumerate(blocks):
-            ref = _dense_attention(q[r:r + 1], cache, table[r, :nb], positions[r:r + 1], kind, window, chunk, scale)
+            ref = _dense_attention(q[r:r + 1], cache, table[r, :nb], positions[r:r + 1], spec, scale)
             error = (out[r].float() - ref[0]).abs().max().item()
             if not error < _TOLERANCE:
-                raise AssertionError(f"decode attention ({kind}) differs by {error}")
+                raise AssertionError(f"decode attention ({spec.kind}) differs by {error}")
         # A prefill chunk: queries 50..69 of the longest request.
         count, first = 20, lengths[2] - 20
         queries = torch.randn(count, kv_heads * groups, dim, generator=gen).to(device)
         out = torch.empty_like(queries)
         ints = lambda *v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        ops.paged_prefill_attention(out, queries, cache, ints(0), ints(count), table[2:3], ints(first), ints(0),
-                                    max_length=count, kind=kind, window=window, chunk=chunk, scale=scale)
-        ref = _dense_attention(queries, cache, table[2, :blocks[2]], torch.arange(first, first + count, device=device),
-                               kind, window, chunk, scale)
+        q_pos = torch.arange(first, first + count, device=device)
+        ops.paged_prefill_attention(out, queries, cache, ints(0), ints(count), table, ints(2), q_pos,
+                                    spec.first_visible(q_pos), max_length=count, scale=scale)
+        ref = _dense_attention(queries, cache, table[2, :blocks[2]], q_pos, spec, scale)
         error = (out.float() - ref).abs().max().item()
         if not error < _TOLERANCE:
-            raise AssertionError(f"prefill attention ({kind}) differs by {error}")
+            raise AssertionError(f"prefill attention ({spec.kind}) differs by {error}")
 
 
 def _check_store(ops, device) -> None:

@@ -1,5 +1,11 @@
-"""The KV cache memory: one byte buffer of `num_pages` pages, allocated once
-from the layout, and the typed views each layer takes of it."""
+"""The KV cache memory: one byte buffer of pages, allocated once from the
+layout, and the typed views each layer takes of it.
+
+Besides the layout's `num_pages` pages (page 0 the null page), a few sink
+pages follow at the end (`sink_page(column)`): the padded rows of a
+fixed-shape decode step write their K/V and Mamba states there, so that
+padding never touches a page a real request reads, the null page included
+(a masked read of the null page must find finite values)."""
 
 from __future__ import annotations
 
@@ -17,9 +23,11 @@ class KVBuffers:
     def __init__(self, layout: KVCacheLayout, device: torch.device | str = "cpu"):
         self.layout = layout
         self.page_size = layout.page_size_bytes
+        self.num_sink_pages = max((g.pages_per_block for g in layout.groups), default=1)
+        rows = layout.num_pages + self.num_sink_pages
         # Zeroed: positions a query may not read are masked, and masked values
         # must still be finite (0 * NaN would poison the weighted sum).
-        self.pool = torch.zeros(layout.num_pages, self.page_size, dtype=torch.uint8, device=device)
+        self.pool = torch.zeros(rows, self.page_size, dtype=torch.uint8, device=device)
         self._attention: dict[str, torch.Tensor] = {}
         for name, view in layout.layer_views.items():
             group = layout.groups[view.group]
@@ -28,11 +36,14 @@ class KVBuffers:
             spec = group.spec
             dtype = TORCH_DTYPES[spec.dtype]
             raw = self.pool[:, view.offset:view.offset + group.layer_bytes]
-            self._attention[name] = raw.view(dtype).view(
-                layout.num_pages, 2, group.block_size, spec.num_kv_heads, spec.head_size)
+            self._attention[name] = raw.view(dtype).view(rows, 2, group.block_size, spec.num_kv_heads, spec.head_size)
+
+    def sink_page(self, column: int = 0) -> int:
+        """A page no table of a real request names: padding writes here."""
+        return self.layout.num_pages + column
 
     def attention_cache(self, layer_name: str) -> torch.Tensor:
-        """[num_pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the pool."""
+        """[pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the pool."""
         return self._attention[layer_name]
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -42,22 +53,9 @@ class KVBuffers:
             dst = torch.tensor([d for _, d in pairs], device=self.pool.device)
             self.pool[dst] = self.pool[src]
 
-    # -- recurrent states --------------------------------------------------
-    def gather_states(self, read_pages: torch.Tensor, zero_rows: torch.Tensor | None) -> torch.Tensor:
-        """The states of R requests as one byte tensor [R, width * page]
-        (rows in `zero_rows` start from the zero state)."""
-        rows = read_pages.shape[0]
-        flat = self.pool[read_pages].reshape(rows, -1)
-        if zero_rows is not None:
-            flat[zero_rows] = 0
-        return flat
-
-    def scatter_states(self, write_pages: torch.Tensor, flat: torch.Tensor) -> None:
-        self.pool[write_pages] = flat.view(write_pages.shape[0], write_pages.shape[1], self.page_size)
-
     def state_views(self, flat: torch.Tensor, layer_name: str) -> list[torch.Tensor]:
-        """Typed views of one layer's state parts inside gathered states:
-        one tensor [R, *shape] per part (e.g. conv, ssm)."""
+        """Typed views of one layer's state parts inside gathered states
+        (`[R, state bytes]`): one tensor `[R, *shape]` per part (conv, ssm)."""
         view = self.layout.layer_views[layer_name]
         spec = self.layout.groups[view.group].spec
         out = []

@@ -1,96 +1,178 @@
 """Paged attention, torch reference: store the new tokens' K/V at their
-slots, then attend through the group's block table under the layer type's
-rule. Exact and simple on purpose: it is the oracle of the Triton kernels.
+slots, then attend through the group's block table. Exact and simple on
+purpose: it is the oracle of the Triton kernels (layers/kernel_attention.py).
 
-A layer's cache is a view `[num_pages, 2, block_size, kv_heads, head_dim]`
-(K then V) of the shared pool (engine/kv_buffers.py). A block of a group may
-span several pages; the layer reads the column of the block table that holds
-its pages (`column`).
+A layer's cache is a view `[pages, 2, block_size, kv_heads, head_dim]` (K
+then V) of the shared pool (kv_buffers.py). A block of a group may span
+several pages; the layer reads the column of the block table that holds its
+pages (`column`). Block tables are the runner's persistent ones: `[width,
+slots, max_blocks]`, one row per sequence slot, from key position 0.
 
-`store_kv` and `paged_attention` are what model code calls; on CUDA (or
-when forced) they hand over to hybridkv's Triton kernels (layers/backend.py
-decides, layers/triton_ops.py computes the same thing without gathering).
+Which keys a query at position i reads is the layer's read rule,
+`spec.first_visible(i)` .. i (core/specs.py); nothing here knows a layer type.
 
-Which keys a query at position i reads (DESIGN section 1):
-  full            j <= i
-  sliding window  i - W < j <= i
-  chunked local   j <= i and j // C == i // C
+Decode queries are attended together, each reading its own blocks from its
+first visible one (`DecodeGroup`): at fixed shapes (a step about to be
+captured) one group over a bound that holds for every position; in an eager
+step, groups of similar lengths that read little padding. Each prefill
+chunk attends on its own, a long one in query tiles that score only the
+keys they may see.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import backend
+from .step import StepInputs
+
+# Decode queries attended together: bigger groups mean fewer calls, smaller
+# ones less padding read when lengths differ. Split a group in two (at most
+# DECODE_GROUP queries apart) only where it would read over PADDING_LIMIT
+# times the blocks its queries need.
+DECODE_GROUP = 16
+PADDING_LIMIT = 1.25
 
 
-def visible(kind: str, window: int, chunk: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of keys each query may read (broadcasting q_pos vs k_pos)."""
-    mask = k_pos <= q_pos
-    if kind == "sliding_window":
-        mask &= k_pos > q_pos - window
-    elif kind == "chunked_local":
-        mask &= (k_pos // chunk) == (q_pos // chunk)
-    return mask
+def decode_groups(lengths: np.ndarray) -> list[np.ndarray]:
+    """Indices of `lengths` (blocks each query reads), shortest first, in
+    groups that read little padding."""
+    order = np.argsort(lengths, kind="stable")
+    groups, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order):
+            groups.append(order[start:end])
+            break
+        size = end + 1 - start
+        padded = size * lengths[order[end]]
+        if size > DECODE_GROUP and padded > PADDING_LIMIT * lengths[order[start:end + 1]].sum():
+            groups.append(order[start:end])
+            start = end
+    return groups
+
+
+def read_bound(spec, block_size: int, max_blocks: int) -> int:
+    """Blocks one query reads at most, wherever it is: ceil((span - 1) /
+    block_size) + 1 for a bounded span, every block otherwise."""
+    span = spec.span
+    return max_blocks if span is None else min(max_blocks, -(-(span - 1) // block_size) + 1)
+
+
+@dataclass
+class DecodeGroup:
+    """Queries with one token each, attended in one batched call."""
+
+    rows: torch.Tensor  # [R] query rows in the step's token tensor
+    pages: torch.Tensor  # [width, R, blocks] pages to read, from each query's first visible block
+    mask: torch.Tensor  # [R, blocks * block_size] keys visible to each query
 
 
 @dataclass
 class PrefillSegment:
-    """One request with several query tokens in this step."""
+    """One sequence with several query tokens in this step."""
 
     start: int  # first query row in the step's token tensor
     length: int
     pages: torch.Tensor  # [width, blocks] pages to read, per column
     mask: torch.Tensor  # [length, blocks * block_size] keys visible to each query
-    query_pos: int = 0  # position of the first query token
-    key_pos: int = 0  # position of the first key in pages (a multiple of block_size)
-
-
-@dataclass
-class DecodeGroup:
-    """Requests with one query token each, attended in one batched call.
-    The runner groups them by length so that little padding is read."""
-
-    rows: torch.Tensor  # [requests] query rows in the step's token tensor
-    pages: torch.Tensor  # [width, requests, blocks] pages to read, per column (null page as padding)
-    mask: torch.Tensor  # [requests, blocks * block_size] keys visible to each query
-    query_pos: torch.Tensor | None = None  # [requests] position of each query
-    key_pos: torch.Tensor | None = None  # [requests] position of the first key in pages (block aligned)
-    num_blocks: torch.Tensor | None = None  # [requests] blocks of pages actually used (the rest is padding)
+    query_pos: int  # position of the first query token
+    key_pos: int  # position of the first key in pages (a multiple of block_size)
 
 
 @dataclass
 class AttentionMetadata:
-    """What the attention layers of one KV cache group need for one step
-    (built once by the runner, shared by the group's layers)."""
+    """One KV cache group's step, as the reference ops read it."""
 
-    kind: str
-    window: int
-    chunk: int
-    block_size: int
+    spec: object
     store_pages: torch.Tensor  # [width, tokens] page of each new token, per column
     store_offsets: torch.Tensor  # [tokens] slot within the page
+    tail_pages: torch.Tensor  # [width, sequences, block_size - 1] each sequence's last block, per column
+    tail_slots: torch.Tensor  # [sequences, block_size - 1] the slots after its last new token (clamped)
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # The same metadata as kernel arguments, built on first use by a kernel
-    # backend and shared by the group's layers (layers/backend.py).
-    kernel_inputs: dict = field(default_factory=dict, repr=False)
 
 
-def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:
-    """Write the step's new K/V rows (`[tokens, kv_heads, head_dim]`) at their slots."""
-    if backend.use_triton(cache):
-        return backend.store_kv(cache, k, v, meta, column)
+def _decode_group(inputs: StepInputs, table: torch.Tensor, spec, bs: int, rows: torch.Tensor, seqs: torch.Tensor,
+                  blocks: int) -> DecodeGroup:
+    """Query rows `rows` of sequences `seqs` (device), each reading `blocks`
+    blocks from its first visible one. Device ops only: capturable."""
+    q_pos = inputs.positions[rows]
+    first = spec.first_visible(q_pos)
+    cols = (first // bs)[:, None] + torch.arange(blocks, device=q_pos.device)[None, :]  # [R, blocks]
+    # Columns past the table (a query near the end of the context) read its
+    # last block again; their key positions lie past the query: masked.
+    slots = inputs.slot_rows[seqs][:, None]
+    # Blocks past the query's own are the null page: a table row may hold
+    # stale ids there (pages since given to anything), never to be read.
+    pages = table[:, slots, cols.clamp(max=table.shape[2] - 1)]
+    pages = torch.where(cols <= (q_pos // bs)[:, None], pages, 0)
+    key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=q_pos.device)).reshape(len(rows), blocks * bs)
+    mask = (key_pos >= first[:, None]) & (key_pos <= q_pos[:, None])
+    return DecodeGroup(rows, pages, mask)
+
+
+def build(inputs: StepInputs, table: torch.Tensor, spec, block_size: int) -> AttentionMetadata:
+    """The group's metadata for one step, from the step's facts and the
+    group's persistent table `[width, slots, max_blocks]`."""
+    bs = block_size
+    pos = inputs.positions
+    device = pos.device
+    slot_of_token = inputs.slot_rows[inputs.seq_of_token]
+    store_pages = table[:, slot_of_token, pos // bs]
+    host = inputs.host
+    if host is None:  # fixed shapes: every token is its sequence's only one, in order
+        last = torch.arange(pos.shape[0], device=device)
+    else:
+        last = torch.from_numpy(host.starts + host.counts - 1).to(device)
+    tail = (pos[last] % bs)[:, None] + torch.arange(1, bs, device=device)
+    meta = AttentionMetadata(spec, store_pages, pos % bs, store_pages[:, last, None].expand(-1, -1, bs - 1),
+                             tail.clamp(max=bs - 1))
+    if host is None:
+        meta.decodes.append(_decode_group(inputs, table, spec, bs, last, last, read_bound(spec, bs, table.shape[2])))
+        return meta
+    decode = np.nonzero(host.counts == 1)[0]
+    if decode.size:
+        q = host.positions[host.starts[decode]]
+        needed = q // bs - spec.first_visible(q) // bs + 1
+        for part in decode_groups(needed):
+            seqs = decode[part]
+            meta.decodes.append(_decode_group(
+                inputs, table, spec, bs, torch.from_numpy(host.starts[seqs]).to(device),
+                torch.from_numpy(seqs).to(device), int(needed[part].max())))
+    for i in np.nonzero(host.counts > 1)[0]:
+        start, count = int(host.starts[i]), int(host.counts[i])
+        q0 = int(host.positions[start])
+        lo, hi = spec.first_visible(q0) // bs, (q0 + count - 1) // bs
+        pages = table[:, int(host.slot_rows[i]), lo:hi + 1]
+        q_pos = torch.arange(q0, q0 + count, device=device)[:, None]
+        k_pos = torch.arange(lo * bs, (hi + 1) * bs, device=device)[None, :]
+        mask = (k_pos >= spec.first_visible(q_pos)) & (k_pos <= q_pos)
+        meta.prefills.append(PrefillSegment(start, count, pages, mask, q0, lo * bs))
+    return meta
+
+
+def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:
+    """Write the step's new K/V rows (`[tokens, kv_heads, head_dim]`) at their slots.
+
+    First the slots after each sequence's last new token in its block are
+    zeroed: a query's reads are masked there, but masked keys must hold
+    finite values (both a masked score, NaN + -inf, and a zero weight times
+    a NaN value are NaN), and an unwritten slot may still hold bytes another
+    layer type left in the page. (Clamped entries past the block's end hit
+    its last slot, which is either a tail slot or this step's own last token,
+    stored right after.)"""
+    cache[meta.tail_pages[column], :, meta.tail_slots] = 0
     pages = meta.store_pages[column]
     cache[pages, 0, meta.store_offsets] = k.to(cache.dtype)
     cache[pages, 1, meta.store_offsets] = v.to(cache.dtype)
 
 
 def _attend(q, k, v, mask, scale, softcap):
-    """q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; mask [B, 1, Lq, Lk] (bool)."""
+    """q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; mask [B, 1, Lq, Lk] (bool).
+    Masked keys hold finite values (see `store`)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
@@ -114,12 +196,10 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor):
     return (rows[:, 0].index_select(0, flat).view(shape), rows[:, 1].index_select(0, flat).view(shape))
 
 
-def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column: int,
-                    scale: float, softcap: float | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column: int,
+           scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [tokens, q_heads, head_dim] -> [tokens, q_heads, head_dim]. The new
-    K/V must already be stored (store_kv)."""
-    if backend.use_triton(cache):
-        return backend.paged_attention(q, cache, meta, column, scale, softcap)
+    K/V must already be stored."""
     out = torch.empty_like(q)
     for group in meta.decodes:
         keys, values = _gather(cache, group.pages[column])  # [R, L, H, D]
@@ -132,7 +212,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
         keys, values = _gather(cache, seg.pages[column])  # [L, H, D]
         keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        for first, last, lo, hi in _query_tiles(meta, seg):
+        for first, last, lo, hi in query_tiles(meta.spec, seg):
             query = q[seg.start + first:seg.start + last].transpose(0, 1).unsqueeze(0)
             result = _attend(query, keys[:, :, lo:hi], values[:, :, lo:hi], seg.mask[None, None, first:last, lo:hi],
                              scale, softcap)
@@ -140,7 +220,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     return out
 
 
-def _query_tiles(meta: AttentionMetadata, seg: PrefillSegment):
+def query_tiles(spec, seg: PrefillSegment):
     """(first, last, lo, hi): query rows [first, last) of the segment and
     the key columns [lo, hi) they can see. A long segment is cut into tiles
     so that each scores only keys it may read (the columns cut off are
@@ -149,21 +229,14 @@ def _query_tiles(meta: AttentionMetadata, seg: PrefillSegment):
     under a 128-token window: 2.5x less work); under full attention, tiles
     skip the keys after them (the upper triangle)."""
     columns = seg.mask.shape[-1]
-    span = meta.window if meta.kind == "sliding_window" else meta.chunk if meta.kind == "chunked_local" else 0
+    span = spec.span
     tile = max(span, 64) if span else 256
     if seg.length <= 2 * tile:
         return [(0, seg.length, 0, columns)]
     tiles = []
     for first in range(0, seg.length, tile):
         last = min(seg.length, first + tile)
-        q_first = seg.query_pos + first
-        if meta.kind == "sliding_window":
-            oldest = q_first - span + 1
-        elif meta.kind == "chunked_local":
-            oldest = q_first - q_first % span
-        else:
-            oldest = seg.key_pos
-        lo = max(0, oldest - seg.key_pos)
+        lo = max(0, spec.first_visible(seg.query_pos + first) - seg.key_pos)
         hi = min(columns, seg.query_pos + last - seg.key_pos)
         tiles.append((first, last, lo, hi))
     return tiles

@@ -32,7 +32,9 @@ class Rotary:
         self.scaling = scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
+        if self.inv_freq.device != positions.device:  # moved once, not every step (nor inside a captured one)
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 

@@ -17,13 +17,13 @@ Conventions shared by the kernels:
   layer), so every kernel takes strides and assumes no contiguity.
 * Page ids are int64 and every address that involves a page is computed in
   int64: a pool of tens of GiB overflows int32 element offsets.
-* Keys are located by position: a request's table row starts at the block
-  holding key position `key_pos`; the kernel derives the keys a query may
-  read from its own position and the layer kind (DESIGN section 1: full
-  j <= i; sliding window i - W < j <= i; chunked local j <= i and
-  j // C == i // C) and loads only those. A key that is not visible is never
-  loaded, so the null page (page 0), which stands in the table for blocks a
-  layer has released, is never read.
+* A query reads the keys from `first_key` (the first position its layer's
+  read rule lets it see: `spec.first_visible`, core/specs.py, computed by the
+  caller) to its own position; the kernels know no layer types. Block
+  tables start at key position 0, one row per sequence slot (a persistent
+  table), and a request names its row (`slot_rows`). A key outside the
+  range is never loaded, so the null page (page 0), which stands in the
+  table for blocks a layer has released, is never read.
 * Scores and sums are float32 whatever the cache dtype: 16-bit values are
   converted after the load (triton's interpreter cannot do bf16 arithmetic,
   and on a GPU the float32 accumulation is what the reference does too).
@@ -39,7 +39,6 @@ import triton.language as tl
 
 # Whether the kernels below run under triton's interpreter (decided now, at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-KIND_CODES = {"full": 0, "sliding_window": 1, "chunked_local": 2}
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -107,17 +106,6 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 # -- paged attention -----------------------------------------------------------
 @triton.jit
-def _first_visible(q_pos, window, chunk, KIND: tl.constexpr):
-    """Position of the first key a query at `q_pos` reads (DESIGN section 1)."""
-    if KIND == 1:
-        return tl.maximum(q_pos - window + 1, 0)
-    elif KIND == 2:
-        return q_pos // chunk * chunk
-    else:
-        return q_pos * 0
-
-
-@triton.jit
 def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
                      scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      PRECISION: tl.constexpr):
@@ -150,32 +138,30 @@ def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: t
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, qpos_ptr, kpos_ptr,
+def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, slot_ptr, qpos_ptr, first_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr,
-                         scale, softcap, window, chunk, max_blocks,
+                         scale, softcap, max_blocks,
                          s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                          s_cp, s_ckv, s_cs, s_ch, s_cd,
                          s_tr, s_tb,
-                         KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                          PRECISION: tl.constexpr):
     """One program per (request, KV head, split of the keys): the GROUP query
     heads that share the KV head are the rows of one tile, so each K/V row
     is loaded once for all of them (GQA). Online softmax over tiles of
-    BLOCK_N keys; each key's page comes from the table (tiles may cross
-    blocks). With SPLITS > 1 each program covers a slice of the keys and
-    leaves (acc, max, sum) for `_combine_splits_kernel` (flash-decoding:
-    enough programs to fill the GPU when the batch is small)."""
+    BLOCK_N keys, from the query's first visible key to its own; each key's
+    page comes from the request's table row (tiles may cross blocks). With
+    SPLITS > 1 each program covers a slice of the keys and leaves (acc, max,
+    sum) for `_combine_splits_kernel` (flash-decoding: enough programs to
+    fill the GPU when the batch is small)."""
     r = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + r).to(tl.int64)
-    q_pos = tl.load(qpos_ptr + r)
-    key0 = tl.load(kpos_ptr + r)
-    # Keys this query reads, as indices into the table row (key0 + n is the position).
-    lo = tl.maximum(_first_visible(q_pos, window, chunk, KIND) - key0, 0)
-    hi = q_pos - key0  # inclusive: the query's own key was just stored
+    lo = tl.load(first_ptr + r)
+    hi = tl.load(qpos_ptr + r)  # inclusive: the query's own key was just stored
     first_tile = lo // BLOCK_N * BLOCK_N
     tiles = (hi - first_tile) // BLOCK_N + 1
     per_split = (tiles + SPLITS - 1) // SPLITS
@@ -195,7 +181,7 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, qpos_pt
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    table_row = table_ptr + r * s_tr
+    table_row = table_ptr + tl.load(slot_ptr + r).to(tl.int64) * s_tr
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
@@ -241,22 +227,24 @@ def _combine_splits_kernel(out_ptr, rows_ptr, part_acc_ptr, part_m_ptr, part_l_p
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-                           tables: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, *,
-                           kind: str, window: int = 0, chunk: int = 0, scale: float, softcap: float | None = None,
+                           tables: torch.Tensor, slot_rows: torch.Tensor, query_pos: torch.Tensor,
+                           first_key: torch.Tensor, *, scale: float, softcap: float | None = None,
                            splits: int = 1, block_n: int = 64, num_warps: int | None = None,
                            num_stages: int | None = None) -> None:
     """Attention of one query token per request through its block table.
 
     q, out: `[tokens, q_heads, head_dim]`; request i's query is row
-    `rows[i]` and sits at position `query_pos[i]`; `tables[i]` (`[requests,
-    blocks]` int64, this layer's column) lists the pages of consecutive
-    blocks whose first key is at position `key_pos[i]` (block aligned).
-    Entries the query cannot see (released blocks, padding) may be anything,
-    the null page included: they are not read. Writes `out[rows]`.
+    `rows[i]`, at position `query_pos[i]`, and reads keys `first_key[i]` ..
+    `query_pos[i]`; its blocks are row `slot_rows[i]` of `tables` (`[slots,
+    blocks]` int64, this layer's column, from key position 0). Entries
+    outside the range may be anything, the null page included: they are not
+    read. Writes `out[rows]`.
 
     splits > 1 divides each request's keys among that many programs
     (flash-decoding) and adds a small combining kernel; block_n (a power of
-    two, at least 16) is the keys per tile, which may cross blocks.
+    two, at least 16) is the keys per tile, which may cross blocks. Every
+    argument is a tensor or a shape-derived int: the launch can be captured
+    in a CUDA graph.
     """
     _check_tile(block_n)
     requests = rows.shape[0]
@@ -277,10 +265,10 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
     else:
         part_acc = part_m = part_l = out  # unused
     _paged_decode_kernel[(requests, kv_heads, splits)](
-        q, out, cache, rows, tables, query_pos, key_pos, part_acc, part_m, part_l,
-        float(scale), float(softcap or 0.0), int(window), int(chunk), tables.shape[1],
+        q, out, cache, rows, tables, slot_rows, query_pos, first_key, part_acc, part_m, part_l,
+        float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
-        KIND=KIND_CODES[kind], HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
+        HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(cache.dtype),
         **_launch(num_warps, num_stages))
     if splits > 1:
@@ -290,18 +278,19 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
 
 
 @triton.jit
-def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, qpos_ptr, kpos_ptr,
-                          scale, softcap, window, chunk, max_blocks,
+def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, slot_ptr, pos_ptr, first_ptr,
+                          scale, softcap, max_blocks,
                           s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                           s_cp, s_ckv, s_cs, s_ch, s_cd,
                           s_tr, s_tb,
-                          KIND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (segment, tile of BLOCK_M query tokens, query head).
     A segment is one request's consecutive query tokens (a prefill chunk
     that may continue after cached tokens, or a single decode token). The
-    tile reads keys from the first one visible to its first query up to its
+    tile reads keys from the first one visible to its first query (the
+    first visible key never moves back as the position grows) up to its
     last query; the mask is exact per (query, key)."""
     seg = tl.program_id(0).to(tl.int64)
     m0 = tl.program_id(1) * BLOCK_M
@@ -309,34 +298,28 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
     length = tl.load(len_ptr + seg)
     if m0 < length:
         first_row = tl.load(start_ptr + seg).to(tl.int64)
-        q_pos0 = tl.load(qpos_ptr + seg)
-        key0 = tl.load(kpos_ptr + seg)
         kv_head = head // GROUP
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < length
-        q_pos = q_pos0 + m
+        q_pos = tl.load(pos_ptr + first_row + m, mask=m_ok, other=0)
+        q_first = tl.load(first_ptr + first_row + m, mask=m_ok, other=0)
         d = tl.arange(0, DIM_PAD)
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + (first_row + m)[:, None] * s_qt + head * s_qh + d[None, :] * s_qd,
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        lo = tl.maximum(_first_visible(q_pos0 + m0, window, chunk, KIND) - key0, 0)
-        hi = tl.minimum(q_pos0 + m0 + BLOCK_M, q_pos0 + length) - 1 - key0  # last query's key
+        lo = tl.load(first_ptr + first_row + m0)
+        hi = tl.load(pos_ptr + first_row + tl.minimum(m0 + BLOCK_M, length) - 1)  # the tile's last query
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        table_row = table_ptr + seg * s_tr
+        table_row = table_ptr + tl.load(slot_ptr + seg).to(tl.int64) * s_tr
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
             s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp,
                                                    s_cs, s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
                                                    PRECISION)
-            k_pos = (key0 + n)[None, :]
-            seen = ok[None, :] & (k_pos <= q_pos[:, None])
-            if KIND == 1:
-                seen &= k_pos > q_pos[:, None] - window
-            elif KIND == 2:
-                seen &= (k_pos // chunk) == (q_pos[:, None] // chunk)
+            seen = ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= q_first[:, None])
             s = tl.where(seen, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -345,19 +328,19 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
 
 
 def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, starts: torch.Tensor,
-                            lengths: torch.Tensor, tables: torch.Tensor, query_pos: torch.Tensor,
-                            key_pos: torch.Tensor, *, max_length: int, kind: str, window: int = 0, chunk: int = 0,
-                            scale: float, softcap: float | None = None, block_m: int | None = None,
-                            block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None) -> None:
+                            lengths: torch.Tensor, tables: torch.Tensor, slot_rows: torch.Tensor,
+                            positions: torch.Tensor, first_key: torch.Tensor, *, max_length: int, scale: float,
+                            softcap: float | None = None, block_m: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> None:
     """Attention of segments of consecutive query tokens (prefill chunks,
     also after cached tokens; a mixed batch's decodes are segments of one).
 
-    Segment i is rows `starts[i] .. starts[i] + lengths[i] - 1` of q/out, at
-    positions from `query_pos[i]`; `tables[i]` lists the pages of
-    consecutive blocks from key position `key_pos[i]` (block aligned).
-    `max_length` (a Python int, no device sync) sizes the grid. block_m
-    queries and block_n keys per tile (powers of two, at least 16).
+    Segment i is rows `starts[i] .. starts[i] + lengths[i] - 1` of q/out; its
+    blocks are row `slot_rows[i]` of `tables` (`[slots, blocks]`, from key
+    position 0). Query row t sits at `positions[t]` and reads keys
+    `first_key[t]` .. `positions[t]`. `max_length` (a Python int, no device
+    sync) sizes the grid. block_m queries and block_n keys per tile (powers
+    of two, at least 16).
     """
     if cache.element_size() >= 4:
         # float32 dots run on FMA units ("ieee"): 32 x 64 tiles spill
@@ -375,10 +358,10 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     q_heads = q.shape[1]
     grid = (segments, triton.cdiv(max_length, block_m), q_heads)
     _paged_prefill_kernel[grid](
-        q, out, cache, starts, lengths, tables, query_pos, key_pos,
-        float(scale), float(softcap or 0.0), int(window), int(chunk), tables.shape[1],
+        q, out, cache, starts, lengths, tables, slot_rows, positions, first_key,
+        float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
-        KIND=KIND_CODES[kind], HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
+        HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
         HEAD_DIM=dim, DIM_PAD=_pow2(dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=_dot_precision(cache.dtype), **_launch(num_warps, num_stages))
 

@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.batch import ForwardBatch
+from ..layers.step import StepBatch
 
 
 class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
-    layer). The runner binds it to its KV cache group and its place in the
-    pool: `group`, and for attention `column` (which page of a block holds
-    this layer) and `cache` (the layer's view of the pool)."""
+    layer). The runner binds it to its KV cache group, the backend that runs
+    its cache ops (layers/backend.py) and its place in the pool: `group`,
+    and for attention `column` (which page of a block holds this layer) and
+    `cache` (the layer's view of the pool)."""
 
     layer_name: str = ""
     group: int = -1
     column: int = 0
     cache: torch.Tensor | None = None
+    backend = None
 
 
 class CausalLM(nn.Module):
@@ -27,7 +29,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the final norm."""
         raise NotImplementedError
 

@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.batch import ForwardBatch
 from ..layers.linear import Linear
-from ..layers.paged_attention import paged_attention, store_kv
+from ..layers.step import StepBatch
 from .base import CacheLayer
 
 
@@ -77,11 +76,12 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 
-    def attend(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, q, k, v, batch: StepBatch) -> torch.Tensor:
         meta = batch.attention[self.group]
-        store_kv(self.cache, k, v, meta, self.column)
-        out = paged_attention(q, self.cache, meta, self.column, self.scale, self.softcap)
+        ops = self.backend.attention
+        ops.store(self.cache, k, v, meta, self.column)
+        out = ops.attend(q, self.cache, meta, self.column, self.scale, self.softcap)
         return self.o_proj(out.reshape(q.shape[0], -1))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return self.attend(*self.project(x), batch)

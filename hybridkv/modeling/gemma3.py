@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.batch import ForwardBatch
+from ..layers.step import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
@@ -31,7 +31,7 @@ class GemmaAttention(PagedSelfAttention):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.qk_norm = qk_norm
 
-    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
         q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -79,7 +79,7 @@ class GemmaForCausalLM(CausalLM):
             self.rotary[layer_type] = Rotary(inv_freq, scaling)
         self.embed_scale = config.hidden_size ** 0.5
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         weight = self.model.embed_tokens.weight
         x = self.model.embed_tokens(batch.input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
         cos_sin = {t: r.cos_sin(batch.positions, x.dtype) for t, r in self.rotary.items()}

@@ -16,12 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import backend
-from ..layers.batch import ForwardBatch
-from ..layers.kv_buffers import TORCH_DTYPES
 from ..layers.linear import Linear
-from ..layers.mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
+from ..layers.mamba_ops import causal_conv, selective_scan
 from ..layers.norm import RMSNorm
+from ..layers.step import StepBatch
 from .base import CacheLayer, CausalLM
 from .blocks import GatedMLP, PagedSelfAttention
 
@@ -68,44 +66,23 @@ class JambaMamba(CacheLayer, nn.Module):
         dt = F.softplus(dt.float() + self.dt_proj.bias.float())
         return dt, self.b_layernorm(B), self.c_layernorm(C)
 
-    def _decode_in_pool(self, batch: ForwardBatch, x, gate, weight, A, D) -> torch.Tensor:
-        """One token per request with the Triton kernels, the states read and
-        written in the pool (layers/triton_ops.py); returns the gated y."""
-        ops = backend.kernels()
-        read, write, zero = batch.mamba[self.group].decode_pages
-        buffers = batch.buffers
-        view = buffers.layout.layer_views[self.layer_name]
-        spec = buffers.layout.groups[view.group].spec
-        (conv_at, ssm_at), (conv_dtype, ssm_dtype) = view.part_offsets, spec.dtypes
-        x = ops.mamba_conv_step(buffers.pool, read, write, zero, view.offset + conv_at, TORCH_DTYPES[conv_dtype], x,
-                                weight, self.conv1d.bias, silu=True)
-        dt, B, C = self._ssm_inputs(x)
-        return ops.mamba_ssm_step(buffers.pool, read, write, zero, view.offset + ssm_at, TORCH_DTYPES[ssm_dtype], x,
-                                  dt, A, B, C, D, gate)
-
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        mb = batch.mamba[self.group]
-        conv_state, ssm_state = batch.buffers.state_views(mb.states, self.layer_name)
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        meta = batch.mamba[self.group]
+        ops = self.backend.mamba
         xz = self.in_proj(h)
         x_all, gate_all = xz[:, :self.inner], xz[:, self.inner:]
         weight = self.conv1d.weight[:, 0, :]
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
         y_all = torch.empty(h.shape[0], self.inner, dtype=torch.float32, device=h.device)
-        if mb.decode_pages is not None and mb.decode_tokens.numel():
-            tokens = mb.decode_tokens
-            y_all[tokens] = self._decode_in_pool(batch, x_all[tokens], gate_all[tokens], weight, A, D)
-        elif mb.decode_rows.numel():
-            rows, tokens = mb.decode_rows, mb.decode_tokens
-            x, new_conv = causal_conv_step(x_all[tokens], conv_state[rows], weight, self.conv1d.bias)
-            x = F.silu(x)
+        if meta.num_steps:  # one token for each of these sequences: the state ops of the backend
+            tokens = meta.step_tokens
+            x = ops.conv_step(meta, self.layer_name, x_all[tokens], weight, self.conv1d.bias)
             dt, B, C = self._ssm_inputs(x)
-            y, new_ssm = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
-            conv_state[rows] = new_conv.to(conv_state.dtype)
-            ssm_state[rows] = new_ssm.to(ssm_state.dtype)
-            y_all[tokens] = (y + x.float() * D) * F.silu(gate_all[tokens].float())
-        if mb.prefills:
-            rows, tokens, lengths, valid = _padded_prefills(mb.prefills, h.device)
+            y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
+        if meta.prefills:  # chunks of several tokens: the reference scan on gathered states
+            conv_state, ssm_state = meta.state_views(self.layer_name)
+            rows, tokens, lengths, valid = _padded_prefills(meta.prefills, h.device)
             x, new_conv = causal_conv(x_all[tokens], lengths, conv_state[rows], weight, self.conv1d.bias)
             x = F.silu(x)
             dt, B, C = self._ssm_inputs(x)
@@ -115,6 +92,9 @@ class JambaMamba(CacheLayer, nn.Module):
             gate = gate_all[tokens].float()
             y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
         return self.out_proj(y_all.to(h.dtype))
+
+
+DENSE_MOE_TOKENS = 64  # up to this many tokens a step runs every expert (see JambaMoE.forward)
 
 
 class JambaMoE(nn.Module):
@@ -130,6 +110,15 @@ class JambaMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
+        if x.shape[0] <= DENSE_MOE_TOKENS:
+            # A decode step: every expert on every token, weighted by its
+            # routing weight (zero where not chosen). No shape depends on the
+            # routing, so the step can be captured; with a few tokens the
+            # experts' weights are read once either way.
+            for e, expert in enumerate(self.experts):
+                weight = (weights * (chosen == e)).sum(-1, keepdim=True)
+                out += expert(x) * weight
+            return out
         for e in torch.unique(chosen).tolist():
             token_idx, slot = torch.where(chosen == e)
             y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
@@ -171,7 +160,7 @@ class JambaForCausalLM(CausalLM):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             x = layer(x, batch)

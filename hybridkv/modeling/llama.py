@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.batch import ForwardBatch
+from ..layers.step import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
@@ -17,7 +17,7 @@ from .blocks import GatedMLP, PagedSelfAttention
 
 
 class LlamaAttention(PagedSelfAttention):
-    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
         q, k, v = self.project(x)
         cos, sin = cos_sin
         return self.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch)
@@ -48,7 +48,7 @@ class LlamaForCausalLM(CausalLM):
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:

@@ -1,12 +1,8 @@
 """Text deltas of one growing sequence of token ids, for streaming.
 
-The engine decodes a sequence's text only when it finishes; a stream needs
-text as tokens arrive. Two things make a plain "decode the new token" wrong:
-a character may span several byte-level tokens (its first tokens decode to
-U+FFFD), and some tokenizers decode a token differently at the start of a
-text than after others. So each push decodes a short window of recent tokens
-twice (with and without the new ones) and takes the difference: work per step
-stays proportional to the new tokens, not to the whole output.
+The engine decodes a sequence's text when it finishes; a stream needs text
+as tokens arrive: the engine's incremental detokenizer
+(engine/detokenizer.py) gives it, work per new token.
 
 Stop strings are found by the engine, which cuts the final text before them;
 a stream must never have sent what the cut removes. So the tail of the text
@@ -16,7 +12,7 @@ decides it.
 
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"  # what an incomplete multi-byte character decodes to
+from ..engine.detokenizer import IncrementalDetokenizer
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:
@@ -28,28 +24,21 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
 class TextStream:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = list(stop or [])
-        self.text = ""  # decoded so far, complete characters only
         self.sent = 0  # characters of `text` already handed out
         self.finished = False
-        self._prefix = 0  # decode from here, so the window starts with context
-        self._read = 0  # tokens up to here are in `text`
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids) -> str:
         """`token_ids`: the whole output so far. Returns the text that is safe
         to send now (possibly empty)."""
         if self.tokenizer is None or self.finished:
             return ""
-        if len(token_ids) > self._read:
-            before = self._decode(token_ids[self._prefix:self._read])
-            after = self._decode(token_ids[self._prefix:])
-            if len(after) > len(before) and not after.endswith(REPLACEMENT):
-                self.text += after[len(before):]
-                self._prefix, self._read = self._read, len(token_ids)
+        self.detokenizer.update(token_ids)
         safe = len(cut_at_stop(self.text, self.stop)) - self._stop_prefix_len()
         delta = self.text[self.sent:safe]
         self.sent = max(self.sent, safe)

@@ -15,10 +15,9 @@ The coordinator combines the groups; the pool keeps the pages.
 from __future__ import annotations
 
 from ..block_pool import NULL, BlockPool
-
-NEVER = 1 << 62  # an event position no request reaches
 from ..layout import KVCacheGroup
 from ..request import CacheRequest
+from ..specs import NEVER  # an event position no request reaches
 
 
 class GroupManager:
@@ -94,26 +93,31 @@ class GroupManager:
 
 
 class AttentionManager(GroupManager):
-    """Block tables over positions; subclasses say which leading blocks a
-    request no longer needs (`first_needed_block`) and how a hit is found."""
+    """Block tables over positions. Which leading blocks a request no longer
+    needs, and which a hit must hold, follow from the layer's read rule
+    (`spec.first_visible`, core/specs.py); subclasses say how a hit is found."""
 
     def __init__(self, group, pool, caching, verify):
         super().__init__(group, pool, caching, verify)
+        self.spec = group.spec
         self.released_pages = 0  # pages given back because no query reads them again
 
     def first_needed_block(self, num_computed: int) -> int:
         """Blocks before this index are never read again once `num_computed`
-        tokens are computed."""
-        return 0
+        tokens are computed (the next query is at position num_computed)."""
+        return self.spec.first_visible(num_computed) // self.block_size
 
     def hit_start(self, num_blocks: int) -> int:
         """First block a hit of `num_blocks` blocks must hold (the rest is null)."""
-        return 0
+        return self.first_needed_block(num_blocks * self.block_size)
 
     def release_event(self, req: CacheRequest) -> int:
         """The smallest num_computed at which first_needed_block passes the
-        blocks already released."""
-        return NEVER
+        blocks already released: one past the last query that reads the
+        last key of the first block still held."""
+        last_key = (req.num_released[self.index] + 1) * self.block_size - 1
+        reader = self.spec.last_reader(last_key)
+        return NEVER if reader >= NEVER else reader + 1
 
     def next_event(self, req):
         event = (req.num_cached[self.index] + 1) * self.block_size if self.caching else NEVER

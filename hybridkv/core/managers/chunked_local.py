@@ -1,6 +1,7 @@
 """Chunked local attention C (Llama-4): query i reads keys j <= i with
 j // C == i // C, so a request needs only the current chunk's blocks, and a
-hit at a chunk boundary needs nothing at all."""
+hit at a chunk boundary needs nothing at all. (The rule itself is
+`ChunkedLocalSpec.first_visible`; the base class derives the releases.)"""
 
 from __future__ import annotations
 
@@ -9,19 +10,6 @@ from .base import AttentionManager
 
 class ChunkedLocalManager(AttentionManager):
     kind = "chunked_local"
-
-    def __init__(self, group, pool, caching, verify):
-        super().__init__(group, pool, caching, verify)
-        self.chunk = group.spec.chunk_size
-
-    def first_needed_block(self, num_computed):
-        return (num_computed // self.chunk) * self.chunk // self.block_size
-
-    def release_event(self, req):
-        return (req.num_computed // self.chunk + 1) * self.chunk
-
-    def hit_start(self, num_blocks):
-        return self.first_needed_block(num_blocks * self.block_size)
 
     def longest_hit(self, req, limit):
         # For a candidate n, blocks [start(n), n) must be cached. A miss at j

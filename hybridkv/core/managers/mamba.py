@@ -51,6 +51,7 @@ class MambaManager(GroupManager):
         if read:
             self.pool.touch(read)
         req.tables[self.index] = [read, NULL]
+        req.tables_changed()
 
     def _in_place(self, read) -> bool:
         return read != NULL and self.pool.ref[read] == 1 and self.pool.key[read] is None
@@ -72,6 +73,7 @@ class MambaManager(GroupManager):
         if target <= req.num_computed or write:
             return
         state[1] = read if self._in_place(read) else self.pool.allocate(self.width, 1)[0]
+        req.tables_changed()
 
     def is_checkpoint(self, req, n) -> bool:
         if n == 0 or n % self.block_size:
@@ -98,7 +100,10 @@ class MambaManager(GroupManager):
             self.pool.release(read, probation=read == req.probation[g])
         # The state now lives in `write`; the next pass updates it in place
         # unless it just became a cached checkpoint.
-        req.tables[g] = [write, write if self._in_place(write) else NULL]
+        state = [write, write if self._in_place(write) else NULL]
+        if state != req.tables[g]:
+            req.tables[g] = state
+            req.tables_changed()
 
     def _supersede(self, req, checkpoint):
         g = self.index
@@ -127,6 +132,7 @@ class MambaManager(GroupManager):
             self.pool.touch(read)
         # The state is shared now: neither may update it in place any more.
         state[1] = NULL
+        parent.tables_changed()
         child.tables[self.index] = [read, NULL]
 
     def next_event(self, req):

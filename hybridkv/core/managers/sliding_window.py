@@ -1,7 +1,9 @@
 """Sliding window W: query i reads keys i - W < j <= i, so after n tokens a
 request needs only [n - (W - 1), n); blocks wholly before that are released
 to the null block as soon as n passes them. A hit of n blocks needs the
-blocks covering [n*bs - (W - 1), n*bs) cached, and nothing before."""
+blocks covering [n*bs - (W - 1), n*bs) cached, and nothing before. (The rule
+itself is `SlidingWindowSpec.first_visible`; the base class derives the
+releases from it.)"""
 
 from __future__ import annotations
 
@@ -13,18 +15,8 @@ class SlidingWindowManager(AttentionManager):
 
     def __init__(self, group, pool, caching, verify):
         super().__init__(group, pool, caching, verify)
-        self.window = group.spec.sliding_window
         # Blocks a hit must hold: those covering the last W - 1 tokens.
-        self.window_blocks = -(-(self.window - 1) // self.block_size)
-
-    def first_needed_block(self, num_computed):
-        return max(0, num_computed - (self.window - 1)) // self.block_size
-
-    def release_event(self, req):
-        return (req.num_released[self.index] + 1) * self.block_size + self.window - 1
-
-    def hit_start(self, num_blocks):
-        return max(0, num_blocks - self.window_blocks)
+        self.window_blocks = -(-(self.spec.sliding_window - 1) // self.block_size)
 
     def longest_hit(self, req, limit):
         # Right to left: the first run of `window_blocks` cached blocks (or a

@@ -1,0 +1,137 @@
+"""Where a Mamba layer's per-request state lives during a step, and the
+one-token update on it: the torch reference works on states gathered from
+the pool into one tensor and scatters them back after the forward
+(`finish`); the Triton kernels update decode states in the pool in place,
+from their read pages to their write pages. Prefill chunks go through the
+reference scan (mamba_ops.py) on gathered states either way.
+
+Per request the manager gives a read block (None: the zero state) and a
+write block (the same block when the update is in place); the runner keeps
+them per sequence slot in persistent tensors (`read`, `write` `[slots,
+pages per block]`, `zero` `[slots]`). A fixed-shape decode step reads them
+with device gathers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .kv_buffers import TORCH_DTYPES, KVBuffers
+from .mamba_ops import causal_conv_step, selective_scan_step
+from .step import StepInputs
+
+
+@dataclass
+class MambaMetadata:
+    buffers: KVBuffers
+    states: torch.Tensor  # [R, state bytes] gathered states (rows: see the backends)
+    write_pages: torch.Tensor  # [R, pages per block] where those rows go after the step
+    step_tokens: torch.Tensor  # token rows of the sequences with one token this step
+    num_steps: int
+    step_rows: torch.Tensor | None = None  # reference: their rows of `states`
+    step_pages: tuple | None = None  # kernels: their (read, write, zero) pages in the pool
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (state row, first token row, count)
+
+    def state_views(self, layer_name: str) -> list[torch.Tensor]:
+        """The layer's conv and SSM states inside `states` (typed views)."""
+        return self.buffers.state_views(self.states, layer_name)
+
+
+def _gather(buffers: KVBuffers, read: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    flat = buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
+    return torch.where(zero[:, None], torch.zeros_like(flat), flat)
+
+
+def _split(inputs: StepInputs):
+    """(one-token sequences, token rows of them, other sequences) from the host layout."""
+    host = inputs.host
+    steps = np.nonzero(host.counts == 1)[0]
+    return steps, host.starts[steps], np.nonzero(host.counts > 1)[0]
+
+
+def _finish(meta: MambaMetadata) -> None:
+    """Write the gathered states to their write pages."""
+    rows = meta.write_pages.shape[0]
+    if rows:
+        meta.buffers.pool[meta.write_pages] = meta.states.view(rows, meta.write_pages.shape[1], -1)
+
+
+class TorchMamba:
+    """Reference: every sequence's state gathered, updated, scattered back."""
+
+    def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
+        slots = inputs.slot_rows
+        states = _gather(buffers, read[slots], zero[slots])
+        if inputs.host is None:  # fixed shapes: token t is sequence t's only token
+            rows = torch.arange(slots.shape[0], device=slots.device)
+            return MambaMetadata(buffers, states, write[slots], rows, slots.shape[0], step_rows=rows)
+        steps, tokens, prefills = _split(inputs)
+        device = slots.device
+        host = inputs.host
+        return MambaMetadata(buffers, states, write[slots], torch.from_numpy(tokens).to(device), len(steps),
+                             step_rows=torch.from_numpy(steps).to(device),
+                             prefills=[(int(i), int(host.starts[i]), int(host.counts[i])) for i in prefills])
+
+    finish = staticmethod(_finish)
+
+    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias) -> torch.Tensor:
+        """One token's conv for each step row, SiLU applied; updates the conv state."""
+        conv_state = meta.state_views(layer_name)[0]
+        rows = meta.step_rows
+        y, new_state = causal_conv_step(x, conv_state[rows], weight, bias)
+        conv_state[rows] = new_state.to(conv_state.dtype)
+        return F.silu(y)
+
+    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
+        """One token's selective-state update for each step row; float32
+        `(C . h + D x) * silu(gate)`; updates the SSM state."""
+        ssm_state = meta.state_views(layer_name)[1]
+        rows = meta.step_rows
+        y, new_state = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
+        ssm_state[rows] = new_state.to(ssm_state.dtype)
+        return (y + x.float() * D) * F.silu(gate.float())
+
+
+class KernelMamba:
+    """Triton: decode states stay in the pool (the kernels read and write
+    their pages); only prefill rows are gathered and written back."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
+        slots = inputs.slot_rows
+        device = slots.device
+        if inputs.host is None:
+            empty = torch.empty(0, read.shape[1] * buffers.page_size, dtype=torch.uint8, device=device)
+            return MambaMetadata(buffers, empty, write[:0], torch.arange(slots.shape[0], device=device),
+                                 slots.shape[0], step_pages=(read[slots], write[slots], zero[slots]))
+        steps, tokens, prefills = _split(inputs)
+        step_slots = slots[torch.from_numpy(steps).to(device)]
+        pre_slots = slots[torch.from_numpy(prefills).to(device)]
+        host = inputs.host
+        return MambaMetadata(buffers, _gather(buffers, read[pre_slots], zero[pre_slots]), write[pre_slots],
+                             torch.from_numpy(tokens).to(device), len(steps),
+                             step_pages=(read[step_slots], write[step_slots], zero[step_slots]),
+                             prefills=[(j, int(host.starts[i]), int(host.counts[i])) for j, i in enumerate(prefills)])
+
+    finish = staticmethod(_finish)
+
+    def _part(self, meta, layer_name, index):
+        layout = meta.buffers.layout
+        view = layout.layer_views[layer_name]
+        spec = layout.groups[view.group].spec
+        return view.offset + view.part_offsets[index], TORCH_DTYPES[spec.dtypes[index]]
+
+    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias) -> torch.Tensor:
+        offset, dtype = self._part(meta, layer_name, 0)
+        return self.ops.mamba_conv_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, weight, bias,
+                                        silu=True)
+
+    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
+        offset, dtype = self._part(meta, layer_name, 1)
+        return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
