@@ -2,7 +2,10 @@
 greedy tokens are argmaxes of transformers' logits and the engine's logits
 are close, for both families, in every situation the cache makes different:
 batching, chunked prefill (Mamba state carried between chunks), generation
-past the sliding window, prefix-cache hits, preemption, and n = 2."""
+past the sliding window, prefix-cache hits, preemption, and n = 2 — each
+with decode steps run eagerly with exact reads and at the fixed bucketed
+shapes a CUDA graph captures; and through the Triton kernels (under
+triton's interpreter without a GPU) on the batch case."""
 
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ TOLERANCES = {"float32": (2e-4, 1e-4), "bfloat16": (0.15, 0.1), "float16": (0.05
 ENGINE = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engine_options(engine_device, engine_dtype):
+@pytest.fixture(scope="module", autouse=True, params=["exact-decode", "fixed-decode"])
+def engine_options(request, engine_device, engine_dtype):
     import oracle
 
-    ENGINE.update(device=engine_device, dtype=engine_dtype)
+    ENGINE.update(device=engine_device, dtype=engine_dtype, fixed_shape_decode=request.param == "fixed-decode")
     global LOGIT_TOL
     LOGIT_TOL, oracle.TIE = TOLERANCES[engine_dtype]
     yield
@@ -38,7 +41,9 @@ def family_model(request, tmp_path_factory):
 
 
 def make_engine(path, **kw):
-    options = dict(kv_cache_memory="8MiB", block_size=4, progress=False, **ENGINE)
+    # A short context keeps the fixed-shape decode's read bound (every block
+    # of the longest sequence, for full attention) small.
+    options = dict(kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=512, **ENGINE)
     options.update(kw)
     return Engine(path, **options)
 
@@ -155,6 +160,17 @@ def test_hybrid_preemption_in_a_tiny_pool_keeps_outputs(family_model):
     for prompt, tokens in zip(prompt_list, got):
         check_tokens(reference, prompt, tokens)
     assert small.kv.num_free_blocks == small.kv.num_total_blocks
+
+
+def test_hybrid_triton_backend_matches_transformers(family_model):
+    # The same batch through hybridkv's Triton kernels (interpreted on a CPU):
+    # prefill segments, decodes, Mamba states updated in place in the pool.
+    pytest.importorskip("triton")
+    family, path, reference = family_model
+    prompt_list = prompts(3, lengths=(13, 5, 9))
+    engine, outs, records = run(path, prompt_list, backend="triton", max_num_batched_tokens=16)
+    assert engine.backend.name == "triton"
+    check_all(reference, prompt_list, outs, records, engine)
 
 
 def test_hybrid_n2_seeded_sampling_is_reproducible(family_model):

@@ -74,8 +74,6 @@ class ModelRunner:
             module.group = view.group
             module.column = view.column
             module.backend = backend
-            if layout.groups[view.group].kind != "mamba":
-                module.cache = self.buffers.attention_cache(name)
 
     def release(self, seq_id: str) -> None:
         """The sequence no longer runs: its table row is free."""
@@ -160,7 +158,7 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, all_rows: bool) -> torch.Tensor:
         """Build each group's metadata with the backend, run the model, write
         back the Mamba states; the logits of every row, or the hidden states."""
-        batch = StepBatch(inputs)
+        batch = StepBatch(inputs, self.buffers)
         tables = self.tables
         backend = self.backend
         for group in self.layout.groups:

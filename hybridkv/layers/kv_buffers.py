@@ -28,23 +28,21 @@ class KVBuffers:
         # Zeroed: positions a query may not read are masked, and masked values
         # must still be finite (0 * NaN would poison the weighted sum).
         self.pool = torch.zeros(rows, self.page_size, dtype=torch.uint8, device=device)
-        self._attention: dict[str, torch.Tensor] = {}
-        for name, view in layout.layer_views.items():
-            group = layout.groups[view.group]
-            if group.kind == "mamba":
-                continue
-            spec = group.spec
-            dtype = TORCH_DTYPES[spec.dtype]
-            raw = self.pool[:, view.offset:view.offset + group.layer_bytes]
-            self._attention[name] = raw.view(dtype).view(rows, 2, group.block_size, spec.num_kv_heads, spec.head_size)
 
     def sink_page(self, column: int = 0) -> int:
         """A page no table of a real request names: padding writes here."""
         return self.layout.num_pages + column
 
     def attention_cache(self, layer_name: str) -> torch.Tensor:
-        """[pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the pool."""
-        return self._attention[layer_name]
+        """[pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the
+        pool. Made when asked (a few view ops), so that a traced or captured
+        step has the pool as its one cache input rather than many aliased views."""
+        view = self.layout.layer_views[layer_name]
+        group = self.layout.groups[view.group]
+        spec = group.spec
+        raw = self.pool[:, view.offset:view.offset + group.layer_bytes]
+        return raw.view(TORCH_DTYPES[spec.dtype]).view(self.pool.shape[0], 2, group.block_size, spec.num_kv_heads,
+                                                       spec.head_size)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write after a fork: whole pages, every layer on them."""

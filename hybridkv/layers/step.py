@@ -61,6 +61,7 @@ class StepInputs:
 @dataclass
 class StepBatch:
     inputs: StepInputs
+    buffers: object  # the KV buffers (kv_buffers.KVBuffers): the pool the layers' caches view
     attention: dict[int, object] = field(default_factory=dict)  # group -> the backend's attention metadata
     mamba: dict[int, object] = field(default_factory=dict)  # group -> the backend's Mamba metadata
 

@@ -11,14 +11,13 @@ from ..layers.step import StepBatch
 class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
     layer). The runner binds it to its KV cache group, the backend that runs
-    its cache ops (layers/backend.py) and its place in the pool: `group`,
-    and for attention `column` (which page of a block holds this layer) and
-    `cache` (the layer's view of the pool)."""
+    its cache ops (layers/backend.py) and its place in the pool: `group`, and
+    for attention `column` (which page of a block holds this layer); the
+    step's `buffers` give its view of the pool by `layer_name`."""
 
     layer_name: str = ""
     group: int = -1
     column: int = 0
-    cache: torch.Tensor | None = None
     backend = None
 
 

@@ -79,8 +79,9 @@ class PagedSelfAttention(CacheLayer, nn.Module):
     def attend(self, q, k, v, batch: StepBatch) -> torch.Tensor:
         meta = batch.attention[self.group]
         ops = self.backend.attention
-        ops.store(self.cache, k, v, meta, self.column)
-        out = ops.attend(q, self.cache, meta, self.column, self.scale, self.softcap)
+        cache = batch.buffers.attention_cache(self.layer_name)
+        ops.store(cache, k, v, meta, self.column)
+        out = ops.attend(q, cache, meta, self.column, self.scale, self.softcap)
         return self.o_proj(out.reshape(q.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
