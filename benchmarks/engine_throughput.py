@@ -15,6 +15,8 @@ tables show medians, and a ratio is the median of the per-pair ratios.
     python benchmarks/engine_throughput.py             # CPU, tiny and small models
     python benchmarks/engine_throughput.py --quick     # seconds: CI smoke run
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # GPU, 1B shapes
+    python benchmarks/engine_throughput.py --device cuda --graphs both      # and with CUDA graphs off
+    python benchmarks/engine_throughput.py --dry-run   # the GPU cases, shrunk, on the CPU (checks the script)
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ GPU_MODELS = {
 }
 
 
+# --dry-run: the same families and layer patterns, a few small layers.
+DRY_SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=None, head_dim=16,
+                 mamba_dt_rank=8)
+
+
+def gpu_model(name: str, dry: bool) -> tuple[str, dict]:
+    family, sizes = GPU_MODELS[name]
+    if not dry:
+        return family, sizes
+    sizes = dict(sizes, **{k: v for k, v in DRY_SIZES.items() if v is not None and k in sizes})
+    sizes["num_hidden_layers"] = 6 if family == "gemma3" else 8
+    return family, sizes
+
+
 def prompts_for(kind: str, n: int, vocab: int, seed: int = 0, low=100, high=1000):
     rng = random.Random(seed)
     if kind == "shared":
@@ -53,14 +69,14 @@ def prompts_for(kind: str, n: int, vocab: int, seed: int = 0, low=100, high=1000
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def model_path(name: str, dtype: str) -> str:
+def model_path(name: str, dtype: str, dry: bool = False) -> str:
     from hybridkv.files import cache_root
     from hybridkv.tiny_models import MODELS, tiny_model_dir
 
     if name in MODELS:
         return tiny_model_dir(name, dtype="float32")
-    family, sizes = GPU_MODELS[name]
-    path = os.path.join(cache_root(), "models", f"{name}-v1")
+    family, sizes = gpu_model(name, dry)
+    path = os.path.join(cache_root(), "models", f"{name}-{'dry-' if dry else ''}v1")
     if not os.path.isfile(os.path.join(path, "config.json")):
         import torch
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig, JambaForCausalLM
@@ -82,18 +98,22 @@ def run_hybridkv(args) -> dict:
     from hybridkv import Engine, SamplingParams
     from hybridkv.core.layout import parse_memory
 
+    from hybridkv.core import plan_layout
+    from hybridkv.core.hf_config import load_config, specs_from_config
+
     torch.set_num_threads(args["threads"])
-    path = model_path(args["model"], args["dtype"])
-    probe = Engine(path, kv_cache_memory="16MiB", dtype=args["dtype"], device=args["device"], progress=False)
-    vocab = probe.vocab_size
-    prompts = prompts_for(args["workload"], args["num_prompts"], vocab)
+    dry = args.get("dry", False)
+    path = model_path(args["model"], args["dtype"], dry)
+    config = load_config(path)
+    prompts = prompts_for(args["workload"], args["num_prompts"], config["vocab_size"])
     longest = max(len(p) for p in prompts) + args["max_tokens"]
-    pages = len(prompts) * probe.layout.pages_per_request(longest, chunk=2048) + 64
-    budget = max(parse_memory("16MiB"), pages * probe.layout.page_size_bytes)
-    del probe
+    layout = plan_layout(specs_from_config(config, dtype=args["dtype"]), 1 << 30)  # the page size and rules
+    pages = len(prompts) * layout.pages_per_request(longest, chunk=2048) + 64
+    budget = max(parse_memory("16MiB"), pages * layout.page_size_bytes)
     engine = Engine(path, kv_cache_memory=budget, dtype=args["dtype"], device=args["device"], progress=False,
                     max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=args["batch_tokens"],
-                    enable_prefix_caching=args["prefix_caching"])
+                    enable_prefix_caching=args["prefix_caching"], enforce_eager=not args.get("graphs", True),
+                    fixed_shape_decode=True if dry else None)
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     engine.kv.reset_prefix_cache()
@@ -106,7 +126,8 @@ def run_hybridkv(args) -> dict:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": statistics.mean(ttfts),
             "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))], "steps": engine.num_steps,
-            "hit_rate": engine.stats["prefix_hit_rate"], "preemptions": engine.stats["preemptions"]}
+            "hit_rate": engine.stats["prefix_hit_rate"], "preemptions": engine.stats["preemptions"],
+            "backend": engine.backend.name, "cuda_graphs": len(engine.runner.graphs)}
 
 
 def run_transformers(args) -> dict:
@@ -114,7 +135,7 @@ def run_transformers(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args["threads"])
-    path = model_path(args["model"], args["dtype"])
+    path = model_path(args["model"], args["dtype"], args.get("dry", False))
     dtype = getattr(torch, args["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args["device"]).eval()
     prompts = prompts_for(args["workload"], args["num_prompts"], model.config.vocab_size)
@@ -201,11 +222,11 @@ def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
     return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
 
 
-def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12) -> float:
+def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12, dry: bool = False) -> float:
     """Decode tokens/s if each step only had to read the weights once."""
     import torch
 
-    path = model_path(model, "bfloat16")
+    path = model_path(model, "bfloat16", dry)
     from safetensors import safe_open
 
     total = 0
@@ -235,51 +256,74 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None,
                         help="interleaved runs per comparison, medians reported (default 3; 1 with --quick)")
     parser.add_argument("--models", default=None, help="comma-separated model names")
+    parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
+                        help="CUDA graphs for hybridkv's decode steps (both: a row each; CUDA only)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts of the batch workload (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the GPU models shrunk to a few small layers, on the CPU, decode at fixed shapes: "
+                             "checks every case of a GPU run without a GPU")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "engine_throughput.json"))
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    gpu = args.device.startswith("cuda")
-    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    gpu = args.device.startswith("cuda") or args.dry_run
+    if args.dry_run:
+        args.device = "cpu"
+    dtype = args.dtype or ("bfloat16" if gpu and not args.dry_run else "float32")
     if args.models:
         models = args.models.split(",")
     elif args.quick:
         models = ["tiny-gemma3"]
     else:
         models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba"]
-    n, new = (8, 16) if args.quick else (64, 128)
+    n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
+    n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])
-    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=args.batch_tokens)
+    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=args.batch_tokens,
+                  dry=args.dry_run)
+    # (On the CPU, dry runs included, there are no graphs: one hybridkv row.)
+    graph_modes = [True] if args.device == "cpu" else {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
     rows = []
     print(f"device {args.device}, {dtype}, {args.threads} threads; {n} prompts of 100-1000 tokens, {new} new tokens; "
           f"hybridkv budget {args.batch_tokens} tokens per step")
     print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
           f"{'peak RSS MiB':>13} {'speedup':>8}")
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat or (1 if args.quick or args.dry_run else 3)
     for model in models if args.only != "shared" else []:
         for batch in batches:
-            runs = pairs(repeat, dict(engine="transformers", model=model, workload="random", num_prompts=batch,
-                                      **common),
-                         dict(engine="hybridkv", model=model, workload="random", num_prompts=batch,
-                              prefix_caching=True, **common))
-            base, ours = median_run(runs[0]), median_run(runs[1])
-            speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(*runs))
-            for name, r in (("transformers", base), ("hybridkv", ours)):
-                speed = 1.0 if r is base else speedup
-                print(f"{model:<16} {batch:>5} {name:<13} {r['tokens_per_s']:>9.1f} {r['ttft_mean']:>9.3f}s "
-                      f"{r['ttft_p90']:>8.3f}s {r['peak_rss_mib']:>13.0f} {speed:>7.2f}x")
-            row = {"model": model, "batch": batch, "transformers": base, "hybridkv": ours, "speedup": speedup,
-                   "runs": {"transformers": runs[0], "hybridkv": runs[1]}}
+            base_spec = dict(engine="transformers", model=model, workload="random", num_prompts=batch, **common)
+            row = {"model": model, "batch": batch}
+            for graphs in graph_modes:
+                name = "hybridkv" if len(graph_modes) == 1 else f"hybridkv ({'graphs' if graphs else 'eager'})"
+                runs = pairs(repeat, base_spec, dict(engine="hybridkv", model=model, workload="random",
+                                                     num_prompts=batch, prefix_caching=True, graphs=graphs, **common))
+                if "transformers" not in row:
+                    row["transformers"] = median_run(runs[0])
+                    row.setdefault("runs", {})["transformers"] = runs[0]
+                    base = row["transformers"]
+                    print(f"{model:<16} {batch:>5} {'transformers':<13} {base['tokens_per_s']:>9.1f} "
+                          f"{base['ttft_mean']:>9.3f}s {base['ttft_p90']:>8.3f}s {base['peak_rss_mib']:>13.0f} "
+                          f"{1.0:>7.2f}x")
+                ours = median_run(runs[1])
+                speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(*runs))
+                print(f"{model:<16} {batch:>5} {name:<13} {ours['tokens_per_s']:>9.1f} {ours['ttft_mean']:>9.3f}s "
+                      f"{ours['ttft_p90']:>8.3f}s {ours['peak_rss_mib']:>13.0f} {speedup:>7.2f}x")
+                key = "hybridkv" if graphs else "hybridkv_eager"
+                row[key], row[f"speedup{'' if graphs else '_eager'}"] = ours, speedup
+                row["runs"][key] = runs[1]
             if gpu:
-                row["weight_bound_tokens_per_s"] = weight_bound(model, batch)
-                print(f"{'':<16} {'':>5} {'weights bound':<13} {row['weight_bound_tokens_per_s']:>9.0f}")
+                row["weight_bound_tokens_per_s"] = weight_bound(model, batch, dry=args.dry_run)
+                print(f"{'':<16} {'':>5} {'weights bound':<13} {row['weight_bound_tokens_per_s']:>9.0f}"
+                      f"   (weights bytes / 3.0 TB/s per step)")
             rows.append(row)
-    print(f"\nshared 500-token system prompt, {n} prompts: TTFT with and without prefix caching")
-    print(f"{'model':<16} {'TTFT off':>9} {'TTFT on':>9} {'gain':>6} {'hit rate':>9}")
     shared = []
     shared_models = [m for m in models if not m.startswith("tiny-")] or models  # the bigger ones: prefill matters
-    for model in shared_models if args.only != "throughput" else []:
+    if args.only != "throughput" and not gpu:
+        print(f"\nshared 500-token system prompt, {n} prompts: TTFT with and without prefix caching")
+        print(f"{'model':<16} {'TTFT off':>9} {'TTFT on':>9} {'gain':>6} {'hit rate':>9}")
+    for model in shared_models if args.only != "throughput" and not gpu else []:
         spec = dict(engine="hybridkv", model=model, workload="shared", num_prompts=n, **common)
         runs = pairs(repeat, dict(spec, prefix_caching=False), dict(spec, prefix_caching=True))
         off, on = median_run(runs[0], "ttft_mean"), median_run(runs[1], "ttft_mean")
@@ -290,7 +334,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "repeat": repeat,
-                   "batch_tokens": args.batch_tokens,
+                   "batch_tokens": args.batch_tokens, "dry_run": args.dry_run,
                    "throughput": rows,
                    "shared_prefix": shared}, f, indent=1)
     print(f"wrote {args.out}")

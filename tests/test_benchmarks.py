@@ -75,3 +75,20 @@ def test_real_gemma3_quick(tmp_path):
     row = data["batch"][0]
     assert row["hybridkv"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
     assert data["staggered"]["hybridkv"]["hit_rate"] > 0.5
+
+
+def test_gpu_suite_dry_run_builds_every_case(tmp_path):
+    # benchmarks/gpu_suite.sh --dry-run: every part of the GPU run, small and
+    # on the CPU (kernels under triton's interpreter), so that the script is
+    # known to work before a GPU is lent.
+    pytest.importorskip("triton")
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    engine = json.loads((out / "engine.json").read_text())
+    assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
+    assert all(r["hybridkv"]["tokens_per_s"] > 0 and r["weight_bound_tokens_per_s"] > 0 for r in engine["throughput"])
+    assert json.loads((out / "kernels.json").read_text())["rows"]
+    for name in ("env", "kernel_tests", "oracle"):
+        assert (out / f"{name}.txt").stat().st_size > 0

@@ -74,6 +74,15 @@ class ModelRunner:
             module.group = view.group
             module.column = view.column
             module.backend = backend
+        if self.use_graphs:
+            self.capture_all()
+
+    def capture_all(self) -> None:
+        """Capture every bucket's decode step now, largest first (they share
+        one memory pool), so that serving never pauses to capture."""
+        with torch.inference_mode():
+            for size in reversed(self.buckets):
+                self._capture(size)
 
     def release(self, seq_id: str) -> None:
         """The sequence no longer runs: its table row is free."""

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU measurements and checks in one run, on a bare machine with torch
+# (CUDA), triton and transformers (nothing installed: run from the
+# repository root, hybridkv is imported from the tree). Writes its logs,
+# tables and JSON into OUTDIR:
+#
+#   bash benchmarks/gpu_suite.sh OUTDIR             # an H100/H200: about 8 minutes
+#   bash benchmarks/gpu_suite.sh OUTDIR --dry-run   # anywhere: every case built small, on the CPU
+#
+#   env.txt             the device, driver, library versions
+#   kernel_tests.txt    tests/test_triton_kernels.py compiled on the GPU, real sizes included
+#   kernels.txt/.json   benchmarks/kernels.py: paged decode attention at 64 x 8K and 32K (bf16)
+#                       against contiguous SDPA and the gather-then-SDPA reference; prefill,
+#                       store and Mamba steps; bandwidth against the measured copy rate
+#   engine.txt/.json    benchmarks/engine_throughput.py: the engine on Gemma-3-1B- and
+#                       ~1B-Jamba-shaped random models in bf16 against transformers' generate,
+#                       batch 1 and 64, CUDA graphs on and off, beside the weights-read bound
+#   oracle.txt          the engine against transformers on CUDA in bf16 (loose bounds),
+#                       decode steps through CUDA graphs
+#
+# Each part runs under its own time limit and the suite goes on past a
+# failing part (its log says why); the exit status is the number of parts
+# that failed.
+set -u
+OUT=${1:?usage: gpu_suite.sh OUTDIR [--dry-run]}
+DRY=${2:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
+failed=0
+
+part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "== $name: $*" | tee "$OUT/$name.txt"
+    timeout "$limit" "$@" >>"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.txt"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+
+{
+    date -u
+    nvidia-smi 2>&1 || echo "no nvidia-smi"
+    python3 -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, \
+'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); \
+print('triton', triton.__version__, 'transformers', transformers.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+if [ "$DRY" = "--dry-run" ]; then
+    export TRITON_INTERPRET=1
+    part kernel_tests 600 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+        -k "store or fixed_shape or backend_is_chosen or self_test"
+    part kernels 600 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json"
+    part engine 900 python3 benchmarks/engine_throughput.py --dry-run --graphs both --only throughput \
+        --out "$OUT/engine.json"
+    part oracle 600 python3 -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
+        -k "batch_of_different_lengths and fixed-decode"
+else
+    part kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+    part kernels 150 python3 benchmarks/kernels.py --out "$OUT/kernels.json"
+    part engine 300 python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --graphs both \
+        --only throughput --repeat 1 --num-prompts 64 --new-tokens 64 --out "$OUT/engine.json"
+    part oracle 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py --device cuda \
+        --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton"
+fi
+echo "gpu_suite: $failed part(s) failed; logs in $OUT"
+exit $failed
