@@ -199,22 +199,26 @@ def worker(spec: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(**args) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(args)],
-                          capture_output=True, text=True, cwd=ROOT)
+def measure(tree: str | None = None, **args) -> dict:
+    """One measurement in its own process; `tree`: another checkout of
+    hybridkv whose own copy of this script (and package) runs it (A/B runs)."""
+    root = os.path.abspath(tree) if tree else ROOT
+    script = os.path.join(root, "benchmarks", "engine_throughput.py")
+    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(args)],
+                          capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     raise RuntimeError(f"worker failed ({args['engine']} {args['model']}):\n{proc.stderr[-3000:]}")
 
 
-def pairs(repeat: int, first: dict, second: dict) -> tuple[list[dict], list[dict]]:
-    """`repeat` runs of each, interleaved so that both see the same noise."""
-    a, b = [], []
+def pairs(repeat: int, *specs: dict) -> tuple[list[dict], ...]:
+    """`repeat` runs of each spec, interleaved so that all see the same noise."""
+    runs = tuple([] for _ in specs)
     for _ in range(repeat):
-        a.append(measure(**first))
-        b.append(measure(**second))
-    return a, b
+        for spec, out in zip(specs, runs):
+            out.append(measure(**spec))
+    return runs
 
 
 def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
@@ -260,6 +264,9 @@ def main() -> None:
                         help="CUDA graphs for hybridkv's decode steps (both: a row each; CUDA only)")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts of the batch workload (default 64)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 128)")
+    parser.add_argument("--baseline", default=None, metavar="TREE",
+                        help="another checkout of hybridkv (e.g. a git worktree of an older commit): its engine "
+                             "runs beside this one, interleaved, as 'hybridkv (base)'")
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU models shrunk to a few small layers, on the CPU, decode at fixed shapes: "
                              "checks every case of a GPU run without a GPU")
@@ -297,8 +304,10 @@ def main() -> None:
             row = {"model": model, "batch": batch}
             for graphs in graph_modes:
                 name = "hybridkv" if len(graph_modes) == 1 else f"hybridkv ({'graphs' if graphs else 'eager'})"
-                runs = pairs(repeat, base_spec, dict(engine="hybridkv", model=model, workload="random",
-                                                     num_prompts=batch, prefix_caching=True, graphs=graphs, **common))
+                ours_spec = dict(engine="hybridkv", model=model, workload="random", num_prompts=batch,
+                                 prefix_caching=True, graphs=graphs, **common)
+                specs = [base_spec, ours_spec] + ([dict(ours_spec, tree=args.baseline)] if args.baseline else [])
+                runs = pairs(repeat, *specs)
                 if "transformers" not in row:
                     row["transformers"] = median_run(runs[0])
                     row.setdefault("runs", {})["transformers"] = runs[0]
@@ -306,10 +315,21 @@ def main() -> None:
                     print(f"{model:<16} {batch:>5} {'transformers':<13} {base['tokens_per_s']:>9.1f} "
                           f"{base['ttft_mean']:>9.3f}s {base['ttft_p90']:>8.3f}s {base['peak_rss_mib']:>13.0f} "
                           f"{1.0:>7.2f}x")
+                if args.baseline:
+                    old = median_run(runs[2])
+                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0], runs[2]))
+                    print(f"{model:<16} {batch:>5} {'hybridkv base':<13} {old['tokens_per_s']:>9.1f} "
+                          f"{old['ttft_mean']:>9.3f}s {old['ttft_p90']:>8.3f}s {old['peak_rss_mib']:>13.0f} "
+                          f"{speedup:>7.2f}x")
+                    row["hybridkv_base"], row["speedup_base"] = old, speedup
+                    row["runs"]["hybridkv_base"] = runs[2]
+                    row["vs_base"] = statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
+                                                       for a, b in zip(runs[2], runs[1]))
                 ours = median_run(runs[1])
-                speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(*runs))
+                speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0], runs[1]))
+                vs = f"  ({row['vs_base']:.2f}x base)" if args.baseline else ""
                 print(f"{model:<16} {batch:>5} {name:<13} {ours['tokens_per_s']:>9.1f} {ours['ttft_mean']:>9.3f}s "
-                      f"{ours['ttft_p90']:>8.3f}s {ours['peak_rss_mib']:>13.0f} {speedup:>7.2f}x")
+                      f"{ours['ttft_p90']:>8.3f}s {ours['peak_rss_mib']:>13.0f} {speedup:>7.2f}x{vs}")
                 key = "hybridkv" if graphs else "hybridkv_eager"
                 row[key], row[f"speedup{'' if graphs else '_eager'}"] = ours, speedup
                 row["runs"][key] = runs[1]
@@ -334,7 +354,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "repeat": repeat,
-                   "batch_tokens": args.batch_tokens, "dry_run": args.dry_run,
+                   "batch_tokens": args.batch_tokens, "dry_run": args.dry_run, "baseline": args.baseline,
                    "throughput": rows,
                    "shared_prefix": shared}, f, indent=1)
     print(f"wrote {args.out}")

@@ -95,6 +95,7 @@ class ModelRunner:
         for pairs in self.kv.take_copies().values():
             self.buffers.copy_pages(pairs)
         rows = [self.tables.slot(s.seq.seq_id) for s in steps]
+        self.tables.flush()
         if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
             return self._decode(steps, rows)
         return self._eager(steps, rows)

@@ -9,8 +9,9 @@ them.
   the block holding the state, and of the block the next state goes to) and
   `zero[g]` `[slots + 1]` (no state yet: start from zeros).
 
-The last row is the padding row of fixed-shape decode steps: its pages are
-the KV buffers' sink pages, so padding writes where no real table reads.
+The last row is the padding row of fixed-shape decode steps: it writes to
+the KV buffers' sink pages, where no real table reads (and reads the zero
+state from the null page).
 
 A slot's row is refreshed when the manager's `table_version` of its
 sequence changed: the new table is compared with a host copy of the row and
@@ -32,38 +33,45 @@ class DeviceTables:
                  device: torch.device, sink_page):
         self.layout = layout
         self.kv = kv
-        self.device = device
+        self.device = torch.device(device)
         self.pad_row = max_slots
         rows = max_slots + 1
         self.max_blocks = -(-max_model_len // layout.block_size) + 1
-        self.attention: dict[int, torch.Tensor] = {}
-        self.read: dict[int, torch.Tensor] = {}
-        self.write: dict[int, torch.Tensor] = {}
-        self.zero: dict[int, torch.Tensor] = {}
-        self._host: dict[int, np.ndarray] = {}  # attention: [rows, max_blocks, width]; mamba: [rows, 2, width]
+        # Host copies in the device tensors' layout. On the CPU they are the
+        # same memory (a refresh writes once); on a GPU the changed entries are
+        # copied over in one batch per group (`flush`).
+        self._host: dict[int, np.ndarray] = {}
+        self._host_read: dict[int, np.ndarray] = {}
+        self._host_write: dict[int, np.ndarray] = {}
+        self._host_zero: dict[int, np.ndarray] = {}
         for g in layout.groups:
-            width = g.pages_per_block
-            sinks = [sink_page(c) for c in range(width)]
+            sinks = [sink_page(c) for c in range(g.pages_per_block)]
             if g.kind == "mamba":
-                host = np.zeros((rows, 2, width), dtype=np.int64)
-                host[self.pad_row] = sinks
-                self.read[g.index] = torch.from_numpy(host[:, 0].copy()).to(device)
-                self.write[g.index] = torch.from_numpy(host[:, 1].copy()).to(device)
-                zero = torch.ones(rows, dtype=torch.bool)
-                self.zero[g.index] = zero.to(device)
+                self._host_read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+                self._host_write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+                self._host_zero[g.index] = np.ones(rows, dtype=np.bool_)
+                self._host_write[g.index][self.pad_row] = sinks  # padding reads the zero state (the null page)
             else:
-                host = np.zeros((rows, self.max_blocks, width), dtype=np.int64)
-                host[self.pad_row] = sinks
-                self.attention[g.index] = torch.from_numpy(np.ascontiguousarray(host.transpose(2, 0, 1))).to(device)
-            self._host[g.index] = host
+                host = np.zeros((g.pages_per_block, rows, self.max_blocks), dtype=np.int64)
+                host[:, self.pad_row] = np.asarray(sinks)[:, None]
+                self._host[g.index] = host
+        self.attention = {g: self._device(a) for g, a in self._host.items()}
+        self.read = {g: self._device(a) for g, a in self._host_read.items()}
+        self.write = {g: self._device(a) for g, a in self._host_write.items()}
+        self.zero = {g: self._device(a) for g, a in self._host_zero.items()}
+        self._pending: dict[int, list] = {}  # group -> [(row, columns, values)] not yet on the device
         self._slot: dict[str, int] = {}
         self._version = [0] * rows
         self._free = list(range(max_slots - 1, -1, -1))
-        self.pages_written = 0  # table entries written to the device, ever
+        self.pages_written = 0  # table entries written, ever
+
+    def _device(self, host: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(host)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def slot(self, seq_id: str) -> int:
         """The sequence's row, assigned on first use and refreshed if its
-        tables changed since the last step."""
+        tables changed since the last step (`flush` sends the changes)."""
         row = self._slot.get(seq_id)
         if row is None:
             if not self._free:
@@ -87,31 +95,48 @@ class DeviceTables:
         tables = kv.get_block_tables(seq_id)
         states = None
         for g in self.layout.groups:
-            host = self._host[g.index]
             width = g.pages_per_block
             if g.kind == "mamba":
                 if states is None:
                     states = kv.get_state_blocks(seq_id)
                 read, write = states[g.index]
-                new = np.array([read or (0,) * width, write or read or (0,) * width], dtype=np.int64)
-                changed = np.nonzero((host[row] != new).any(axis=1))[0]
-                if changed.size or self._version[row] == 0:
-                    host[row] = new
-                    device_read, device_write = self.read[g.index], self.write[g.index]
-                    device_read[row] = torch.from_numpy(new[0]).to(self.device)
-                    device_write[row] = torch.from_numpy(new[1]).to(self.device)
-                    self.zero[g.index][row] = read is None
+                new_read = read or (0,) * width
+                new_write = write or new_read
+                reads, writes, zeros = self._host_read[g.index], self._host_write[g.index], self._host_zero[g.index]
+                if (tuple(reads[row]) != tuple(new_read) or tuple(writes[row]) != tuple(new_write)
+                        or zeros[row] != (read is None) or self._version[row] == 0):
+                    reads[row], writes[row], zeros[row] = new_read, new_write, read is None
+                    self._pending.setdefault(g.index, []).append(row)
                     self.pages_written += 2 * width
                 continue
-            pages = np.asarray(tables[g.index], dtype=np.int64).reshape(-1, width)
-            n = len(pages)
+            host = self._host[g.index]
+            pages = np.asarray(tables[g.index], dtype=np.int64).reshape(-1, width).T  # [width, blocks]
+            n = pages.shape[1]
             if n > self.max_blocks:
                 raise RuntimeError(f"sequence {seq_id} holds {n} blocks, the tables have {self.max_blocks}")
             # Entries past the table's end stay as they were: no query reads past its own position.
-            diff = np.nonzero((host[row, :n] != pages).any(axis=1))[0]
+            diff = np.nonzero((host[:, row, :n] != pages).any(axis=0))[0]
             if diff.size:
-                host[row, diff] = pages[diff]
-                index = torch.from_numpy(diff).to(self.device)
-                values = torch.from_numpy(np.ascontiguousarray(pages[diff].T)).to(self.device)  # [width, changed]
-                self.attention[g.index][:, row, index] = values
+                host[:, row, diff] = pages[:, diff]
+                self._pending.setdefault(g.index, []).append((row, diff))
                 self.pages_written += diff.size * width
+
+    def flush(self) -> None:
+        """Send the refreshed entries to the device: one write per group."""
+        if self.device.type == "cpu":  # the device tensors are the host arrays
+            self._pending.clear()
+            return
+        for g, changes in self._pending.items():
+            if g in self._host:
+                rows = np.concatenate([np.full(len(cols), row) for row, cols in changes])
+                cols = np.concatenate([cols for _, cols in changes])
+                values = self._host[g][:, rows, cols]
+                self.attention[g][:, torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)] = \
+                    torch.from_numpy(values).to(self.device)
+            else:
+                rows = np.asarray(changes, dtype=np.int64)
+                index = torch.from_numpy(rows).to(self.device)
+                self.read[g][index] = torch.from_numpy(self._host_read[g][rows]).to(self.device)
+                self.write[g][index] = torch.from_numpy(self._host_write[g][rows]).to(self.device)
+                self.zero[g][index] = torch.from_numpy(self._host_zero[g][rows]).to(self.device)
+        self._pending.clear()

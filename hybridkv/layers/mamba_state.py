@@ -5,10 +5,11 @@ the pool into one tensor and scatters them back after the forward
 from their read pages to their write pages. Prefill chunks go through the
 reference scan (mamba_ops.py) on gathered states either way.
 
-Per request the manager gives a read block (None: the zero state) and a
-write block (the same block when the update is in place); the runner keeps
-them per sequence slot in persistent tensors (`read`, `write` `[slots,
-pages per block]`, `zero` `[slots]`). A fixed-shape decode step reads them
+Per request the manager gives a read block (None: the zero state, read as
+the null page, which stays zero) and a write block (the same block when the
+update is in place); the runner keeps them per sequence slot in persistent
+tensors (`read`, `write` `[slots, pages per block]`, and `zero` `[slots]`
+for the kernels, which skip the read). A fixed-shape decode step reads them
 with device gathers only.
 """
 
@@ -41,9 +42,11 @@ class MambaMetadata:
         return self.buffers.state_views(self.states, layer_name)
 
 
-def _gather(buffers: KVBuffers, read: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    flat = buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
-    return torch.where(zero[:, None], torch.zeros_like(flat), flat)
+def _gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
+    """States read from their pages, `[R, state bytes]`. A sequence with no
+    state yet reads the null page, which holds zeros (nothing ever writes
+    it): the zero state without a pass to clear it."""
+    return buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
 
 
 def _split(inputs: StepInputs):
@@ -65,7 +68,7 @@ class TorchMamba:
 
     def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
         slots = inputs.slot_rows
-        states = _gather(buffers, read[slots], zero[slots])
+        states = _gather(buffers, read[slots])
         if inputs.host is None:  # fixed shapes: token t is sequence t's only token
             rows = torch.arange(slots.shape[0], device=slots.device)
             return MambaMetadata(buffers, states, write[slots], rows, slots.shape[0], step_rows=rows)
@@ -114,7 +117,7 @@ class KernelMamba:
         step_slots = slots[torch.from_numpy(steps).to(device)]
         pre_slots = slots[torch.from_numpy(prefills).to(device)]
         host = inputs.host
-        return MambaMetadata(buffers, _gather(buffers, read[pre_slots], zero[pre_slots]), write[pre_slots],
+        return MambaMetadata(buffers, _gather(buffers, read[pre_slots]), write[pre_slots],
                              torch.from_numpy(tokens).to(device), len(steps),
                              step_pages=(read[step_slots], write[step_slots], zero[step_slots]),
                              prefills=[(j, int(host.starts[i]), int(host.counts[i])) for j, i in enumerate(prefills)])

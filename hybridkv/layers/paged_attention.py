@@ -89,8 +89,8 @@ class AttentionMetadata:
     spec: object
     store_pages: torch.Tensor  # [width, tokens] page of each new token, per column
     store_offsets: torch.Tensor  # [tokens] slot within the page
-    tail_pages: torch.Tensor  # [width, sequences, block_size - 1] each sequence's last block, per column
-    tail_slots: torch.Tensor  # [sequences, block_size - 1] the slots after its last new token (clamped)
+    tail_pages: torch.Tensor | None  # [width, sequences, block_size - 1] last blocks first written now, per column
+    tail_slots: torch.Tensor | None  # [sequences, block_size - 1] the slots after the last new token (clamped)
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -123,13 +123,20 @@ def build(inputs: StepInputs, table: torch.Tensor, spec, block_size: int) -> Att
     slot_of_token = inputs.slot_rows[inputs.seq_of_token]
     store_pages = table[:, slot_of_token, pos // bs]
     host = inputs.host
+    # The tails to zero: in a fixed-shape step every sequence's (unconditionally,
+    # no data-dependent shape); in an eager one only those of blocks this step
+    # writes first (a block's tail, once zeroed, stays so until the block is written).
     if host is None:  # fixed shapes: every token is its sequence's only one, in order
         last = torch.arange(pos.shape[0], device=device)
     else:
-        last = torch.from_numpy(host.starts + host.counts - 1).to(device)
-    tail = (pos[last] % bs)[:, None] + torch.arange(1, bs, device=device)
-    meta = AttentionMetadata(spec, store_pages, pos % bs, store_pages[:, last, None].expand(-1, -1, bs - 1),
-                             tail.clamp(max=bs - 1))
+        last_pos = host.positions[host.starts + host.counts - 1]
+        fresh = np.nonzero(last_pos // bs * bs >= host.positions[host.starts])[0]
+        last = torch.from_numpy(host.starts[fresh] + host.counts[fresh] - 1).to(device) if fresh.size else None
+    meta = AttentionMetadata(spec, store_pages, pos % bs, None, None)
+    if last is not None:
+        tail = (pos[last] % bs)[:, None] + torch.arange(1, bs, device=device)
+        meta.tail_pages = store_pages[:, last, None].expand(-1, -1, bs - 1)
+        meta.tail_slots = tail.clamp(max=bs - 1)
     if host is None:
         meta.decodes.append(_decode_group(inputs, table, spec, bs, last, last, read_bound(spec, bs, table.shape[2])))
         return meta
@@ -157,14 +164,15 @@ def build(inputs: StepInputs, table: torch.Tensor, spec, block_size: int) -> Att
 def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:
     """Write the step's new K/V rows (`[tokens, kv_heads, head_dim]`) at their slots.
 
-    First the slots after each sequence's last new token in its block are
-    zeroed: a query's reads are masked there, but masked keys must hold
-    finite values (both a masked score, NaN + -inf, and a zero weight times
-    a NaN value are NaN), and an unwritten slot may still hold bytes another
-    layer type left in the page. (Clamped entries past the block's end hit
-    its last slot, which is either a tail slot or this step's own last token,
-    stored right after.)"""
-    cache[meta.tail_pages[column], :, meta.tail_slots] = 0
+    First the slots after a sequence's last new token in its block are
+    zeroed, when this step writes the block first: a query's reads are
+    masked there, but masked keys must hold finite values (both a masked
+    score, NaN + -inf, and a zero weight times a NaN value are NaN), and an
+    unwritten slot may still hold bytes another layer type left in the page.
+    (Clamped entries past the block's end hit its last slot, which is either
+    a tail slot or this step's own last token, stored right after.)"""
+    if meta.tail_pages is not None:
+        cache[meta.tail_pages[column], :, meta.tail_slots] = 0
     pages = meta.store_pages[column]
     cache[pages, 0, meta.store_offsets] = k.to(cache.dtype)
     cache[pages, 1, meta.store_offsets] = v.to(cache.dtype)

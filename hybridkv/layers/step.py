@@ -20,6 +20,15 @@ import numpy as np
 import torch
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Is this forward being traced (torch.compile) or captured (a CUDA
+    graph)? Then an op must not make shapes from data (a sync, and a shape
+    the replay would not follow); eagerly it may, where that is cheaper."""
+    if torch.compiler.is_compiling():
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass
 class HostStep:
     """numpy copies of the step's layout, for eager metadata (prefill

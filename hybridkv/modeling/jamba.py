@@ -19,7 +19,7 @@ from torch import nn
 from ..layers.linear import Linear
 from ..layers.mamba_ops import causal_conv, selective_scan
 from ..layers.norm import RMSNorm
-from ..layers.step import StepBatch
+from ..layers.step import StepBatch, capturing
 from .base import CacheLayer, CausalLM
 from .blocks import GatedMLP, PagedSelfAttention
 
@@ -94,9 +94,6 @@ class JambaMamba(CacheLayer, nn.Module):
         return self.out_proj(y_all.to(h.dtype))
 
 
-DENSE_MOE_TOKENS = 64  # up to this many tokens a step runs every expert (see JambaMoE.forward)
-
-
 class JambaMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -110,11 +107,11 @@ class JambaMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        if x.shape[0] <= DENSE_MOE_TOKENS:
-            # A decode step: every expert on every token, weighted by its
-            # routing weight (zero where not chosen). No shape depends on the
-            # routing, so the step can be captured; with a few tokens the
-            # experts' weights are read once either way.
+        if capturing(x):
+            # A captured or traced step: every expert on every token, weighted
+            # by its routing weight (zero where not chosen), so that no shape
+            # depends on the routing. At decode sizes the experts' weights are
+            # read once either way; eagerly, only the chosen experts run.
             for e, expert in enumerate(self.experts):
                 weight = (weights * (chosen == e)).sum(-1, keepdim=True)
                 out += expert(x) * weight
