@@ -29,6 +29,7 @@ from ..layers.backend import choose as choose_backend
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
+from .host_memory import keep_large_allocations
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .runner import ModelRunner
@@ -58,6 +59,8 @@ class Engine:
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_large_allocations()  # host_memory.py: no page faults on each step's big tensors
         model_dir = resolve_model_dir(model_dir, progress=progress)
         self.model_dir = model_dir
         self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress)
