@@ -14,3 +14,18 @@ def test_api_examples_run(monkeypatch):
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "docs/api.md", "exec"), namespace)
+
+
+def test_observability_example_prints_what_the_doc_shows():
+    import subprocess
+    import sys
+
+    root = os.path.join(DOCS, "..")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+    out = subprocess.run([sys.executable, "docs/examples/jamba_explain.py"], cwd=root, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(DOCS, "observability.md")) as f:
+        shown = re.findall(r"```\n(request .*?)```", f.read(), re.S)
+    assert len(shown) == 2
+    for block in shown:
+        assert block in out

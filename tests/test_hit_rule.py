@@ -30,6 +30,12 @@ def brute_force_hit(groups, cached, num_tokens, bs):
     return max(L for L in range(0, num_tokens, bs) if all(valid(g, L) for g in range(len(groups))))
 
 
+def brute_force_subset(groups, cached, num_tokens, bs, keep):
+    """The brute-force hit over the groups in `keep` only."""
+    sub = [groups[g] for g in keep]
+    return brute_force_hit(sub, [cached[g] for g in keep], num_tokens, bs)
+
+
 def _spec(kind, param, index):
     # Distinct head counts keep each entry in its own group.
     heads = index + 1
@@ -80,6 +86,17 @@ def test_hybrid_hit_equals_brute_force_for_any_mix_of_types(groups, bs, num_toke
             cached.append(positions)
     expected = brute_force_hit(groups, cached, num_tokens, bs)
     assert kv.get_computed_tokens("probe") == expected
+    # explain_hit: per group the hit it alone serves, and the joint hit of
+    # the others (the limit when there are none), straight from the rule.
+    why = kv.explain_hit("probe")
+    assert why.hit_tokens == expected
+    assert why.limit_tokens == (num_tokens - 1) // bs * bs
+    everyone = range(len(groups))
+    for g, part in enumerate(why.groups):
+        assert part.alone_tokens == brute_force_subset(groups, cached, num_tokens, bs, [g])
+        others = [h for h in everyone if h != g]
+        assert part.without_tokens == brute_force_subset(groups, cached, num_tokens, bs, others)
+        assert part.capped == (part.without_tokens > expected)
     # Taking the hit installs exactly the blocks the rule asks for.
     assert kv.allocate_slots("probe", num_tokens - expected)
     assert kv.get_computed_tokens("probe") == expected

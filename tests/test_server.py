@@ -417,3 +417,36 @@ def test_serve_command_options():
     args = build_parser().parse_args(["serve", "--model", "model.gguf"])
     assert (args.model, args.model_option) == (None, "model.gguf")
     assert main(["serve", "a", "--model", "b.gguf"]) == 2
+
+
+def test_usage_reports_cached_prompt_tokens_streamed_or_not(server, client):
+    # The same long prompt twice: the second is served from the prefix cache,
+    # and says how much of it in usage.prompt_tokens_details.cached_tokens.
+    prompt = "the archive of the city library keeps " * 12
+    args = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(**args)
+    second = client.completions.create(**args)
+    block = server.engine.kv.block_size
+    limit = (first.usage.prompt_tokens - 1) // block * block
+    assert second.usage.prompt_tokens_details.cached_tokens == limit > 0
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == limit
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // block * block
+
+
+def test_metrics_break_hits_and_evictions_down_by_group(server, client):
+    client.completions.create(model=MODEL, prompt="a metrics probe " * 8, max_tokens=2)
+    m = metrics(server)
+    kinds = [g.kind for g in server.engine.layout.groups]
+    for i, kind in enumerate(kinds):
+        labels = (("group", str(i)), ("kind", kind))
+        assert ("hybridkv_prefix_cache_capped_tokens_total", labels) in m
+        for reason in ("lru", "probation", "superseded", "reset"):
+            key = ("hybridkv_prefix_cache_evictions_total", tuple(sorted(labels + (("reason", reason),))))
+            assert key in m
+    stats = server.engine.kv.stats
+    assert sum(m[("hybridkv_prefix_cache_capped_tokens_total", (("group", str(i)), ("kind", k)))]
+               for i, k in enumerate(kinds)) == sum(stats.capped_tokens)

@@ -5,12 +5,14 @@ builders can import it into their own scheduler."""
 from .block_pool import NULL, BlockPool
 from .checkpoints import POLICIES, CheckpointPolicy
 from .hashing import BlockHasher
-from .kv_cache_manager import CacheStats, KVCacheManager, UnknownRequestError
+from .coordinator import Coordinator, HybridCoordinator, UnitaryCoordinator, make_coordinator
+from .kv_cache_manager import CacheStats, GroupHit, HitExplanation, KVCacheManager, UnknownRequestError
 from .layout import KVCacheGroup, KVCacheLayout, LayerView, parse_memory, plan_layout
 from .specs import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
-    "NULL", "BlockPool", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec",
-    "FullAttentionSpec", "KVCacheGroup", "KVCacheLayout", "KVCacheManager", "LayerView", "MambaSpec",
-    "POLICIES", "SlidingWindowSpec", "UnknownRequestError", "parse_memory", "plan_layout",
+    "NULL", "BlockPool", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator",
+    "FullAttentionSpec", "GroupHit", "HitExplanation", "HybridCoordinator", "KVCacheGroup", "KVCacheLayout",
+    "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "SlidingWindowSpec", "UnitaryCoordinator",
+    "UnknownRequestError", "make_coordinator", "parse_memory", "plan_layout",
 ]

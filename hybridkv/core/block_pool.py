@@ -19,6 +19,18 @@ taken from the queue loses its cache key. When a group needs a block of
 another width than the head block's, pages are split or combined: any page
 can serve any group, so no group starves while another holds idle memory.
 Every operation is O(1) per block (or page) it touches.
+
+Copies of one content. Two requests that compute the same block before
+either finds the other's hold two blocks with one key. The first is the
+key's entry in the map; the others are remembered as its copies, so that
+when the entry's block is evicted while a copy lives on, the key moves to
+the copy and the content stays findable (a dict per key: O(1) to add, drop
+or promote one).
+
+Why keys leave the map is counted per group: `lru` (a free cached block
+taken for new content), `probation` (the same, for a checkpoint released
+on probation), `superseded` (dropped by its owner: an older rolling Mamba
+checkpoint) and `reset` (reset_cache).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 NULL = 0
+EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
 
 
 class BlockPool:
@@ -42,11 +55,16 @@ class BlockPool:
         self.tokens: list = [None] * num_pages  # token ids, only when the hash is not trusted
         self.span: list = [None] * num_pages  # the pages of a block wider than one page
         self._free: OrderedDict[int, None] = OrderedDict()
+        self.on_probation = [False] * num_pages  # released on probation, still cached
         self.cached: list[dict] = [{} for _ in range(num_groups)]
-        # Bumped whenever a cache key appears or disappears, so a remembered
-        # prefix hit can tell that it may be stale.
+        # Per group, key -> {block: None}: other blocks holding the content of
+        # the block that the map names (see "Copies of one content").
+        self.copies: list[dict] = [{} for _ in range(num_groups)]
+        # Bumped whenever a cache key appears, disappears or moves, so a
+        # remembered prefix hit can tell that it may be stale.
         self.version = 0
-        self.num_evictions = 0
+        # Keys that left the map, per reason, per group.
+        self.evictions = {reason: [0] * num_groups for reason in EVICTION_REASONS}
 
     def pages(self, block: int, width: int = 1):
         """The pages of a block (the null block's for the given width)."""
@@ -86,7 +104,7 @@ class BlockPool:
         while len(blocks) + len(pages) // width < count:
             block = free.popitem(last=False)[0]
             if key[block] is not None:
-                self._drop_key(block)
+                self._drop_key(block, "probation" if self.on_probation[block] else "lru")
             block_span = span[block]
             if (1 if block_span is None else len(block_span)) == width:
                 ref[block] = 1  # the right width: reused as it is
@@ -117,6 +135,7 @@ class BlockPool:
         if ref[block] == 0:
             del self._free[block]
             self.num_free_pages -= self.width(block)
+            self.on_probation[block] = False
         ref[block] += 1
 
     def release(self, block: int, probation: bool = False) -> None:
@@ -127,50 +146,83 @@ class BlockPool:
         ref[block] -= 1
         if ref[block] == 0:
             self._free[block] = None
+            self.on_probation[block] = probation
             if probation or self.key[block] is None:
                 self._free.move_to_end(block, last=False)
             self.num_free_pages += self.width(block)
 
     # -- the cache ---------------------------------------------------------
-    def cache(self, block: int, group: int, key, tokens=None) -> bool:
+    def cache(self, block: int, group: int, key, tokens=None, keep_copy: bool = False) -> bool:
         """Register a computed block under `key` in `group`'s map. False if
-        another block already holds that content (the first one stays)."""
-        table = self.cached[group]
-        if key in table or self.key[block] is not None:
+        another block already holds that content: that one stays the entry,
+        and with `keep_copy` this block is remembered as a copy of it (an
+        attention block another request keeps reading; a Mamba state moves
+        on, so it is not kept)."""
+        if self.key[block] is not None:
             return False
-        table[key] = block
+        table = self.cached[group]
+        entry = key not in table
+        if entry:
+            table[key] = block
+            self.version += 1
+        elif keep_copy:
+            self.copies[group].setdefault(key, {})[block] = None
+        else:
+            return False
         self.key[block] = key
         self.key_group[block] = group
         self.tokens[block] = tokens
-        self.version += 1
-        return True
+        return entry
 
     def uncache(self, block: int) -> None:
         """Forget a block's content now (it is worth less than the LRU thinks)."""
         if self.key[block] is None:
             return
-        self._drop_key(block)
+        self._drop_key(block, "superseded")
         if self.ref[block] == 0:
             self._free.move_to_end(block, last=False)
 
-    def _drop_key(self, block: int) -> None:
-        del self.cached[self.key_group[block]][self.key[block]]
+    def _drop_key(self, block: int, reason: str) -> None:
+        group, key = self.key_group[block], self.key[block]
         self.key[block] = None
         self.tokens[block] = None
-        self.version += 1
-        self.num_evictions += 1
+        copies = self.copies[group]
+        others = copies.get(key)
+        if self.cached[group][key] != block:
+            del others[block]  # a copy goes; the entry stays
+        elif others:
+            # The entry's block goes, a copy lives on: the key moves to it.
+            self.cached[group][key] = others.popitem()[0]
+            self.version += 1
+        else:
+            del self.cached[group][key]
+            self.version += 1
+            self.evictions[reason][group] += 1
+        if others is not None and not others:
+            del copies[key]
 
     def reset_cache(self) -> int:
         dropped = 0
         key, tokens = self.key, self.tokens
-        for table in self.cached:
+        for g, table in enumerate(self.cached):
             for block in table.values():
                 key[block] = None
                 tokens[block] = None
+            for others in self.copies[g].values():
+                for block in others:
+                    key[block] = None
+                    tokens[block] = None
             dropped += len(table)
+            self.evictions["reset"][g] += len(table)
             table.clear()
+            self.copies[g].clear()
         self.version += 1
         return dropped
+
+    @property
+    def num_evictions(self) -> int:
+        """Keys dropped to reuse their blocks or superseded (resets not counted)."""
+        return sum(sum(self.evictions[r]) for r in ("lru", "probation", "superseded"))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -205,8 +257,19 @@ class BlockPool:
         used = sum(self.width(b) for b in held)
         assert used + free_pages == self.num_pages - 1, (
             f"pages leaked: {used} held + {free_pages} free != {self.num_pages - 1}")
+        keyed = 0
         for g, table in enumerate(self.cached):
             for key, block in table.items():
                 assert self.key[block] == key and self.key_group[block] == g, (
                     f"cache map entry {key!r} points at block {block}, which holds another key")
                 assert self.ref[block] > 0 or block in self._free, f"cached block {block} is neither held nor free"
+            keyed += len(table)
+            for key, others in self.copies[g].items():
+                assert others and key in table, f"copies of key {key!r} without an entry in the map"
+                for block in others:
+                    assert block != table[key], f"block {block} is both the entry and a copy of {key!r}"
+                    assert self.key[block] == key and self.key_group[block] == g, (
+                        f"block {block} is listed as a copy of {key!r} but holds another key")
+                    assert self.ref[block] > 0 or block in self._free, f"cached copy {block} is neither held nor free"
+                keyed += len(others)
+        assert keyed == sum(1 for k in self.key if k is not None), "a block holds a key no map lists"

@@ -2,13 +2,20 @@
 
 It owns the pool and one manager per group, finds the longest prefix hit that
 every group can serve, and makes allocation all-or-nothing across groups.
+Two kinds, chosen by `make_coordinator` from the layout:
 
-The hit rule for any number of groups and types (DESIGN section 4) is a fixed
-point: start from the longest candidate, let each group lower it to its own
-longest valid hit at most that long, and repeat until a whole pass lowers it
-no more. Each pass strictly lowers the candidate or ends, and each group's
-answer is the longest it can serve, so the result is the longest hit valid
-for all groups (tests/test_hit_rule.py checks it against brute force).
+* `UnitaryCoordinator`: one group (a full-attention-only model, or one kind
+  of layer). Its manager's longest hit is the hit.
+* `HybridCoordinator`: N groups of any types. The hit rule (DESIGN section 4)
+  is a fixed point: start from the longest candidate, let each group lower it
+  to its own longest valid hit at most that long, and repeat until a whole
+  pass lowers it no more. Each pass strictly lowers the candidate or ends,
+  and each group's answer is the longest it can serve, so the result is the
+  longest hit valid for all groups (tests/test_hit_rule.py checks it against
+  brute force).
+
+Both also say why a hit is as short as it is (`explain`): per group the
+longest hit it alone could serve, and the joint hit without it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ _LOOKUP_ORDER = {"mamba": 0, "full": 1, "chunked_local": 2, "sliding_window": 3}
 
 
 class Coordinator:
+    """What both kinds share: requests, allocation, progress, forks."""
+
     def __init__(self, layout: KVCacheLayout, caching: bool, hasher: BlockHasher, policy: CheckpointPolicy):
         self.layout = layout
         self.block_size = layout.block_size
@@ -50,26 +59,24 @@ class Coordinator:
             self.extend_keys(req, blocks)
             self.sightings.record(req.keys[:blocks], req.request_id)
 
-    # -- prefix hits -------------------------------------------------------
+    # -- prefix hits ----------------------------------------------------------
+    def hit_limit(self, req: CacheRequest) -> int:
+        """The longest hit any cache could give, in blocks: whole blocks, and
+        at least one token left to compute. Extends the request's keys that far."""
+        limit = (len(req.tokens) - 1) // self.block_size
+        self.extend_keys(req, limit)
+        return limit
+
     def find_hit(self, req: CacheRequest) -> int:
         """Longest valid hit in tokens: a multiple of the block size, at most
         len(tokens) - 1 so that at least one token is computed."""
-        if not self.caching:
-            return 0
-        limit = (len(req.tokens) - 1) // self.block_size
-        self.extend_keys(req, limit)
-        order = self._lookup_order
-        if len(order) == 1:
-            return order[0].longest_hit(req, limit) * self.block_size
-        candidate = limit
-        while candidate > 0:
-            lowered = candidate
-            for manager in order:
-                lowered = manager.longest_hit(req, lowered)
-            if lowered == candidate:
-                break
-            candidate = lowered
-        return candidate * self.block_size
+        raise NotImplementedError
+
+    def explain(self, req: CacheRequest, hit: int) -> tuple[list[int], list[int]]:
+        """For the hit `find_hit` gave (tokens): per group, the longest hit it
+        alone could serve, and the joint hit if it could serve anything; in
+        tokens. The request's keys reach the limit (find_hit ran)."""
+        raise NotImplementedError
 
     def extend_keys(self, req: CacheRequest, num_blocks: int) -> None:
         if len(req.keys) < num_blocks:
@@ -196,6 +203,7 @@ class Coordinator:
         child.keys = list(parent.keys)
         child.checkpoints = list(parent.checkpoints)
         child.probation_at = parent.probation_at
+        child.lookup = parent.lookup
         child.num_cached = list(parent.num_cached)
         child.num_released = list(parent.num_released)
         for manager in self.managers:
@@ -213,3 +221,60 @@ class Coordinator:
             out.setdefault(group, []).extend(zip(src, dst))
         self.pending_copies = []
         return out
+
+
+class UnitaryCoordinator(Coordinator):
+    """One group: no fixed point, its own longest hit is the hit."""
+
+    def find_hit(self, req):
+        if not self.caching:
+            return 0
+        return self.managers[0].longest_hit(req, self.hit_limit(req)) * self.block_size
+
+    def explain(self, req, hit):
+        # Without its only group nothing bounds the hit but the limit.
+        return [hit], [self.hit_limit(req) * self.block_size]
+
+
+class HybridCoordinator(Coordinator):
+    """N groups of any types: the fixed point over the groups' own hits."""
+
+    def find_hit(self, req):
+        if not self.caching:
+            return 0
+        return _fixed_point(self._lookup_order, req, self.hit_limit(req)) * self.block_size
+
+    def explain(self, req, hit):
+        bs = self.block_size
+        limit = self.hit_limit(req)
+        alone = [m.longest_hit(req, limit) for m in self.managers]
+        without = []
+        for g in range(len(self.managers)):
+            # Without group g the hit is at most the others' own best; if
+            # that is the joint hit already, g changed nothing.
+            bound = min((a for h, a in enumerate(alone) if h != g), default=limit)
+            if bound * bs <= hit:
+                without.append(hit)
+            else:
+                others = [m for m in self._lookup_order if m.index != g]
+                without.append(_fixed_point(others, req, bound) * bs)
+        return [a * bs for a in alone], without
+
+
+def _fixed_point(managers, req: CacheRequest, candidate: int) -> int:
+    """The longest hit (blocks, at most `candidate`) every manager serves."""
+    while candidate > 0:
+        lowered = candidate
+        for manager in managers:
+            lowered = manager.longest_hit(req, lowered)
+        if lowered == candidate:
+            break
+        candidate = lowered
+    return candidate
+
+
+def make_coordinator(layout: KVCacheLayout, caching: bool, hasher: BlockHasher,
+                     policy: CheckpointPolicy) -> Coordinator:
+    """The coordinator for a layout: unitary for one group, hybrid for more."""
+    kind = UnitaryCoordinator if len(layout.groups) == 1 else HybridCoordinator
+    return kind(layout, caching, hasher, policy)

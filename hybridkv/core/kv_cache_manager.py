@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .checkpoints import CheckpointPolicy, get_policy
-from .coordinator import Coordinator
+from .block_pool import EVICTION_REASONS
+from .coordinator import make_coordinator
 from .hashing import BlockHasher, token_bytes_of
 from .layout import KVCacheLayout
 from .request import CacheRequest  # noqa: F401  (the record type, for readers)
@@ -38,6 +39,13 @@ class CacheStats:
     # per group: pages released mid-request because no query reads them again
     # (left a sliding window or a finished local chunk)
     released_pages: tuple[int, ...] = ()
+    group_kinds: tuple[str, ...] = ()  # per group: "full", "sliding_window", ...
+    # per group: prompt tokens the joint hit would have had on top, summed
+    # over admissions, had this group alone served more (explain_hit)
+    capped_tokens: tuple[int, ...] = ()
+    # reason ("lru", "probation", "superseded", "reset") -> per group, cache
+    # keys dropped for it (core/block_pool.py)
+    evictions_by_reason: dict = None
 
     @property
     def hit_rate(self) -> float:
@@ -46,6 +54,64 @@ class CacheStats:
     @property
     def usage(self) -> float:
         return 1.0 - self.free_pages / self.total_pages
+
+
+@dataclass(frozen=True)
+class GroupHit:
+    """One group's part in a request's prefix hit (tokens)."""
+    group: int
+    kind: str
+    alone_tokens: int  # the longest hit this group alone could serve
+    without_tokens: int  # the joint hit if this group could serve anything
+    capped_tokens: int  # without_tokens - the joint hit: what this group alone cost
+    # alone_tokens == the joint hit < the limit: this group has nothing
+    # longer (when several do, none capped the hit on its own)
+    limits: bool
+
+    @property
+    def capped(self) -> bool:
+        return self.capped_tokens > 0
+
+
+@dataclass(frozen=True)
+class HitExplanation:
+    """Why a request's prefix hit is as long as it is (kv.explain_hit)."""
+    request_id: str
+    prompt_tokens: int  # tokens known at the lookup
+    hit_tokens: int  # the joint hit: what every group can serve
+    limit_tokens: int  # the longest hit possible: whole blocks, one token left to compute
+    # prompt_tokens - limit_tokens, split in two: the tail past the last whole
+    # block (never cacheable), and the last whole block when the prompt ends
+    # on a block boundary (a hit leaves at least one token to compute)
+    lost_to_block_rounding: int
+    lost_to_one_token_minimum: int
+    groups: tuple[GroupHit, ...]
+    caching: bool = True
+
+    @property
+    def missed_tokens(self) -> int:
+        """Tokens a hit could have covered but the cache did not serve."""
+        return self.limit_tokens - self.hit_tokens
+
+    @property
+    def capping_groups(self) -> tuple[int, ...]:
+        """Groups without which the joint hit would be longer."""
+        return tuple(g.group for g in self.groups if g.capped)
+
+    def __str__(self) -> str:
+        lines = [f"request {self.request_id!r}: hit {self.hit_tokens} of {self.prompt_tokens} prompt tokens "
+                 f"(at most {self.limit_tokens}: {self.lost_to_block_rounding} past the last whole block, "
+                 f"{self.lost_to_one_token_minimum} kept for the one-token minimum)"]
+        if not self.caching:
+            lines.append("  prefix caching is off")
+        for g in self.groups:
+            note = ""
+            if g.capped:
+                note = f"  capped the hit: {g.without_tokens} without it"
+            elif g.limits:
+                note = "  serves nothing longer"
+            lines.append(f"  group {g.group} {g.kind:15s} alone {g.alone_tokens:6d}{note}")
+        return "\n".join(lines)
 
 
 def _token_array(token_ids, what: str) -> array:
@@ -92,12 +158,14 @@ class KVCacheManager:
         self.block_size = layout.block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hasher = BlockHasher(hash_function)
-        self.coordinator = Coordinator(layout, self.enable_prefix_caching, self.hasher, get_policy(checkpoint_policy))
+        self.coordinator = make_coordinator(layout, self.enable_prefix_caching, self.hasher,
+                                            get_policy(checkpoint_policy))
         self.pool = self.coordinator.pool
         self._requests: dict[str, CacheRequest] = {}
         self._num_started = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._capped_tokens = [0] * len(layout.groups)
 
     # -- requests ------------------------------------------------------------
     def _get(self, request_id) -> CacheRequest:
@@ -141,12 +209,46 @@ class KVCacheManager:
         return self._hit(req)
 
     def _hit(self, req: CacheRequest) -> int:
+        # Remembered while no cache key changed and no token was appended
+        # (more tokens can make a longer hit).
         memo = req.hit_memo
-        if memo is not None and memo[0] == self.pool.version:
-            return memo[1]
+        if memo is not None and memo[0] == self.pool.version and memo[1] == len(req.tokens):
+            return memo[2]
         hit = self.coordinator.find_hit(req)
-        req.hit_memo = (self.pool.version, hit)
+        req.hit_memo = (self.pool.version, len(req.tokens), hit, None)
         return hit
+
+    def _why(self, req: CacheRequest, hit: int) -> tuple:
+        """(alone, without) per group for the hit just found (memoised with it)."""
+        memo = req.hit_memo
+        if memo[3] is None:
+            if hit == self.coordinator.hit_limit(req) * self.block_size:
+                why = ([hit] * len(self._capped_tokens),) * 2  # nothing missed
+            else:
+                why = self.coordinator.explain(req, hit)
+            req.hit_memo = memo = memo[:3] + (why,)
+        return memo[3]
+
+    def explain_hit(self, request_id: str) -> HitExplanation:
+        """Why the request's prefix hit is as long as it is: before its first
+        allocation, the hit it would take now; after, the hit it took. Per
+        group the longest hit it alone serves and the joint hit without it
+        (as cheap as get_computed_tokens, and free when nothing was missed)."""
+        req = self._get(request_id)
+        if req.started:
+            prompt, hit, (alone, without) = req.lookup
+        else:
+            prompt, hit = len(req.tokens), self._hit(req)
+            alone, without = self._why(req, hit) if self.enable_prefix_caching else ([0] * len(self._capped_tokens),) * 2
+        bs = self.block_size
+        whole = prompt // bs * bs
+        limit = (prompt - 1) // bs * bs if self.enable_prefix_caching else 0
+        groups = tuple(
+            GroupHit(m.index, m.kind, alone[m.index], without[m.index], without[m.index] - hit,
+                     alone[m.index] == hit < limit)
+            for m in self.coordinator.managers)
+        return HitExplanation(request_id, prompt, hit, limit, prompt - whole, whole - limit if self.enable_prefix_caching else 0,
+                              groups, self.enable_prefix_caching)
 
     def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
@@ -161,12 +263,24 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
                 f"but only {len(req.tokens)} token ids are known (append them first)")
+        if hit is None:
+            return self.coordinator.allocate(req, num_new_tokens, None)
+        # The first allocation: say why the hit is what it is before the
+        # allocation can evict what the lookup saw.
+        why = self._why(req, hit) if self.enable_prefix_caching else None
         ok = self.coordinator.allocate(req, num_new_tokens, hit)
-        if ok and hit is not None:
+        if ok:
             self._num_started += 1
             self._queried_tokens += len(req.tokens)
             self._hit_tokens += hit
             req.hit_memo = None
+            if why is not None:
+                req.lookup = (len(req.tokens), hit, why)
+                capped = self._capped_tokens
+                for g, without in enumerate(why[1]):
+                    capped[g] += without - hit
+            else:
+                req.lookup = (len(req.tokens), 0, ([0] * len(self._capped_tokens),) * 2)
         return ok
 
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
@@ -362,10 +476,13 @@ class KVCacheManager:
 
     @property
     def stats(self) -> CacheStats:
+        managers = self.coordinator.managers
         return CacheStats(self._num_started, self._queried_tokens, self._hit_tokens,
                           self.pool.num_cached_blocks, self.pool.num_evictions,
                           self.pool.num_free_pages, self.pool.num_pages - 1,
-                          tuple(getattr(m, "released_pages", 0) for m in self.coordinator.managers))
+                          tuple(getattr(m, "released_pages", 0) for m in managers),
+                          tuple(m.kind for m in managers), tuple(self._capped_tokens),
+                          {r: tuple(self.pool.evictions[r]) for r in EVICTION_REASONS})
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (e.g. after weights change). Blocks in

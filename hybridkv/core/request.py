@@ -23,7 +23,7 @@ class CacheRequest:
     __slots__ = (
         "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
         "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation",
+        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup",
     )
 
     def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
@@ -43,7 +43,10 @@ class CacheRequest:
         self.rolling: list = [None] * num_groups  # latest decode checkpoint per Mamba group
         self.probation_at = -1  # the checkpoint position whose state is released on probation
         self.probation = [0] * num_groups  # per Mamba group, that checkpoint's block once saved
-        self.hit_memo = None  # (pool version, hit tokens) from get_computed_tokens
+        # (pool version, tokens known, hit, why or None) from the last lookup
+        self.hit_memo = None
+        # (prompt tokens, hit, (alone, without) per group) of the first allocation
+        self.lookup = None
         # The decode fast path: while the next tokens fit in `capacity` and the
         # request is `steady`, allocation is a comparison; while num_computed
         # stays below `next_event`, marking tokens computed is an addition.

@@ -60,7 +60,8 @@ class _Chat(_Completion):
 
 def _usage(update: Update) -> dict:
     return {"prompt_tokens": update.prompt_tokens, "completion_tokens": update.completion_tokens,
-            "total_tokens": update.prompt_tokens + update.completion_tokens}
+            "total_tokens": update.prompt_tokens + update.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": update.cached_tokens}}
 
 
 def _sse(data) -> str:

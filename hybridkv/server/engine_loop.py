@@ -48,6 +48,7 @@ class Update:
     finished: bool
     prompt_tokens: int
     completion_tokens: int  # all continuations, so far
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 _ACCEPTED = object()
@@ -270,7 +271,8 @@ class EngineLoop:
                         deltas.append(Delta(completion.index, piece))
             if deltas or out.finished:
                 generated = sum(len(c.token_ids) for c in out.outputs)
-                batch.append((live.queue, Update(deltas, out.finished, live.prompt_tokens, generated)))
+                cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+                batch.append((live.queue, Update(deltas, out.finished, live.prompt_tokens, generated, cached)))
             if out.finished:
                 del self._live[out.request_id]
         if batch:
@@ -298,9 +300,11 @@ class EngineLoop:
     def snapshot(self, engine: Engine) -> dict:
         """Engine and server counters (call through `call`, on the engine thread)."""
         stats = dict(engine.stats)
+        cache = engine.kv.stats
         stats.update(kv_free_pages=engine.kv.num_free_blocks, kv_total_pages=engine.kv.num_total_blocks,
-                     group_kinds=[g.kind for g in engine.layout.groups], aborted=self.num_aborted,
-                     rejected=self.num_rejected)
+                     group_kinds=list(cache.group_kinds), capped_tokens=list(cache.capped_tokens),
+                     evictions_by_reason={r: list(v) for r, v in cache.evictions_by_reason.items()},
+                     aborted=self.num_aborted, rejected=self.num_rejected)
         return stats
 
 

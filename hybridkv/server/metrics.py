@@ -55,6 +55,20 @@ class ServerMetrics:
             usage.add_metric([str(i), kind], held / max(1, s["kv_total_pages"]))
         yield pages
         yield usage
+        capped = CounterMetricFamily("hybridkv_prefix_cache_capped_tokens",
+                                     "Prompt tokens the joint prefix hit would have had on top if this group "
+                                     "had served more (kv.explain_hit), summed over admissions",
+                                     labels=["group", "kind"])
+        evicted = CounterMetricFamily("hybridkv_prefix_cache_evictions",
+                                      "Cache keys dropped, per group and reason: lru (a free cached block reused), "
+                                      "probation (a prompt-end Mamba checkpoint), superseded, reset",
+                                      labels=["group", "kind", "reason"])
+        for i, kind in enumerate(s["group_kinds"]):
+            capped.add_metric([str(i), kind], s["capped_tokens"][i])
+            for reason, counts in s["evictions_by_reason"].items():
+                evicted.add_metric([str(i), kind, reason], counts[i])
+        yield capped
+        yield evicted
         yield gauge("hybridkv_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens "
                     "looked up, since start", s["prefix_hit_rate"])
         yield counter("hybridkv_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",

@@ -194,7 +194,9 @@ class AttentionManager(GroupManager):
                 for j in range(start, full):
                     block = table[j]
                     if block and block_key[block] is None:
-                        cache(block, g, keys[j], tuple(tokens[j * bs:(j + 1) * bs]) if verify else None)
+                        # keep_copy: if another request registered this
+                        # content first, ours stays findable after its goes
+                        cache(block, g, keys[j], tuple(tokens[j * bs:(j + 1) * bs]) if verify else None, True)
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]
