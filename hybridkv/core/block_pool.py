@@ -101,17 +101,34 @@ class BlockPool:
                 ref[b] = 1
             pages = list(range(whole, start + fresh))
         free = self._free
-        while len(blocks) + len(pages) // width < count:
+        have, loose = len(blocks), len(pages)
+        key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
+        evicted = 0
+        while have + loose // width < count:
             block = free.popitem(last=False)[0]
-            if key[block] is not None:
-                self._drop_key(block, "probation" if self.on_probation[block] else "lru")
+            k = key[block]
+            if k is not None:
+                g = key_group[block]
+                if copies[g] or probation[block]:
+                    self._drop_key(block, "probation" if probation[block] else "lru")
+                else:  # _drop_key's usual case, inline: this loop runs per block evicted
+                    del cached[g][k]
+                    key[block] = None
+                    self.tokens[block] = None
+                    self.evictions["lru"][g] += 1
+                    evicted += 1
             block_span = span[block]
-            if (1 if block_span is None else len(block_span)) == width:
+            block_width = 1 if block_span is None else len(block_span)
+            if block_width == width:
                 ref[block] = 1  # the right width: reused as it is
                 blocks.append(block)
+                have += 1
                 continue
             span[block] = None
             pages.extend((block,) if block_span is None else block_span)
+            loose += block_width
+        if evicted:
+            self.version += 1
         used = (count - len(blocks)) * width
         for i in range(0, used, width):  # blocks cut from the loose pages
             first = pages[i]
@@ -187,19 +204,21 @@ class BlockPool:
         self.key[block] = None
         self.tokens[block] = None
         copies = self.copies[group]
-        others = copies.get(key)
-        if self.cached[group][key] != block:
-            del others[block]  # a copy goes; the entry stays
-        elif others:
-            # The entry's block goes, a copy lives on: the key moves to it.
-            self.cached[group][key] = others.popitem()[0]
-            self.version += 1
-        else:
+        others = copies.get(key) if copies else None
+        if others is None:  # the usual case: one block per key
             del self.cached[group][key]
             self.version += 1
             self.evictions[reason][group] += 1
-        if others is not None and not others:
-            del copies[key]
+        elif self.cached[group][key] != block:
+            del others[block]  # a copy goes; the entry stays
+            if not others:
+                del copies[key]
+        else:
+            # The entry's block goes, a copy lives on: the key moves to it.
+            self.cached[group][key] = others.popitem()[0]
+            self.version += 1
+            if not others:
+                del copies[key]
 
     def reset_cache(self) -> int:
         dropped = 0

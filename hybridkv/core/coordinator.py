@@ -72,6 +72,16 @@ class Coordinator:
         len(tokens) - 1 so that at least one token is computed."""
         raise NotImplementedError
 
+    def why(self, req: CacheRequest, hit: int) -> tuple[list[int], list[int]]:
+        """`explain`, free when nothing was missed or caching is off."""
+        if not self.caching:
+            zeros = [0] * len(self.managers)
+            return zeros, zeros
+        if hit == (len(req.tokens) - 1) // self.block_size * self.block_size:
+            same = [hit] * len(self.managers)
+            return same, same
+        return self.explain(req, hit)
+
     def explain(self, req: CacheRequest, hit: int) -> tuple[list[int], list[int]]:
         """For the hit `find_hit` gave (tokens): per group, the longest hit it
         alone could serve, and the joint hit if it could serve anything; in
@@ -128,6 +138,9 @@ class Coordinator:
         if pages > self.pool.num_free_pages:
             req.num_computed = 0
             return False
+        # It fits: say why the hit is what it is, before the allocation
+        # evicts anything the lookup saw (and never for attempts that fail).
+        req.lookup = (len(req.tokens), hit, self.why(req, hit))
         for g, manager in enumerate(managers):
             manager.install_hit(req, found[g] if found else [], hit_blocks)
         req.started = True
@@ -262,14 +275,21 @@ class HybridCoordinator(Coordinator):
 
 
 def _fixed_point(managers, req: CacheRequest, candidate: int) -> int:
-    """The longest hit (blocks, at most `candidate`) every manager serves."""
-    while candidate > 0:
-        lowered = candidate
-        for manager in managers:
-            lowered = manager.longest_hit(req, lowered)
+    """The longest hit (blocks, at most `candidate`) every manager serves.
+    Round robin: once the others have all accepted the candidate the last
+    manager lowered it to, it is the answer (that manager's own answer is
+    valid for it). Each lowering is strictly down, so this ends."""
+    count = len(managers)
+    accepted = 0
+    i = 0
+    while candidate > 0 and accepted < count:
+        lowered = managers[i].longest_hit(req, candidate)
         if lowered == candidate:
-            break
-        candidate = lowered
+            accepted += 1
+        else:
+            candidate = lowered
+            accepted = 1
+        i = i + 1 if i + 1 < count else 0
     return candidate
 
 

@@ -222,11 +222,7 @@ class KVCacheManager:
         """(alone, without) per group for the hit just found (memoised with it)."""
         memo = req.hit_memo
         if memo[3] is None:
-            if hit == self.coordinator.hit_limit(req) * self.block_size:
-                why = ([hit] * len(self._capped_tokens),) * 2  # nothing missed
-            else:
-                why = self.coordinator.explain(req, hit)
-            req.hit_memo = memo = memo[:3] + (why,)
+            req.hit_memo = memo = memo[:3] + (self.coordinator.why(req, hit),)
         return memo[3]
 
     def explain_hit(self, request_id: str) -> HitExplanation:
@@ -239,7 +235,7 @@ class KVCacheManager:
             prompt, hit, (alone, without) = req.lookup
         else:
             prompt, hit = len(req.tokens), self._hit(req)
-            alone, without = self._why(req, hit) if self.enable_prefix_caching else ([0] * len(self._capped_tokens),) * 2
+            alone, without = self._why(req, hit)
         bs = self.block_size
         whole = prompt // bs * bs
         limit = (prompt - 1) // bs * bs if self.enable_prefix_caching else 0
@@ -263,24 +259,15 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
                 f"but only {len(req.tokens)} token ids are known (append them first)")
-        if hit is None:
-            return self.coordinator.allocate(req, num_new_tokens, None)
-        # The first allocation: say why the hit is what it is before the
-        # allocation can evict what the lookup saw.
-        why = self._why(req, hit) if self.enable_prefix_caching else None
         ok = self.coordinator.allocate(req, num_new_tokens, hit)
-        if ok:
+        if ok and hit is not None:
             self._num_started += 1
             self._queried_tokens += len(req.tokens)
             self._hit_tokens += hit
             req.hit_memo = None
-            if why is not None:
-                req.lookup = (len(req.tokens), hit, why)
-                capped = self._capped_tokens
-                for g, without in enumerate(why[1]):
-                    capped[g] += without - hit
-            else:
-                req.lookup = (len(req.tokens), 0, ([0] * len(self._capped_tokens),) * 2)
+            capped = self._capped_tokens
+            for g, without in enumerate(req.lookup[2][1]):
+                capped[g] += without - hit
         return ok
 
     def mark_computed(self, request_id: str, num_tokens: int) -> None:

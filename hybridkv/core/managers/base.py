@@ -189,14 +189,25 @@ class AttentionManager(GroupManager):
             full = n // self.block_size
             start = req.num_cached[g]
             if full > start:
-                cache, keys, block_key = self.pool.cache, req.keys, self.pool.key
+                pool, keys = self.pool, req.keys
                 bs, verify, tokens = self.block_size, self.verify, req.tokens
+                cache, block_key, key_group, cached = pool.cache, pool.key, pool.key_group, self.cached
+                added = 0
                 for j in range(start, full):
                     block = table[j]
                     if block and block_key[block] is None:
-                        # keep_copy: if another request registered this
-                        # content first, ours stays findable after its goes
-                        cache(block, g, keys[j], tuple(tokens[j * bs:(j + 1) * bs]) if verify else None, True)
+                        key = keys[j]
+                        if verify or key in cached:
+                            # keep_copy: another request registered this content
+                            # first; ours stays findable after its block goes
+                            cache(block, g, key, tuple(tokens[j * bs:(j + 1) * bs]) if verify else None, True)
+                        else:  # pool.cache's usual case, inline (once per block computed)
+                            cached[key] = block
+                            block_key[block] = key
+                            key_group[block] = g
+                            added += 1
+                if added:
+                    pool.version += 1
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]
