@@ -59,6 +59,7 @@ class ShadowRunner:
         self.content: dict[int, tuple] = {}
         self.checks = 0
         self.copies = 0
+        self.prefix_of: dict = {}  # cache key -> the token prefix it stands for
 
     def apply_copies(self) -> None:
         for pairs in self.kv.take_copies().values():
@@ -68,26 +69,73 @@ class ShadowRunner:
 
     def compute(self, request_id: str, num_tokens: int) -> None:
         """The forward pass over the next num_tokens (slots already allocated)."""
+        self._write(request_id, num_tokens, [])
+        self.kv.mark_computed(request_id, num_tokens)
+        self._learn_keys(request_id)
+
+    def speculate(self, request_id: str, drafts: list[int], accepted: int, bonus: int) -> None:
+        """A speculative step after allocate_slots(id, new, len(drafts)): the
+        pass writes KV for the new tokens and every draft, the first
+        `accepted` drafts join the request, then the sampled `bonus` token.
+        As the contract says, the runner leaves in a Mamba write block the
+        state after the last accepted token."""
+        kv = self.kv
+        req = kv._requests[request_id]
+        new = len(req.tokens) - req.num_computed
+        self._write(request_id, new, drafts, accepted)
+        kv.append_token_ids(request_id, drafts[:accepted])
+        kv.mark_computed(request_id, new + accepted)
+        kv.append_token_ids(request_id, [bonus])
+        self._learn_keys(request_id)
+
+    def _write(self, request_id: str, num_tokens: int, drafts: list[int], accepted: int = 0) -> None:
         kv = self.kv
         self.apply_copies()
         self.check_request(request_id)
         req = kv._requests[request_id]
-        n, bs, tokens = req.num_computed, kv.block_size, req.tokens
-        end = n + num_tokens
+        n, bs = req.num_computed, kv.block_size
+        tokens = list(req.tokens[:n + num_tokens]) + list(drafts)
+        end = n + num_tokens + len(drafts)
         for manager in kv.coordinator.managers:
             table = req.tables[manager.index]
             if manager.kind == "mamba":
                 read, write = table
                 assert write, "a forward pass without a Mamba write block"
                 for p in kv.pool.pages(write):
-                    self.content[p] = tuple(tokens[:end])
+                    self.content[p] = tuple(tokens[:end - len(drafts) + accepted])
             else:
                 for j in range(n // bs, -(-end // bs)):
                     block = table[j]
                     assert block, f"{request_id}: no block for new tokens at block {j}"
                     for p in kv.pool.pages(block):
+                        # The slots written hold these tokens; a page record is
+                        # the prefix its slots were computed from, drafts included.
                         self.content[p] = tuple(tokens[:min((j + 1) * bs, end)])
-        kv.mark_computed(request_id, num_tokens)
+
+    def _learn_keys(self, request_id: str) -> None:
+        req = self.kv._requests[request_id]
+        bs = self.kv.block_size
+        for j in range(min(len(req.keys), req.num_computed // bs)):
+            self.prefix_of.setdefault(req.keys[j], tuple(req.tokens[:(j + 1) * bs]))
+
+    def check_cached(self) -> None:
+        """Every cached block (and copy) holds exactly the prefix its key
+        stands for: nothing cached holds a rejected draft or a foreign KV."""
+        pool = self.kv.pool
+        for g, manager in enumerate(self.kv.coordinator.managers):
+            entries = list(pool.cached[g].items())
+            entries += [(key, block) for key, others in pool.copies[g].items() for block in others]
+            for key, block in entries:
+                prefix = self.prefix_of.get(key)
+                if prefix is None:
+                    continue
+                for p in pool.pages(block):
+                    got = self.content.get(p)
+                    if manager.kind == "mamba":
+                        assert got == prefix, f"cached Mamba state {block} is not the state after its prefix"
+                    else:
+                        assert got is not None and got[:len(prefix)] == prefix and len(got) == len(prefix), (
+                            f"cached block {block} of group {g} holds other tokens than its key")
 
     def check_request(self, request_id: str) -> None:
         kv = self.kv
@@ -118,13 +166,16 @@ class ShadowRunner:
                 assert block, f"{request_id}: needed block {j} is null"
                 expected = tuple(tokens[:min((j + 1) * bs, n)])
                 for p in kv.pool.pages(block):
-                    assert self.content.get(p) == expected, (
+                    # Slots past the computed tokens (rejected drafts) are never read.
+                    got = self.content.get(p)
+                    assert got is not None and got[:len(expected)] == expected, (
                         f"{request_id}: group {manager.index} block {j} page {p} holds foreign KV")
             self.checks += 1
 
     def check_all(self) -> None:
         for request_id in list(self.kv._requests):
             self.check_request(request_id)
+        self.check_cached()
         self.kv.check_invariants()
 
     def run_prompt(self, request_id: str, chunk: int = 1 << 30) -> bool:
@@ -148,10 +199,13 @@ class ShadowRunner:
         return True
 
 
-def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8) -> dict:
+def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8,
+                    speculative: bool = False) -> dict:
     """A seeded random mix of every manager operation, with heavy prefix
     sharing (a few system prompts, chat turns that extend earlier sequences,
-    forks), checked by the shadow runner. Returns event counts."""
+    forks), checked by the shadow runner. `speculative`: decode steps also
+    verify 1-4 draft tokens with lookahead slots and accept a random number
+    of them. Returns event counts."""
     import collections
 
     shadow = ShadowRunner(kv)
@@ -178,6 +232,25 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
             req = kv._requests[rid]
             if req.started and req.num_computed >= len(req.tokens):
                 kv.append_token_ids(rid, [rng.randrange(100)])
+            if speculative and req.started and len(req.tokens) - req.num_computed == 1 and rng.random() < 0.6:
+                # A speculative decode step; it ends at the next checkpoint,
+                # as an engine's does (kv.next_checkpoint).
+                k = rng.randrange(1, 5)
+                checkpoint = kv.next_checkpoint(rid)
+                if checkpoint is not None:
+                    k = min(k, checkpoint - req.num_computed - 1)
+                drafts = [rng.randrange(100) for _ in range(k)]
+                if kv.allocate_slots(rid, 1, num_lookahead=k):
+                    accepted = rng.randrange(0, k + 1)
+                    shadow.speculate(rid, drafts, accepted, rng.randrange(100))
+                    counts["speculated"] += 1
+                    counts["drafts"] += k
+                    counts["accepted"] += accepted
+                else:
+                    counts["alloc_fail"] += 1
+                if op % check_every == 0:
+                    shadow.check_all()
+                continue
             done = kv.get_computed_tokens(rid)
             size = kv.next_chunk(rid, rng.randrange(1, 12))
             started = req.started

@@ -181,7 +181,9 @@ class Coordinator:
 
     def next_checkpoint(self, req: CacheRequest, hit: int) -> int | None:
         """The next planned checkpoint after the computed tokens (or, before
-        the first allocation, after the hit it will take)."""
+        the first allocation, after the hit it will take). Past the prompt,
+        with rolling checkpoints, the next block boundary: a speculative step
+        must not jump over it, or the state there would never exist."""
         if not req.started:
             self.plan_checkpoints(req, hit)
             done = hit
@@ -190,6 +192,9 @@ class Coordinator:
         for position in req.checkpoints:
             if position > done:
                 return position
+        if req.started and self.has_mamba and self.caching and self.policy.rolling \
+                and done >= req.num_prompt_tokens:
+            return (done // self.block_size + 1) * self.block_size
         return None
 
     # -- progress ------------------------------------------------------------
@@ -202,6 +207,14 @@ class Coordinator:
             self.extend_keys(req, n // self.block_size)
         for manager in self.managers:
             manager.on_computed(req)
+        self._refresh(req)
+
+    def drop_lookahead(self, req: CacheRequest) -> None:
+        """After a speculative step: slots past the computed tokens go, and
+        blocks holding only rejected drafts return to the pool."""
+        req.num_allocated = req.num_computed
+        for manager in self.managers:
+            manager.trim(req)
         self._refresh(req)
 
     def free(self, req: CacheRequest) -> None:

@@ -246,20 +246,26 @@ class KVCacheManager:
         return HitExplanation(request_id, prompt, hit, limit, prompt - whole, whole - limit if self.enable_prefix_caching else 0,
                               groups, self.enable_prefix_caching)
 
-    def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
+    def allocate_slots(self, request_id: str, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
-        and, on the first call, beyond the prefix hit, which it takes).
-        False, with nothing changed, if the pool cannot hold them now.
+        and, on the first call, beyond the prefix hit, which it takes), and
+        for `num_lookahead` draft tokens after them (speculative decoding:
+        drafts are not appended; see mark_computed). All or nothing: False,
+        with nothing changed, if the pool cannot hold them now.
         (A decode step over many requests: `allocate_slots_many`.)"""
         req = self._get(request_id)
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
+        num_lookahead = _count(num_lookahead, "num_lookahead")
         hit = None if req.started else self._hit(req)
         start = req.num_computed if req.started else hit
         if start + num_new_tokens > len(req.tokens):
             raise ValueError(
                 f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
                 f"but only {len(req.tokens)} token ids are known (append them first)")
-        ok = self.coordinator.allocate(req, num_new_tokens, hit)
+        ok = self.coordinator.allocate(req, num_new_tokens + num_lookahead, hit)
+        if ok and num_lookahead:
+            req.lookahead = num_lookahead
+            req.next_event = 0  # mark_computed takes the slow path, which drops the rejected slots
         if ok and hit is not None:
             self._num_started += 1
             self._queried_tokens += len(req.tokens)
@@ -273,6 +279,10 @@ class KVCacheManager:
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """The forward pass computed the next `num_tokens` tokens: cache the
         blocks they complete and release what the layers no longer read.
+        After a step with lookahead slots, `num_tokens` counts only the new
+        tokens and the accepted drafts (append those first): the slots past
+        them are dropped, and blocks holding only rejected drafts go back to
+        the pool. Nothing is cached or released by a rejected position.
         (A decode step over many requests: `mark_computed_many`.)"""
         req = self._get(request_id)
         num_tokens = _count(num_tokens, "num_tokens")
@@ -280,8 +290,15 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id!r}: {num_tokens} tokens marked computed, but only "
                 f"{req.num_allocated - req.num_computed} have slots")
+        if req.lookahead and req.num_computed + num_tokens > len(req.tokens):
+            raise ValueError(
+                f"request {request_id!r}: tokens up to {req.num_computed + num_tokens} marked computed, but "
+                f"only {len(req.tokens)} token ids are known (append the accepted draft tokens first)")
         if num_tokens:
             self.coordinator.mark_computed(req, num_tokens)
+        if req.lookahead:
+            req.lookahead = 0
+            self.coordinator.drop_lookahead(req)
 
     def append_token_ids(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Sampled tokens join the request (their slots come with the next
@@ -300,10 +317,15 @@ class KVCacheManager:
     # the coordinator's fast paths inlined: a step decoding hundreds of
     # requests saves a method call and the argument checks per request. The
     # single-request calls above take the general path.
-    def allocate_slots_many(self, request_ids: Sequence[str], num_new_tokens: int = 1) -> int:
+    def allocate_slots_many(self, request_ids: Sequence[str], num_new_tokens: int = 1, num_lookahead: int = 0) -> int:
         """`allocate_slots` for each request in order; stops at the first that
         does not fit and returns how many got their slots."""
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
+        if _count(num_lookahead, "num_lookahead"):
+            for i, request_id in enumerate(request_ids):
+                if not self.allocate_slots(request_id, num_new_tokens, num_lookahead):
+                    return i
+            return len(request_ids)
         requests = self._requests
         for i, request_id in enumerate(request_ids):
             req = requests.get(request_id)

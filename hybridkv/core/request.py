@@ -23,7 +23,7 @@ class CacheRequest:
     __slots__ = (
         "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
         "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup",
+        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup", "lookahead",
     )
 
     def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
@@ -32,6 +32,7 @@ class CacheRequest:
         self.num_prompt_tokens = len(tokens)
         self.num_computed = 0
         self.num_allocated = 0  # tokens that have slots: computed + scheduled
+        self.lookahead = 0  # of those, draft tokens past the known ones (speculative decoding)
         self.started = False  # the first allocation (which takes the hit) happened
         self.keys: list = []  # chained cache keys of the full blocks of known tokens
         self.root = root

@@ -74,6 +74,10 @@ class GroupManager:
     def free(self, req: CacheRequest) -> None:
         raise NotImplementedError
 
+    def trim(self, req: CacheRequest) -> None:
+        """Drop what was allocated past the computed tokens (the rejected
+        drafts of a speculative step)."""
+
     def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
         raise NotImplementedError
 
@@ -220,6 +224,19 @@ class AttentionManager(GroupManager):
                     release(block)
                     self.released_pages += self.width
             req.num_released[g] = first
+            req.tables_changed()
+
+    def trim(self, req):
+        # Blocks past the one holding the last computed token hold only
+        # rejected drafts: nothing was cached in them, they go to the head.
+        table = req.tables[self.index]
+        keep = -(-req.num_computed // self.block_size)
+        if len(table) > keep:
+            release = self.pool.release
+            for block in reversed(table[keep:]):
+                if block:
+                    release(block)
+            del table[keep:]
             req.tables_changed()
 
     def free(self, req):
