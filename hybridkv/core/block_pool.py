@@ -182,7 +182,9 @@ class BlockPool:
         if entry:
             table[key] = block
             self.version += 1
-        elif keep_copy:
+        elif keep_copy and (tokens is None or self.tokens[table[key]] == tokens):
+            # (With an untrusted hash, equal keys may hold other tokens: a
+            # collision is not a copy.)
             self.copies[group].setdefault(key, {})[block] = None
         else:
             return False
