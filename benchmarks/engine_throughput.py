@@ -52,6 +52,20 @@ DRY_SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hid
                  mamba_dt_rank=8)
 
 
+def left_padded(prompts: list[list[int]]):
+    """(input ids, attention mask) for transformers' batched generate:
+    prompts padded on the left with 0 to the longest."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def gpu_model(name: str, dry: bool) -> tuple[str, dict]:
     family, sizes = GPU_MODELS[name]
     if not dry:
@@ -139,12 +153,7 @@ def run_transformers(args) -> dict:
     dtype = getattr(torch, args["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args["device"]).eval()
     prompts = prompts_for(args["workload"], args["num_prompts"], model.config.vocab_size)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
     ids, mask = ids.to(args["device"]), mask.to(args["device"])
 
     from transformers.generation.streamers import BaseStreamer
@@ -177,7 +186,7 @@ def run_transformers(args) -> dict:
     sync(args["device"])
     elapsed = time.perf_counter() - start
     ttft = first.time - start
-    generated = (out.shape[1] - width) * len(prompts)
+    generated = (out.shape[1] - ids.shape[1]) * len(prompts)
     return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": ttft, "ttft_p90": ttft}
 
 

@@ -130,6 +130,8 @@ def run_transformers(args) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
+    from engine_throughput import left_padded  # beside this script
+
     model = AutoModelForCausalLM.from_pretrained(converted_dir(), dtype=torch.float32).eval()
     prompts = prompts_for(args)
 
@@ -146,12 +148,7 @@ def run_transformers(args) -> dict:
             pass
 
     def generate(batch: list[list[int]], streamer=None):
-        width = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = left_padded(batch)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args["new_tokens"],
                            min_new_tokens=args["new_tokens"], do_sample=False, pad_token_id=0, streamer=streamer)

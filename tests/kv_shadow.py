@@ -43,6 +43,20 @@ def layout_with_pages(specs, num_pages, block_size=4):
     return plan_layout(specs, probe.page_size_bytes * num_pages, block_size=block_size)
 
 
+# One-layer specs for rule tests (32 B per token of KV; a 112 B Mamba state).
+FULL = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
+MAMBA = MambaSpec(shapes=((4, 3), (4, 4)), dtypes=("float32", "float32"))
+
+
+def window(w):
+    return SlidingWindowSpec(num_kv_heads=1, head_size=4, dtype="float32", sliding_window=w)
+
+
+def manager(specs, pages=64, block_size=4, **kw):
+    """A KVCacheManager over a pool of `pages` pages (the null page included)."""
+    return KVCacheManager(layout_with_pages(specs, pages, block_size), **kw)
+
+
 def layout_for_requests(specs, num_requests, num_tokens, block_size=4, chunk=12):
     """A pool that holds about `num_requests` requests of `num_tokens`."""
     probe = plan_layout(specs, 1 << 30, block_size=block_size)

@@ -3,22 +3,15 @@ name, and the two hits that memory held but the manager used to lose."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from hybridkv.core import (FullAttentionSpec, HybridCoordinator, KVCacheManager, MambaSpec, SlidingWindowSpec,
-                           UnitaryCoordinator, plan_layout)
+from hybridkv.core import HybridCoordinator, UnitaryCoordinator
+from kv_shadow import FULL, MAMBA, window
+from kv_shadow import manager as small_manager
 
-FULL = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
-MAMBA = MambaSpec(shapes=((4, 3), (4, 4)), dtypes=("float32", "float32"))
-
-
-def window(w):
-    return SlidingWindowSpec(num_kv_heads=1, head_size=4, dtype="float32", sliding_window=w)
-
-
-def manager(specs, pages=64, block_size=16, **kw):
-    probe = plan_layout(specs, 1 << 26, block_size=block_size)
-    return KVCacheManager(plan_layout(specs, probe.page_size_bytes * pages, block_size=block_size), **kw)
+manager = functools.partial(small_manager, block_size=16)
 
 
 def run(kv, rid, tokens, chunk=None):

@@ -2,27 +2,13 @@
 
 import pytest
 
-from hybridkv.core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheManager, MambaSpec, SlidingWindowSpec,
-                           plan_layout)
+from hybridkv.core import ChunkedLocalSpec, KVCacheManager, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
-
-FULL = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")  # 32 B/token
-
-
-def window(w):
-    return SlidingWindowSpec(num_kv_heads=1, head_size=4, dtype="float32", sliding_window=w)
+from kv_shadow import FULL, MAMBA, manager, window
 
 
 def chunked(c):
     return ChunkedLocalSpec(num_kv_heads=1, head_size=4, dtype="float32", chunk_size=c)
-
-
-MAMBA = MambaSpec(shapes=((4, 3), (4, 4)), dtypes=("float32", "float32"))  # 48 + 64 B
-
-
-def manager(specs, pages=64, block_size=4, **kw):
-    probe = plan_layout(specs, 1 << 24, block_size=block_size)
-    return KVCacheManager(plan_layout(specs, probe.page_size_bytes * pages, block_size=block_size), **kw)
 
 
 def prefill(kv, rid, tokens, chunk=None, salt=None):

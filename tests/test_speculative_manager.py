@@ -10,20 +10,8 @@ import random
 
 import pytest
 
-from hybridkv.core import FullAttentionSpec, KVCacheManager, MambaSpec, SlidingWindowSpec, plan_layout
-from kv_shadow import MIXES, ShadowRunner, layer_specs, layout_for_requests, random_workload
-
-FULL = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
-MAMBA = MambaSpec(shapes=((4, 3), (4, 4)), dtypes=("float32", "float32"))
-
-
-def window(w):
-    return SlidingWindowSpec(num_kv_heads=1, head_size=4, dtype="float32", sliding_window=w)
-
-
-def manager(specs, pages=64, block_size=4, **kw):
-    probe = plan_layout(specs, 1 << 24, block_size=block_size)
-    return KVCacheManager(plan_layout(specs, probe.page_size_bytes * pages, block_size=block_size), **kw)
+from hybridkv.core import KVCacheManager
+from kv_shadow import FULL, MAMBA, MIXES, ShadowRunner, layer_specs, layout_for_requests, manager, random_workload, window
 
 
 def started(kv, rid, prompt):

@@ -77,7 +77,7 @@ class Coordinator:
         if not self.caching:
             zeros = [0] * len(self.managers)
             return zeros, zeros
-        if hit == (len(req.tokens) - 1) // self.block_size * self.block_size:
+        if hit == self.hit_limit(req) * self.block_size:
             same = [hit] * len(self.managers)
             return same, same
         return self.explain(req, hit)

@@ -238,13 +238,14 @@ class KVCacheManager:
             alone, without = self._why(req, hit)
         bs = self.block_size
         whole = prompt // bs * bs
-        limit = (prompt - 1) // bs * bs if self.enable_prefix_caching else 0
+        limit = (prompt - 1) // bs * bs  # whole blocks, one token left to compute
+        caching = self.enable_prefix_caching
         groups = tuple(
             GroupHit(m.index, m.kind, alone[m.index], without[m.index], without[m.index] - hit,
-                     alone[m.index] == hit < limit)
+                     caching and alone[m.index] == hit < limit)
             for m in self.coordinator.managers)
-        return HitExplanation(request_id, prompt, hit, limit, prompt - whole, whole - limit if self.enable_prefix_caching else 0,
-                              groups, self.enable_prefix_caching)
+        return HitExplanation(request_id, prompt, hit, limit if caching else 0, prompt - whole,
+                              whole - limit if caching else 0, groups, caching)
 
     def allocate_slots(self, request_id: str, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
