@@ -54,7 +54,8 @@ def _serve(args) -> int:
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device)
+          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+          speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens)
     return 0
 
 
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    serve.add_argument("--speculative-method", choices=["ngram"], default=None,
+                       help="speculative decoding: ngram (prompt-lookup drafts; outputs unchanged)")
+    serve.add_argument("--num-speculative-tokens", type=int, default=4,
+                       help="draft tokens verified per step with --speculative-method (default 4)")
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")

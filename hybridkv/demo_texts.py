@@ -79,3 +79,12 @@ def question_prompt(question: str) -> str:
 def long_prompt(question: str) -> str:
     """Over 512 tokens for Gemma-3's tokenizer: the history, then the question."""
     return f"{SYSTEM}\n{HISTORY}\nQ: {question}\nA:"
+
+
+def quoting_prompt() -> str:
+    """A passage, then the start of its copy: the answer quotes the prompt
+    (where speculative decoding by prompt lookup pays)."""
+    sentences = HISTORY.split(". ")
+    passage = ". ".join(sentences[:8]) + "."
+    return (f"Below is a passage, then the same passage copied out again word for word.\n\nPassage:\n{passage}\n\n"
+            f"Copy:\n{sentences[0]}.")

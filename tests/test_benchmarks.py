@@ -92,3 +92,12 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     assert json.loads((out / "kernels.json").read_text())["rows"]
     for name in ("env", "kernel_tests", "oracle"):
         assert (out / f"{name}.txt").stat().st_size > 0
+
+
+def test_speculative_quick(tmp_path):
+    text, data = run("speculative", tmp_path)
+    assert "+ngram" in text and "accepted" in text
+    for rows in data["models"].values():
+        for row in rows.values():
+            assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
+            assert row["hybridkv+ngram"]["tokens_per_s"] > 0 and row["hybridkv+ngram"]["drafts"] >= 0

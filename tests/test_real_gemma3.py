@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
-from hybridkv.demo_texts import HISTORY, LONG_QUESTIONS, QUESTIONS, SYSTEM, long_prompt, question_prompt
+from hybridkv.demo_texts import HISTORY, LONG_QUESTIONS, QUESTIONS, SYSTEM, long_prompt, question_prompt, quoting_prompt
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -141,3 +141,23 @@ def test_real_gemma3_served_over_http(engine):
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             client.chat.completions.create(model="gemma-3-270m-q4_k_m", max_tokens=4,
                                            messages=[{"role": "user", "content": "Hello"}])
+
+
+def test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens(gguf_path, engine, reference):
+    # Prompt lookup on a quoting prompt (drafts mostly right) and on a long
+    # prompt past the window followed by a prefix hit (drafts often wrong):
+    # the tokens of plain decoding, and transformers' for the first ten.
+    spec = Engine(gguf_path, kv_cache_memory="256MiB", progress=False, speculative_method="ngram",
+                  num_speculative_tokens=4)
+    prompts = token_ids(engine, [quoting_prompt(), long_prompt(LONG_QUESTIONS[0]), long_prompt(LONG_QUESTIONS[1])])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for prompt in prompts:
+        plain = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        got = spec.generate([prompt], params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == plain
+        assert plain[:MAX_TOKENS] == reference(prompt)
+    assert got.metrics.num_cached_tokens > WINDOW  # the third prompt hit the second's prefix
+    stats = spec.stats
+    assert stats["spec_accepted_tokens"] > 20 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
+    assert stats["steps"] < 3 * 40  # fewer steps than tokens
+    assert spec.kv.num_free_blocks == spec.kv.num_total_blocks

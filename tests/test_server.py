@@ -450,3 +450,23 @@ def test_metrics_break_hits_and_evictions_down_by_group(server, client):
     stats = server.engine.kv.stats
     assert sum(m[("hybridkv_prefix_cache_capped_tokens_total", (("group", str(i)), ("kind", k)))]
                for i, k in enumerate(kinds)) == sum(stats.capped_tokens)
+
+
+def test_speculative_server_streams_the_same_text_and_counts_drafts(ref_engine):
+    # Several tokens may join a sequence in one step: the stream carries them
+    # all, the text equals plain decoding's, and /metrics counts the drafts.
+    engine = Engine(tiny_model_dir(MODEL), kv_cache_memory="64MiB", progress=False, speculative_method="ngram",
+                    num_speculative_tokens=4, prompt_lookup_min=1)
+    app = build_app(engine, model_name=MODEL, api_key=KEY)
+    prompt = "one two three four, one two three four, one two three four, one two"
+    expected = reference(ref_engine, prompt, temperature=0, max_tokens=24, ignore_eos=True).outputs[0].text
+    with running(app) as url:
+        server = SimpleNamespace(url=url, app=app, engine=engine)
+        with openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0) as client:
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+        m = metrics(server)
+        assert m["hybridkv_spec_decode_draft_tokens_total"] == engine.stats["spec_draft_tokens"] > 0
+        assert m["hybridkv_spec_decode_accepted_tokens_total"] == engine.stats["spec_accepted_tokens"]
+        assert_every_block_free(server)

@@ -35,7 +35,8 @@ from .request import Request, Sequence, Status
 from .runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduled, Scheduler
+from .speculative import PromptLookup, accept_drafts
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -50,14 +51,32 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
                  dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
                  checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
-                 enforce_eager: bool = False, fixed_shape_decode: bool | None = None):
+                 enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 4,
+                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
         "triton" (layers/backend.py), chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
-        shapes (None: where CUDA graphs capture them)."""
+        shapes (None: where CUDA graphs capture them).
+        `speculative_method="ngram"`: each decoding step also verifies up to
+        `num_speculative_tokens` draft tokens found by prompt lookup (the
+        last prompt_lookup_max..prompt_lookup_min tokens matched earlier in
+        the sequence; speculative.py); outputs are unchanged."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
+        if speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be None or 'ngram' (prompt lookup), "
+                             f"got {speculative_method!r}")
+        if speculative_method:
+            _positive("num_speculative_tokens", num_speculative_tokens)
+            _positive("prompt_lookup_min", prompt_lookup_min)
+            _positive("prompt_lookup_max", prompt_lookup_max)
+            if prompt_lookup_min > prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) is above prompt_lookup_max "
+                                 f"({prompt_lookup_max})")
+        self.speculative = (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative_method \
+            else None
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_large_allocations()  # host_memory.py: no page faults on each step's big tensors
@@ -78,7 +97,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
                                   fixed_shape_decode=fixed_shape_decode)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
+                                   propose=self._drafts if self.speculative else None)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
@@ -86,6 +106,8 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified
+        self.num_accepted_tokens = 0  # and those the model agreed with
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":
@@ -202,14 +224,20 @@ class Engine:
         decodes = [s.seq.seq_id for s in steps if s.count == 1]
         kv.mark_computed_many(decodes, 1)
         for s in steps:
-            if s.count > 1:
+            if s.count > 1 and not s.drafts:  # a verified step is marked once its drafts are judged
                 kv.mark_computed(s.seq.seq_id, s.count)
         # Who samples from which logits row: every step that reaches the end
         # of its tokens; a prompt with n > 1 forks its children now, and they
-        # all sample from the prompt's last row.
+        # all sample from the prompt's last row. A step with drafts has a row
+        # per token (_verify).
         to_sample: list[tuple[Sequence, int]] = []
+        verified: list[tuple[Scheduled, int]] = []
         row = 0
         for s in steps:
+            if s.drafts:
+                verified.append((s, row))
+                row += s.count
+                continue
             if not s.completes:
                 continue
             request = s.seq.request
@@ -240,6 +268,8 @@ class Engine:
             reason = self._stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason)
+        if verified:
+            self._verify(verified, logits, touched)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -247,6 +277,62 @@ class Engine:
                 del self.requests[request.request_id]
             outputs.append(self._output(request))
         return outputs
+
+    # -- speculative decoding (speculative.py) ----------------------------------
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence's next step (the scheduler
+        asks): at most what the step budget, max_tokens and the context leave,
+        and never past the next Mamba checkpoint (the state there must exist,
+        as without speculation)."""
+        k, low, high = self.speculative
+        tokens = seq.token_ids
+        k = min(k, budget - 1, seq.request.params.max_tokens - seq.num_outputs - 1,
+                self.max_model_len - len(tokens) - 1)
+        checkpoint = self.kv.next_checkpoint(seq.seq_id)
+        if checkpoint is not None:
+            k = min(k, checkpoint - len(tokens))  # the step ends at len(tokens) + k
+        if k <= 0:
+            return []
+        if seq.drafter is None:
+            seq.drafter = PromptLookup(low, high)
+        return seq.drafter.propose(tokens, k)
+
+    def _verify(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
+                touched: dict[str, Request]) -> None:
+        """Judge each verified step's drafts (its logits rows from `row`),
+        append what it emits up to a stop, leave the Mamba states after the
+        last kept token, then mark the kept tokens computed: the manager drops
+        the rejected slots (docs/architecture.md)."""
+        kv = self.kv
+        kept: dict[str, int] = {}
+        ends: list[tuple[Sequence, str | None]] = []
+        for s, row in verified:
+            seq = s.seq
+            touched[seq.request.request_id] = seq.request
+            self.num_draft_tokens += len(s.drafts)
+            tokens = accept_drafts(logits[row:row + s.count], s.drafts, seq.request.params, seq.generator,
+                                   self.generator)
+            if tokens is None:
+                kept[seq.seq_id] = 0
+                ends.append((seq, "error"))
+                continue
+            self.num_accepted_tokens += len(tokens) - 1
+            seq.drafter.record(len(tokens) - 1)
+            reason, emitted = None, 0
+            for token in tokens:  # one at a time: a stop ends the step's tokens where it happens
+                kv.append_token_ids(seq.seq_id, [token])
+                emitted += 1
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    break
+            self.num_generated_tokens += emitted
+            kept[seq.seq_id] = min(emitted, len(tokens) - 1)  # the last emitted token is not computed yet
+            ends.append((seq, reason))
+        self.runner.keep_accepted(kept)
+        for seq, reason in ends:
+            kv.mark_computed(seq.seq_id, 1 + kept[seq.seq_id])
+            if reason:
+                self._finish(seq, reason)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the children share the computed prompt's blocks."""
@@ -368,6 +454,8 @@ class Engine:
             "generated_tokens": self.num_generated_tokens,
             "prompt_tokens": self.num_prompt_tokens,
             "steps": self.num_steps,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,
             "prefix_hit_rate": cache.hit_rate,

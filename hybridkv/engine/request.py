@@ -36,6 +36,7 @@ class Sequence:
         self.generator = generator
         self.text: str | None = None  # set when a stop string cut it; else decoded at the end
         self.detokenizer: IncrementalDetokenizer | None = None  # for stop strings, made on first use
+        self.drafter = None  # speculative decoding: its n-gram index (speculative.PromptLookup), made on first use
 
     @property
     def output_ids(self) -> list[int]:

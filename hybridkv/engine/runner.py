@@ -29,6 +29,7 @@ from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
 from ..layers.backend import Backend
 from ..layers.kv_buffers import KVBuffers
+from ..layers.mamba_state import keep_accepted
 from ..layers.step import StepBatch, StepInputs
 from ..modeling.base import CausalLM
 from .scheduler import Scheduled
@@ -74,6 +75,7 @@ class ModelRunner:
             module.group = view.group
             module.column = view.column
             module.backend = backend
+        self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
         if self.use_graphs:
             self.capture_all()
 
@@ -154,16 +156,35 @@ class ModelRunner:
     # -- any step, eagerly -------------------------------------------------------
     def _eager(self, steps: list[Scheduled], rows: list[int]) -> torch.Tensor:
         counts = np.fromiter((s.count for s in steps), dtype=np.int64, count=len(steps))
-        ids = np.fromiter((t for s in steps for t in s.seq.token_ids[s.start:s.start + s.count]), dtype=np.int64,
-                          count=int(counts.sum()))
+        ids = np.fromiter((t for s in steps for t in (s.seq.token_ids[s.start:s.start + s.count - len(s.drafts)]
+                                                      + s.drafts)),
+                          dtype=np.int64, count=int(counts.sum()))
+        verifying = np.fromiter((bool(s.drafts) for s in steps), dtype=bool, count=len(steps))
         inputs = StepInputs.from_host(ids, np.fromiter((s.start for s in steps), dtype=np.int64, count=len(steps)),
-                                      counts, rows, self.device)
+                                      counts, rows, self.device, verifying if verifying.any() else None)
         hidden = self._forward(inputs, all_rows=False)
+        if verifying.any():
+            self._verified = ([m for m in self._mamba_metadata if m.verifies], [s.seq.seq_id for s in steps])
         starts = inputs.host.starts
-        sampled = [int(starts[i] + counts[i] - 1) for i, s in enumerate(steps) if s.completes]
+        sampled = []
+        for i, s in enumerate(steps):
+            if s.drafts:  # every token of a verified step gives a row: what follows it
+                sampled.extend(range(int(starts[i]), int(starts[i] + counts[i])))
+            elif s.completes:
+                sampled.append(int(starts[i] + counts[i] - 1))
         if not sampled:
             return torch.empty(0, device=self.device)
         return self.model.compute_logits(hidden[torch.tensor(sampled, device=self.device)])
+
+    def keep_accepted(self, accepted: dict[str, int]) -> None:
+        """After a step that verified drafts: for each such sequence the number
+        of drafts it kept. Mamba groups then hold, in their write pages, the
+        state after the last kept token (the pass left the state after the last
+        draft there; the manager's contract, docs/architecture.md)."""
+        metas, seq_ids = self._verified
+        for meta in metas:
+            keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
+        self._verified = ([], [])
 
     def _forward(self, inputs: StepInputs, all_rows: bool) -> torch.Tensor:
         """Build each group's metadata with the backend, run the model, write
@@ -180,6 +201,7 @@ class ModelRunner:
                 batch.attention[g] = backend.attention.build(inputs, tables.attention[g], group.spec,
                                                              group.block_size)
         hidden = self.model(batch)
+        self._mamba_metadata = list(batch.mamba.values())  # keep_accepted reads verified states from it
         for meta in batch.mamba.values():
             backend.mamba.finish(meta)
         return self.model.compute_logits(hidden) if all_rows else hidden

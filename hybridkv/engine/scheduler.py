@@ -15,6 +15,11 @@ another sequence (two requests with the same system prompt arriving
 together) waits one step: then it finds that block in the cache instead of
 computing it a second time.
 
+With speculative decoding (`propose` given), a decoding sequence may also
+verify draft tokens in its step: `propose(seq, budget)` gives them, their
+slots are reserved with the step's (`num_lookahead`, all or nothing), and a
+sequence whose drafts do not fit decodes one token as usual.
+
 When the cache cannot hold a running sequence's next tokens, the newest
 running sequence is preempted by recompute: its blocks are freed and it goes
 back to the head of the queue with its tokens so far as its prompt (prefix
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core import KVCacheManager
 from .request import Sequence, Status
@@ -35,21 +40,24 @@ from .request import Sequence, Status
 class Scheduled:
     seq: Sequence
     start: int  # tokens already computed
-    count: int  # tokens computed in this step
+    count: int  # tokens computed in this step (drafts included)
+    drafts: list[int] = field(default_factory=list)  # draft tokens verified after the known ones
 
     @property
     def completes(self) -> bool:
         """The step reaches the end of the known tokens: sample the next one."""
-        return self.start + self.count == len(self.seq.token_ids)
+        return self.start + self.count - len(self.drafts) == len(self.seq.token_ids)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_release: Callable[[str], None] = lambda seq_id: None):
+                 on_release: Callable[[str], None] = lambda seq_id: None,
+                 propose: Callable[[Sequence, int], list[int]] | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.on_release = on_release  # a sequence left the running set (the runner frees its table row)
+        self.propose = propose  # speculative decoding: draft tokens for a decoding sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,14 +104,29 @@ class Scheduler:
         out: list[Scheduled] = []
         taken: set[str] = set()
         preempted = False
+        proposed: dict[str, list[int]] = {}
+
+        def drafts(seq: Sequence, budget: int) -> list[int]:
+            """Each sequence's drafts once per step (the budget left is the same at both asks)."""
+            if seq.seq_id not in proposed:
+                proposed[seq.seq_id] = self.propose(seq, budget)
+            return proposed[seq.seq_id]
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if self._decoding(seq):
+                if self.propose is not None and self._speculate(seq, drafts(seq, budget)[:budget - 1], out):
+                    taken.add(seq.seq_id)
+                    budget -= out[-1].count
+                    i += 1
+                    continue
                 # The run of decoding sequences from here: slots for all in one call.
                 run = []
                 j = i
                 while j < len(self.running) and len(run) < budget and self._decoding(self.running[j]):
+                    if run and self.propose is not None and drafts(self.running[j], budget - len(run)):
+                        break  # it has drafts: its own step
                     run.append(self.running[j])
                     j += 1
                 got = kv.allocate_slots_many([s.seq_id for s in run], 1)
@@ -165,11 +188,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return out
 
+    def _speculate(self, seq: Sequence, drafts: list[int], out: list[Scheduled]) -> bool:
+        """Schedule a decoding sequence with its drafts, if it has any and
+        their slots fit now."""
+        if not drafts or not self.kv.allocate_slots(seq.seq_id, 1, num_lookahead=len(drafts)):
+            return False
+        out.append(Scheduled(seq, len(seq.token_ids) - 1, 1 + len(drafts), drafts))
+        return True
+
     def _keys_computed(self, steps: list[Scheduled]) -> set:
         """Keys of the blocks this step's prefill chunks complete."""
         keys: set = set()
         for s in steps:
-            if s.count > 1:
+            if s.count > 1 and not s.drafts:
                 keys.update(self.kv.block_keys(s.seq.seq_id, s.start, s.start + s.count))
         return keys
 

@@ -44,12 +44,13 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   state: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   state: torch.Tensor, lengths: torch.Tensor, per_token: bool = False):
     """y_t = C_t . h_t with h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, from h_0 = state,
     for R requests side by side. x, dt: [R, L, I] (dt after softplus); A: [I, N];
     B, C: [R, L, N]; state: [R, I, N]; request r's tokens are the first
     lengths[r], lengths in descending order. Returns (y [R, L, I] float32,
-    final states [R, I, N] float32; y is 0 past a request's length).
+    final states [R, I, N] float32, and with `per_token` the state after each
+    token [R, L, I, N] (else None); y is 0 past a request's length).
 
     Past a request's length dt is set to 0, so exp(0 * A) = 1 and the input
     term vanishes: its state passes through the padding unchanged. Tokens go
@@ -62,6 +63,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     A, B, C = A.float(), B.float(), C.float()
     h = state.float().clone()
     y = torch.zeros(requests, length, channels, dtype=torch.float32, device=x.device)
+    every = torch.zeros(requests, length, *h.shape[1:], dtype=torch.float32, device=x.device) if per_token else None
     running = lengths.tolist()
     step = max(1, (1 << 20) // max(1, requests * channels * A.shape[1]))  # ~4 MB per slice: stays in cache
     for t0 in range(0, length, step):
@@ -74,8 +76,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         for decay, state_j in zip(dA.unbind(1), states.unbind(1)):
             hk = torch.addcmul(state_j, decay, hk, out=state_j)
         h[:k] = hk
+        if per_token:  # `states` now holds h after each token of the slice
+            every[:k, t0:t1] = states
         y[:k, t0:t1] = torch.einsum("rtin,rtn->rti", states, C[:k, t0:t1])
-    return y, h
+    return y, h, every
 
 
 def selective_scan_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

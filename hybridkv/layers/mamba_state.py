@@ -16,6 +16,7 @@ with device gathers only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +25,13 @@ import torch.nn.functional as F
 from .kv_buffers import TORCH_DTYPES, KVBuffers
 from .mamba_ops import causal_conv_step, selective_scan_step
 from .step import StepInputs
+
+
+class Verified(NamedTuple):
+    row: int  # state row
+    start: int  # first token row
+    count: int  # the sampled token and the drafts
+    sequence: int  # index of the sequence in the step
 
 
 @dataclass
@@ -36,6 +44,10 @@ class MambaMetadata:
     step_rows: torch.Tensor | None = None  # reference: their rows of `states`
     step_pages: tuple | None = None  # kernels: their (read, write, zero) pages in the pool
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (state row, first token row, count)
+    # Sequences verifying drafts: chunks like prefills, but the layers keep
+    # each token's state (`verify_states`) until keep_accepted picks one.
+    verifies: list["Verified"] = field(default_factory=list)
+    verify_states: dict = field(default_factory=dict)  # layer name -> (conv window, per-token SSM states)
 
     def state_views(self, layer_name: str) -> list[torch.Tensor]:
         """The layer's conv and SSM states inside `states` (typed views)."""
@@ -50,10 +62,24 @@ def _gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
 
 
 def _split(inputs: StepInputs):
-    """(one-token sequences, token rows of them, other sequences) from the host layout."""
+    """(one-token sequences, token rows of them, prefill chunks, verified
+    chunks) from the host layout."""
     host = inputs.host
     steps = np.nonzero(host.counts == 1)[0]
-    return steps, host.starts[steps], np.nonzero(host.counts > 1)[0]
+    chunks = host.counts > 1
+    if host.verifying is None:
+        return steps, host.starts[steps], np.nonzero(chunks)[0], np.zeros(0, dtype=np.int64)
+    return steps, host.starts[steps], np.nonzero(chunks & ~host.verifying)[0], np.nonzero(host.verifying)[0]
+
+
+def _chunks(host, indices, rows):
+    return [(int(row), int(host.starts[i]), int(host.counts[i])) for row, i in zip(rows, indices)]
+
+
+def _verified(host, indices, rows) -> list[Verified]:
+    """Verified chunks, longest first (the order the scan takes them in)."""
+    chunks = [Verified(*c, int(i)) for c, i in zip(_chunks(host, indices, rows), indices)]
+    return sorted(chunks, key=lambda v: -v.count)
 
 
 def _finish(meta: MambaMetadata) -> None:
@@ -72,12 +98,13 @@ class TorchMamba:
         if inputs.host is None:  # fixed shapes: token t is sequence t's only token
             rows = torch.arange(slots.shape[0], device=slots.device)
             return MambaMetadata(buffers, states, write[slots], rows, slots.shape[0], step_rows=rows)
-        steps, tokens, prefills = _split(inputs)
+        steps, tokens, prefills, verifies = _split(inputs)
         device = slots.device
         host = inputs.host
         return MambaMetadata(buffers, states, write[slots], torch.from_numpy(tokens).to(device), len(steps),
                              step_rows=torch.from_numpy(steps).to(device),
-                             prefills=[(int(i), int(host.starts[i]), int(host.counts[i])) for i in prefills])
+                             prefills=_chunks(host, prefills, prefills),
+                             verifies=_verified(host, verifies, verifies))
 
     finish = staticmethod(_finish)
 
@@ -113,14 +140,17 @@ class KernelMamba:
             empty = torch.empty(0, read.shape[1] * buffers.page_size, dtype=torch.uint8, device=device)
             return MambaMetadata(buffers, empty, write[:0], torch.arange(slots.shape[0], device=device),
                                  slots.shape[0], step_pages=(read[slots], write[slots], zero[slots]))
-        steps, tokens, prefills = _split(inputs)
+        steps, tokens, prefills, verifies = _split(inputs)
         step_slots = slots[torch.from_numpy(steps).to(device)]
-        pre_slots = slots[torch.from_numpy(prefills).to(device)]
+        gathered = np.concatenate([prefills, verifies])  # the chunks run on gathered states
+        pre_slots = slots[torch.from_numpy(gathered).to(device)]
         host = inputs.host
+        rows = np.arange(len(gathered))
         return MambaMetadata(buffers, _gather(buffers, read[pre_slots]), write[pre_slots],
                              torch.from_numpy(tokens).to(device), len(steps),
                              step_pages=(read[step_slots], write[step_slots], zero[step_slots]),
-                             prefills=[(j, int(host.starts[i]), int(host.counts[i])) for j, i in enumerate(prefills)])
+                             prefills=_chunks(host, prefills, rows[:len(prefills)]),
+                             verifies=_verified(host, verifies, rows[len(prefills):]))
 
     finish = staticmethod(_finish)
 
@@ -138,3 +168,28 @@ class KernelMamba:
     def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
         offset, dtype = self._part(meta, layer_name, 1)
         return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
+
+
+def keep_accepted(meta: MambaMetadata, accepted: list[int]) -> None:
+    """After verification (one count per `meta.verifies` entry: the drafts
+    kept): write the state after each sequence's last kept token to its write
+    pages, over the state after its last draft that the pass left there.
+    From the per-token states the layers kept: the SSM state after token j,
+    and the conv state, which is the K-1 inputs before token j + 1."""
+    redo = [(j, a) for j, (v, a) in enumerate(zip(meta.verifies, accepted)) if a < v.count - 1]
+    if not redo:
+        return  # every draft kept: the pass's final state is the one
+    device = meta.states.device
+    index = torch.tensor([j for j, _ in redo], device=device)
+    kept = torch.tensor([a for _, a in redo], device=device)
+    rows = torch.tensor([meta.verifies[j].row for j, _ in redo], device=device)
+    states = meta.states[rows]  # a copy: every layer's parts, patched below
+    for layer_name, (window, per_token) in meta.verify_states.items():
+        conv, ssm = meta.buffers.state_views(states, layer_name)
+        width = conv.shape[-1]
+        w = window[index]  # [r, I, K-1 + L]: the conv state before the chunk, then its inputs
+        at = (kept[:, None] + 1 + torch.arange(width, device=device))[:, None, :].expand(-1, w.shape[1], -1)
+        conv.copy_(w.gather(2, at))
+        ssm.copy_(per_token[index, kept])
+    pages = meta.write_pages[rows]
+    meta.buffers.pool[pages] = states.view(len(redo), pages.shape[1], -1)

@@ -38,6 +38,7 @@ class HostStep:
     starts: np.ndarray  # [S] first token row of each sequence
     counts: np.ndarray  # [S] tokens of each sequence in this step
     slot_rows: np.ndarray  # [S] as StepInputs.slot_rows
+    verifying: np.ndarray | None = None  # [S] bool: the sequence verifies draft tokens (speculative decoding)
 
 
 @dataclass
@@ -50,10 +51,12 @@ class StepInputs:
 
     @classmethod
     def from_host(cls, input_ids: np.ndarray, first_positions: np.ndarray, counts: np.ndarray,
-                  slot_rows: np.ndarray, device) -> "StepInputs":
+                  slot_rows: np.ndarray, device, verifying: np.ndarray | None = None) -> "StepInputs":
         """An eager step: sequence i has `counts[i]` tokens from position
         `first_positions[i]` (its tokens `input_ids`, concatenated in
-        order); one host-to-device copy for all of it."""
+        order); one host-to-device copy for all of it. `verifying[i]`: its
+        last tokens are drafts to verify (Mamba layers then keep the state
+        after each of its tokens)."""
         counts = np.asarray(counts, dtype=np.int64)
         starts = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
@@ -64,7 +67,7 @@ class StepInputs:
         staged = torch.from_numpy(np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, seq_of_token,
                                                   slot_rows])).to(device)
         return cls(staged[:total], staged[total:2 * total], staged[3 * total:], staged[2 * total:3 * total],
-                   HostStep(positions, starts, counts, slot_rows))
+                   HostStep(positions, starts, counts, slot_rows, verifying))
 
 
 @dataclass

@@ -25,9 +25,10 @@ from .blocks import GatedMLP, PagedSelfAttention
 
 
 def _padded_prefills(prefills, device):
-    """The step's prefill chunks side by side, longest first: state rows,
-    token rows [chunks, longest] (padding repeats a chunk's last token),
-    lengths, and which entries are real tokens."""
+    """The step's prefill chunks side by side, longest first (a stable sort:
+    chunks already in that order keep it): state rows, token rows [chunks,
+    longest] (padding repeats a chunk's last token), lengths, and which
+    entries are real tokens."""
     prefills = sorted(prefills, key=lambda p: -p[2])
     rows = torch.tensor([row for row, _, _ in prefills], device=device)
     starts = torch.tensor([start for _, start, _ in prefills], device=device)
@@ -81,17 +82,27 @@ class JambaMamba(CacheLayer, nn.Module):
             dt, B, C = self._ssm_inputs(x)
             y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
         if meta.prefills:  # chunks of several tokens: the reference scan on gathered states
-            conv_state, ssm_state = meta.state_views(self.layer_name)
-            rows, tokens, lengths, valid = _padded_prefills(meta.prefills, h.device)
-            x, new_conv = causal_conv(x_all[tokens], lengths, conv_state[rows], weight, self.conv1d.bias)
-            x = F.silu(x)
-            dt, B, C = self._ssm_inputs(x)
-            y, new_ssm = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths)
-            conv_state[rows] = new_conv.to(conv_state.dtype)
-            ssm_state[rows] = new_ssm.to(ssm_state.dtype)
-            gate = gate_all[tokens].float()
-            y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
+            self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
+        if meta.verifies:  # chunks that verify drafts: also keep each token's state
+            self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
         return self.out_proj(y_all.to(h.dtype))
+
+    def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
+        conv_state, ssm_state = meta.state_views(self.layer_name)
+        rows, tokens, lengths, valid = _padded_prefills(chunks, x_all.device)
+        x_in = x_all[tokens]
+        before = conv_state[rows]
+        x, new_conv = causal_conv(x_in, lengths, before, weight, self.conv1d.bias)
+        x = F.silu(x)
+        dt, B, C = self._ssm_inputs(x)
+        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
+        conv_state[rows] = new_conv.to(conv_state.dtype)
+        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        gate = gate_all[tokens].float()
+        y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
+        if keep:  # in meta.verifies order, longest first (keep_accepted picks one state per chunk)
+            meta.verify_states[self.layer_name] = (torch.cat([before.to(x_in.dtype), x_in.transpose(1, 2)], 2),
+                                                   per_token)
 
 
 class JambaMoE(nn.Module):

@@ -80,6 +80,10 @@ class ServerMetrics:
         yield counter("hybridkv_generation_tokens", "Tokens generated", s["generated_tokens"])
         yield counter("hybridkv_prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"])
         yield counter("hybridkv_engine_steps", "Engine steps run", s["steps"])
+        yield counter("hybridkv_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
+                      s["spec_draft_tokens"])
+        yield counter("hybridkv_spec_decode_accepted_tokens", "Draft tokens the model agreed with (speculative "
+                      "decoding)", s["spec_accepted_tokens"])
         yield counter("hybridkv_requests_aborted", "Requests aborted because their client went away",
                       s["aborted"])
         yield counter("hybridkv_requests_rejected", "Requests refused with 503: the waiting queue was full",
