@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     serve.add_argument("--speculative-method", choices=["ngram"], default=None,
-                       help="speculative decoding: ngram (prompt-lookup drafts; outputs unchanged)")
+                       help="speculative decoding: ngram (prompt-lookup drafts; greedy outputs unchanged)")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,
                        help="draft tokens verified per step with --speculative-method (default 4)")
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")

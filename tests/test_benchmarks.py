@@ -100,4 +100,5 @@ def test_speculative_quick(tmp_path):
     for rows in data["models"].values():
         for row in rows.values():
             assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
-            assert row["hybridkv+ngram"]["tokens_per_s"] > 0 and row["hybridkv+ngram"]["drafts"] >= 0
+            assert row["hybridkv+ngram"]["tokens_per_s"] > 0
+    assert any(row["hybridkv+ngram"]["drafts"] > 0 for rows in data["models"].values() for row in rows.values())

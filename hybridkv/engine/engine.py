@@ -61,7 +61,9 @@ class Engine:
         `speculative_method="ngram"`: each decoding step also verifies up to
         `num_speculative_tokens` draft tokens found by prompt lookup (the
         last prompt_lookup_max..prompt_lookup_min tokens matched earlier in
-        the sequence; speculative.py); outputs are unchanged."""
+        the sequence; speculative.py): greedy outputs are unchanged, sampled
+        ones keep their distribution (a seeded request's draws then depend
+        on how many drafts each step verified, which the batch can change)."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)

@@ -75,6 +75,7 @@ class ModelRunner:
             module.group = view.group
             module.column = view.column
             module.backend = backend
+        self._mamba_metadata: list = []
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
         if self.use_graphs:
             self.capture_all()
@@ -165,6 +166,7 @@ class ModelRunner:
         hidden = self._forward(inputs, all_rows=False)
         if verifying.any():
             self._verified = ([m for m in self._mamba_metadata if m.verifies], [s.seq.seq_id for s in steps])
+        self._mamba_metadata = []  # (its gathered states are not kept past the step)
         starts = inputs.host.starts
         sampled = []
         for i, s in enumerate(steps):

@@ -17,8 +17,9 @@ computing it a second time.
 
 With speculative decoding (`propose` given), a decoding sequence may also
 verify draft tokens in its step: `propose(seq, budget)` gives them, their
-slots are reserved with the step's (`num_lookahead`, all or nothing), and a
-sequence whose drafts do not fit decodes one token as usual.
+slots are reserved with the step's (`num_lookahead`, all or nothing) from
+spare pages only (a block of every group per running sequence stays free),
+and a sequence whose drafts do not fit decodes one token as usual.
 
 When the cache cannot hold a running sequence's next tokens, the newest
 running sequence is preempted by recompute: its blocks are freed and it goes
@@ -191,7 +192,14 @@ class Scheduler:
     def _speculate(self, seq: Sequence, drafts: list[int], out: list[Scheduled]) -> bool:
         """Schedule a decoding sequence with its drafts, if it has any and
         their slots fit now."""
-        if not drafts or not self.kv.allocate_slots(seq.seq_id, 1, num_lookahead=len(drafts)):
+        if not drafts:
+            return False
+        # Drafts only from spare pages: room for one more block of every group
+        # for every running sequence stays free, so that a draft's slots never
+        # make another sequence's next token preempt someone.
+        reserve = len(self.running) * sum(g.pages_per_block for g in self.kv.layout.groups)
+        if self.kv.num_free_blocks < reserve or \
+                not self.kv.allocate_slots(seq.seq_id, 1, num_lookahead=len(drafts)):
             return False
         out.append(Scheduled(seq, len(seq.token_ids) - 1, 1 + len(drafts), drafts))
         return True
