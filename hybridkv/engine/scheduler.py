@@ -59,6 +59,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.on_release = on_release  # a sequence left the running set (the runner frees its table row)
         self.propose = propose  # speculative decoding: draft tokens for a decoding sequence
+        self._pages_per_step = sum(g.pages_per_block for g in kv.layout.groups)  # one new block of every group
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -197,7 +198,7 @@ class Scheduler:
         # Drafts only from spare pages: room for one more block of every group
         # for every running sequence stays free, so that a draft's slots never
         # make another sequence's next token preempt someone.
-        reserve = len(self.running) * sum(g.pages_per_block for g in self.kv.layout.groups)
+        reserve = len(self.running) * self._pages_per_step
         if self.kv.num_free_blocks < reserve or \
                 not self.kv.allocate_slots(seq.seq_id, 1, num_lookahead=len(drafts)):
             return False
