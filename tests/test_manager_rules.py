@@ -298,6 +298,10 @@ def test_gemma3_27b_capacity_within_three_percent_of_exact_need():
     lambda kv: kv.add_request("x", []),
     lambda kv: kv.add_request("x", [1, -2]),
     lambda kv: kv.add_request("x", [1.5]),
+    lambda kv: kv.add_request("x", [2 ** 63]),
+    lambda kv: kv.add_request("x", __import__("numpy").array([1, 2 ** 63], dtype="uint64")),
+    lambda kv: kv.add_request("x", __import__("numpy").array([3, -1])),
+    lambda kv: kv.add_request("x", __import__("numpy").array([1.0, 2.0])),
     lambda kv: kv.add_request("x", "hello"),
     lambda kv: kv.add_request("", [1]),
     lambda kv: kv.add_request("a", [1]),  # duplicate
@@ -318,6 +322,22 @@ def test_bad_input_is_a_value_error_and_changes_nothing(call):
         call(kv)
     assert (kv.num_free_blocks, kv.get_block_tables("a"), len(kv), kv.stats) == before
     kv.check_invariants()
+
+
+def test_int64_arrays_are_prompts_like_lists():
+    import numpy as np
+    from array import array
+
+    prompt = list(range(3, 40))
+    forms = {"list": prompt, "tuple": tuple(prompt), "array": array("q", prompt),
+             "numpy": np.array(prompt, dtype=np.int64), "numpy32": np.array(prompt, dtype=np.int32)}
+    kv = manager({"f": FULL, "w": window(5)}, pages=200)
+    prefill(kv, "first", prompt + [1])
+    for name, form in forms.items():
+        kv.add_request(name, form)
+        assert kv.token_ids(name) == prompt and all(type(t) is int for t in kv.token_ids(name) if name != "list")
+        assert kv.get_computed_tokens(name) == 36  # the same keys: it hits what "first" computed
+        kv.free(name)
 
 
 def test_unknown_request_is_also_a_key_error():
@@ -363,9 +383,29 @@ def test_allocate_slots_many_stops_at_the_first_that_does_not_fit():
 def test_prefix_sightings_forget_a_chain_from_its_end():
     from hybridkv.core.checkpoints import PrefixSightings
 
-    seen = PrefixSightings(capacity=6)
+    seen = PrefixSightings(capacity=8)
     seen.record(["a", "b", "c", "d"], "r1")
     seen.record(["a", "b", "c", "d"], "r2")
-    seen.record(["x", "y"], "r3")  # 6 keys: nothing dropped yet
-    seen.record(["p", "q"], "r4")  # drops d and c, the end of the oldest chain
+    assert seen.shared_blocks(["a", "b", "c", "d"]) == 4
+    seen.record(["a", "b"], "r3")  # the prefix seen again
+    seen.record(["x", "y", "z", "w"], "r4")  # c and d, seen least recently, go
     assert seen.shared_blocks(["a", "b", "c", "d"]) == 2
+
+
+def test_prefix_sightings_stay_bounded_and_prefix_closed():
+    import random
+
+    from hybridkv.core.checkpoints import PrefixSightings
+
+    rng = random.Random(0)
+    seen = PrefixSightings(capacity=12)
+    stems = [[(s, j) for j in range(6)] for s in range(5)]  # chained keys: a key names its prefix
+    for step in range(400):
+        stem = rng.choice(stems)
+        seen.record(stem[:rng.randint(1, 6)], f"r{rng.randrange(4)}")
+        # Each generation turns over at half the capacity, plus the keys of
+        # the prompt recorded last.
+        assert len(seen._young) < 6 and len(seen._old) < 6 + 6
+        for chain in stems:
+            known = [seen._holder(k) is not None for k in chain]
+            assert known == sorted(known, reverse=True), "a chain's end outlived its prefix"

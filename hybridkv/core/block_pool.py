@@ -35,9 +35,16 @@ checkpoint) and `reset` (reset_cache).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import repeat
 
 NULL = 0
+
+
+def consume(iterator) -> None:
+    """Run an iterator to its end in C (for map over many blocks)."""
+    deque(iterator, 0)
+
 EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
 
 
@@ -53,6 +60,7 @@ class BlockPool:
         self.key: list = [None] * num_pages  # cache key while cached
         self.key_group = [0] * num_pages  # the group whose map holds the key
         self.tokens: list = [None] * num_pages  # token ids, only when the hash is not trusted
+        self._verified_tokens = False  # some block was cached with its token ids
         self.span: list = [None] * num_pages  # the pages of a block wider than one page
         self._free: OrderedDict[int, None] = OrderedDict()
         self.on_probation = [False] * num_pages  # released on probation, still cached
@@ -80,7 +88,10 @@ class BlockPool:
     # -- allocation --------------------------------------------------------
     def allocate(self, width: int, count: int) -> list[int]:
         """`count` new blocks of `width` pages, ref count 1. The caller has
-        checked that `num_free_pages` suffices."""
+        checked that `num_free_pages` suffices. (One width: a decode step's
+        new block. `allocate_many` does the same for several widths; this
+        copy of its loop without the per-width bookkeeping is what keeps
+        the decode path at a few microseconds.)"""
         need = width * count
         if need > self.num_free_pages:
             raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
@@ -92,17 +103,15 @@ class BlockPool:
         if fresh:
             start = self._next_fresh
             self._next_fresh += fresh
-            whole = start + fresh - fresh % width
-            blocks = list(range(start, whole, width))
-            if width > 1:
-                for b in blocks:  # never-used pages come in runs: a range per block
-                    span[b] = range(b, b + width)
-            for b in blocks:
-                ref[b] = 1
-            pages = list(range(whole, start + fresh))
+            whole = fresh // width
+            if whole:
+                self._fresh_blocks(start, width, whole, blocks)
+            pages = list(range(start + whole * width, start + fresh))
         free = self._free
         have, loose = len(blocks), len(pages)
         key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
+        tokens = self.tokens if self._verified_tokens else None
+        lru = self.evictions["lru"]
         evicted = 0
         while have + loose // width < count:
             block = free.popitem(last=False)[0]
@@ -114,8 +123,9 @@ class BlockPool:
                 else:  # _drop_key's usual case, inline: this loop runs per block evicted
                     del cached[g][k]
                     key[block] = None
-                    self.tokens[block] = None
-                    self.evictions["lru"][g] += 1
+                    if tokens is not None:
+                        tokens[block] = None
+                    lru[g] += 1
                     evicted += 1
             block_span = span[block]
             block_width = 1 if block_span is None else len(block_span)
@@ -130,21 +140,140 @@ class BlockPool:
         if evicted:
             self.version += 1
         used = (count - len(blocks)) * width
-        for i in range(0, used, width):  # blocks cut from the loose pages
-            first = pages[i]
-            span[first] = tuple(pages[i:i + width]) if width > 1 else None
-            ref[first] = 1
-            key[first] = None
-            blocks.append(first)
+        if used:
+            self._cut(pages, 0, width, count - len(blocks), blocks)
         if len(pages) > used:
-            # Left over from splitting a wider block: free, nothing cached.
-            rest = pages[used]
-            span[rest] = tuple(pages[used:]) if len(pages) - used > 1 else None
-            ref[rest] = 0
-            key[rest] = None
-            free[rest] = None
-            free.move_to_end(rest, last=False)
+            self._free_rest(pages, used)
         return blocks
+
+    def _fresh_blocks(self, start: int, width: int, count: int, out: list) -> None:
+        """`count` blocks of never-used pages from `start` on (a run: each
+        block's pages are a range) into `out`, ref count 1."""
+        blocks = range(start, start + count * width, width)
+        ref, span = self.ref, self.span
+        if count < 8:
+            for b in blocks:
+                ref[b] = 1
+                if width > 1:
+                    span[b] = range(b, b + width)
+        else:  # loops in C, as in _cut
+            consume(map(ref.__setitem__, blocks, repeat(1)))
+            if width > 1:
+                ends = range(start + width, start + (count + 1) * width, width)
+                consume(map(span.__setitem__, blocks, map(range, blocks, ends)))
+        out.extend(blocks)
+
+    def _cut(self, pages: list, at: int, width: int, count: int, out: list) -> None:
+        """`count` blocks of `width` loose pages from pages[at:] into `out`,
+        ref count 1."""
+        span, ref, key = self.span, self.ref, self.key
+        if count < 8:
+            for i in range(at, at + count * width, width):
+                first = pages[i]
+                span[first] = tuple(pages[i:i + width]) if width > 1 else None
+                ref[first] = 1
+                key[first] = None
+                out.append(first)
+            return
+        # Loops in C (map into deque): one popped Mamba state is cut into
+        # dozens of attention blocks.
+        cut = pages[at:at + count * width]
+        firsts = cut[::width]
+        consume(map(span.__setitem__, firsts, zip(*[iter(cut)] * width) if width > 1 else repeat(None)))
+        consume(map(ref.__setitem__, firsts, repeat(1)))
+        consume(map(key.__setitem__, firsts, repeat(None)))
+        out.extend(firsts)
+
+    def _free_rest(self, pages: list, at: int) -> None:
+        """Pages left over from splitting a wider block: one free block at
+        the queue's head, nothing cached."""
+        rest = pages[at]
+        self.span[rest] = tuple(pages[at:]) if len(pages) - at > 1 else None
+        self.ref[rest] = 0
+        self.key[rest] = None
+        self._free[rest] = None
+        self._free.move_to_end(rest, last=False)
+
+    def allocate_many(self, needs) -> list[list[int]]:
+        """New blocks for several groups at once (one admission): per
+        (width, count) in `needs`, `count` blocks of `width` pages, ref
+        count 1. The pages come from where one call per group would take
+        them (never-used pages, then the queue's head), but a block popped
+        from the queue goes to a group of its own width while one still
+        wants blocks, and only the rest is cut: an admission whose oldest
+        free blocks are of both widths takes them as they are."""
+        want: dict[int, int] = {}
+        for width, count in needs:
+            if count:
+                want[width] = want.get(width, 0) + count
+        if len(want) <= 1:
+            return [self.allocate(width, count) if count else [] for width, count in needs]
+        need = sum(width * count for width, count in want.items())
+        if need > self.num_free_pages:
+            raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
+        self.num_free_pages -= need
+        ref, key, span = self.ref, self.key, self.span
+        got: dict[int, list[int]] = {width: [] for width in want}
+        pages: list[int] = []  # loose pages of split blocks, in the order they were freed
+        fresh = min(need, self.num_pages - self._next_fresh)
+        if fresh:
+            start = self._next_fresh
+            self._next_fresh = end = start + fresh
+            for width, count in want.items():
+                whole = min(count, (end - start) // width)
+                if whole:
+                    self._fresh_blocks(start, width, whole, got[width])
+                    want[width] = count - whole
+                    start += whole * width
+                    need -= whole * width
+            pages = list(range(start, end))
+        free = self._free
+        loose = len(pages)
+        key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
+        tokens = self.tokens if self._verified_tokens else None
+        lru = self.evictions["lru"]
+        evicted = 0
+        while need > loose:
+            block = free.popitem(last=False)[0]
+            k = key[block]
+            if k is not None:
+                g = key_group[block]
+                if copies[g] or probation[block]:
+                    self._drop_key(block, "probation" if probation[block] else "lru")
+                else:  # as in allocate
+                    del cached[g][k]
+                    key[block] = None
+                    if tokens is not None:
+                        tokens[block] = None
+                    lru[g] += 1
+                    evicted += 1
+            block_span = span[block]
+            block_width = 1 if block_span is None else len(block_span)
+            if want.get(block_width):  # wanted at this width: reused as it is
+                want[block_width] -= 1
+                ref[block] = 1
+                got[block_width].append(block)
+                need -= block_width
+                continue
+            span[block] = None
+            pages.extend((block,) if block_span is None else block_span)
+            loose += block_width
+        if evicted:
+            self.version += 1
+        used = 0
+        for width, count in want.items():
+            if count:
+                self._cut(pages, used, width, count, got[width])
+                used += count * width
+        if len(pages) > used:
+            self._free_rest(pages, used)
+        out = []
+        taken: dict[int, int] = {}
+        for width, count in needs:  # groups of one width share its list, in order
+            at = taken.get(width, 0)
+            out.append(got[width][at:at + count] if count else [])
+            taken[width] = at + count
+        return out
 
     def touch(self, block: int) -> None:
         """Take one more reference (a prefix hit or a fork)."""
@@ -190,7 +319,9 @@ class BlockPool:
             return False
         self.key[block] = key
         self.key_group[block] = group
-        self.tokens[block] = tokens
+        if tokens is not None:
+            self.tokens[block] = tokens
+            self._verified_tokens = True
         return entry
 
     def uncache(self, block: int) -> None:

@@ -27,7 +27,7 @@ saves at every block boundary, "prompt_end" only at the end of the prompt.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from itertools import repeat
 from dataclasses import dataclass
 
 
@@ -77,28 +77,44 @@ _SHARED = object()  # held by two or more requests (compared by identity: never 
 
 
 class PrefixSightings:
-    """A bounded LRU map of the block keys of recent prompts, to find branch
+    """A bounded map of the block keys of recent prompts, to find branch
     points: the prefix a prompt shares with any other request's. A key maps
     to the one request whose prompt held it, or to `_SHARED` once a second
     one's did. A request is recorded when it is added, so a request waiting
     beside it counts as much as one that came before: a burst of requests
     with one system prompt checkpoints it on its first prefill, and the
     others hit there (rather than a second request computing it once more to
-    leave the checkpoint)."""
+    leave the checkpoint).
+
+    Bounded by two generations of plain dicts rather than an exact LRU (an
+    OrderedDict costs about 0.3 us per key inserted, and a prompt records
+    hundreds): keys go into the young generation; once it holds half the
+    capacity it becomes the old one and the old one's keys are forgotten; a
+    key seen again moves to the young one. So the map keeps at most
+    `capacity` keys (plus the last prompt's) and at least the last
+    capacity/2 seen. Recording a
+    prompt records every key of its prefix with it, so a prefix is never
+    older than its extensions: what is forgotten is whole chain ends, and
+    the shared prefixes stay prefix-closed (what the binary search in
+    shared_blocks needs)."""
 
     def __init__(self, capacity: int = 1 << 16):
         self.capacity = capacity
-        self._seen: OrderedDict = OrderedDict()  # key -> the request that held it, or _SHARED
+        self._young: dict = {}  # key -> the request that held it, or _SHARED
+        self._old: dict = {}
+
+    def _holder(self, key):
+        holder = self._young.get(key)
+        return self._old.get(key) if holder is None else holder
 
     def shared_blocks(self, keys: list) -> int:
         """Number of leading keys that a recorded request's prompt shares
         with at least one other request's. Keys chain, so such prefixes are
         prefix-closed and a binary search finds the boundary."""
         lo, hi = 0, len(keys)
-        seen = self._seen
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if seen.get(keys[mid - 1]) is _SHARED:
+            if self._holder(keys[mid - 1]) is _SHARED:
                 lo = mid
             else:
                 hi = mid - 1
@@ -106,21 +122,18 @@ class PrefixSightings:
 
     def record(self, keys: list, owner: str) -> None:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
-        (a preempted request added back) does not make its blocks shared.
-        Last key first: a prefix then stays more recent than its extensions,
-        so the LRU drops a chain from its end and shared prefixes stay
-        prefix-closed (what the binary search in shared_blocks needs)."""
-        seen = self._seen
-        for key in reversed(keys):
-            holder = seen.get(key)
-            if holder is None:
-                seen[key] = owner
-            else:
-                if holder is not _SHARED and holder != owner:
-                    seen[key] = _SHARED
-                seen.move_to_end(key)
-        while len(seen) > self.capacity:
-            seen.popitem(last=False)
+        (a preempted request added back) does not make its blocks shared."""
+        young, old = self._young, self._old
+        holders = list(map(young.get, keys))  # in C: a prompt has hundreds of keys
+        if old:
+            holders = [old.get(k) if h is None else h for k, h in zip(keys, holders)]
+        if any(holders):
+            young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
+        else:
+            young.update(zip(keys, repeat(owner)))
+        if len(young) >= max(1, self.capacity // 2):
+            self._old, self._young = young, {}
 
     def clear(self) -> None:
-        self._seen.clear()
+        self._young.clear()
+        self._old.clear()

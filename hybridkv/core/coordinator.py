@@ -67,6 +67,21 @@ class Coordinator:
         self.extend_keys(req, limit)
         return limit
 
+    def scan(self, req: CacheRequest) -> tuple[list, list]:
+        """Per group, what the cache holds for the request's block positions
+        below the hit limit: the blocks (`found`, None where none) and the
+        same as a mask for the hit searches. One dictionary lookup per block
+        and group (in a pool this large, each a few cache misses: the lookup's
+        main cost), shared by find_hit, explain and the first allocation,
+        and remembered while no cache key changes and the limit stays."""
+        limit = self.hit_limit(req)
+        memo = req.scan
+        version = self.pool.version
+        if memo is None or memo[0] != version or memo[1] != limit:
+            scans = [m.scan(req, limit) for m in self.managers]
+            memo = req.scan = (version, limit, [s[0] for s in scans], [s[1] for s in scans])
+        return memo[2], memo[3]
+
     def find_hit(self, req: CacheRequest) -> int:
         """Longest valid hit in tokens: a multiple of the block size, at most
         len(tokens) - 1 so that at least one token is computed."""
@@ -126,12 +141,17 @@ class Coordinator:
         managers = self.managers
         hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
-        found = [m.hit_blocks(req, hit_blocks) for m in managers] if hit_blocks else None
+        found = None
+        if hit_blocks:
+            found = [m.hit_blocks(f, hit_blocks) for m, f in zip(managers, self.scan(req)[0])]
         req.num_computed = hit  # as it will be once the hit is taken
+        counts = []
         pages = 0
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
-            pages += manager.pages_for_start(req, target, blocks)
+            count = manager.blocks_for_start(req, target, blocks)
+            counts.append((manager.width, count))
+            pages += count * manager.width
             for block in blocks:
                 if block and self.pool.ref[block] == 0:  # free in the queue: taking it uses free pages
                     pages += self.pool.width(block)
@@ -144,10 +164,12 @@ class Coordinator:
         for g, manager in enumerate(managers):
             manager.install_hit(req, found[g] if found else [], hit_blocks)
         req.started = True
+        req.scan = None
         self.plan_checkpoints(req, hit)
-        copies = self.pending_copies
-        for manager in managers:
-            manager.allocate(req, target, copies)
+        # One pool call for all groups: popped blocks go to the group of
+        # their width, so fewer are cut (BlockPool.allocate_many).
+        for manager, blocks in zip(managers, self.pool.allocate_many(counts)):
+            manager.start(req, blocks)
         req.num_allocated = target
         self._refresh(req)
         return True
@@ -255,7 +277,8 @@ class UnitaryCoordinator(Coordinator):
     def find_hit(self, req):
         if not self.caching:
             return 0
-        return self.managers[0].longest_hit(req, self.hit_limit(req)) * self.block_size
+        masks = self.scan(req)[1]
+        return self.managers[0].longest_hit(masks[0], self.hit_limit(req)) * self.block_size
 
     def explain(self, req, hit):
         # Without its only group nothing bounds the hit but the limit.
@@ -268,12 +291,13 @@ class HybridCoordinator(Coordinator):
     def find_hit(self, req):
         if not self.caching:
             return 0
-        return _fixed_point(self._lookup_order, req, self.hit_limit(req)) * self.block_size
+        return _fixed_point(self._lookup_order, self.scan(req)[1], self.hit_limit(req)) * self.block_size
 
     def explain(self, req, hit):
         bs = self.block_size
         limit = self.hit_limit(req)
-        alone = [m.longest_hit(req, limit) for m in self.managers]
+        masks = self.scan(req)[1]
+        alone = [m.longest_hit(masks[m.index], limit) for m in self.managers]
         without = []
         for g in range(len(self.managers)):
             # Without group g the hit is at most the others' own best; if
@@ -283,11 +307,11 @@ class HybridCoordinator(Coordinator):
                 without.append(hit)
             else:
                 others = [m for m in self._lookup_order if m.index != g]
-                without.append(_fixed_point(others, req, bound) * bs)
+                without.append(_fixed_point(others, masks, bound) * bs)
         return [a * bs for a in alone], without
 
 
-def _fixed_point(managers, req: CacheRequest, candidate: int) -> int:
+def _fixed_point(managers, masks: list[bytes], candidate: int) -> int:
     """The longest hit (blocks, at most `candidate`) every manager serves.
     Round robin: once the others have all accepted the candidate the last
     manager lowered it to, it is the answer (that manager's own answer is
@@ -296,7 +320,8 @@ def _fixed_point(managers, req: CacheRequest, candidate: int) -> int:
     accepted = 0
     i = 0
     while candidate > 0 and accepted < count:
-        lowered = managers[i].longest_hit(req, candidate)
+        manager = managers[i]
+        lowered = manager.longest_hit(masks[manager.index], candidate)
         if lowered == candidate:
             accepted += 1
         else:

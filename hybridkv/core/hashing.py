@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 _DOMAIN = b"hybridkv/block-hash/v1\x00"
 _SWAP = sys.byteorder != "little"
+_SHA256 = hashlib.sha256()
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -87,9 +88,11 @@ class BlockHasher:
             else:
                 data = memoryview(token_bytes(tokens[lo:hi]))
             step = 8 * block_size
-            sha = hashlib.sha256
+            empty = _SHA256  # copying a fresh hash object skips the constructor's argument parsing
             for off in range(0, len(data), step):
-                parent = sha(parent + data[off:off + step]).digest()
+                h = empty.copy()
+                h.update(parent + data[off:off + step])
+                parent = h.digest()
                 keys.append(parent)
         elif self._custom is None:
             for pos in range(lo, hi, block_size):

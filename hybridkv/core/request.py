@@ -23,7 +23,7 @@ class CacheRequest:
     __slots__ = (
         "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
         "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup", "lookahead",
+        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup", "lookahead", "scan",
     )
 
     def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
@@ -46,6 +46,7 @@ class CacheRequest:
         self.probation = [0] * num_groups  # per Mamba group, that checkpoint's block once saved
         # (pool version, tokens known, hit, why or None) from the last lookup
         self.hit_memo = None
+        self.scan = None  # (pool version, hit limit, found, masks): Coordinator.scan's memo
         # (prompt tokens, hit, (alone, without) per group) of the first allocation
         self.lookup = None
         # The decode fast path: while the next tokens fit in `capacity` and the

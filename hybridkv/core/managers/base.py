@@ -1,9 +1,13 @@
 """What every per-group manager answers, and the shared attention logic.
 
 A group manager knows one layer type's rules and nothing of the others:
-* `longest_hit(req, limit)`: the longest prefix, in blocks and at most
-  `limit`, that this group can serve from the cache;
-* `hit_blocks(req, n)`: the table prefix (null blocks where the type needs
+* `scan(req, limit)`: per block position, the cached block a hit there
+  would read (None where none is cached), and that as a mask; the
+  coordinator asks once per lookup (`Coordinator.scan`) and hands the
+  answer to the two below;
+* `longest_hit(mask, limit)`: from that answer as a mask, the longest
+  prefix, in blocks and at most `limit`, that this group can serve;
+* `hit_blocks(found, n)`: the table prefix (null blocks where the type needs
   nothing) that serves a hit of `n` blocks;
 * `pages_needed` / `allocate`: room for tokens up to a target;
 * `on_computed`: after a forward pass, cache full blocks and release what
@@ -14,7 +18,9 @@ The coordinator combines the groups; the pool keeps the pages.
 
 from __future__ import annotations
 
-from ..block_pool import NULL, BlockPool
+from itertools import repeat
+
+from ..block_pool import NULL, BlockPool, consume
 from ..layout import KVCacheGroup
 from ..request import CacheRequest
 from ..specs import NEVER  # an event position no request reaches
@@ -43,14 +49,31 @@ class GroupManager:
                 return None
         return block
 
+    def found(self, req: CacheRequest, lo: int, hi: int) -> list:
+        """`_lookup` for block positions lo .. hi-1 (None where nothing is
+        cached): with a trusted hash, one map over the keys, run in C."""
+        if not self.verify:
+            return list(map(self.cached.get, req.keys[lo:hi]))
+        return [self._lookup(req, j) for j in range(lo, hi)]
+
+    def scan(self, req: CacheRequest, limit: int) -> tuple[list, bytes]:
+        """`found` for positions below `limit`, and the same as a mask for
+        `longest_hit` (bytes.find / rfind search it in C). A group may stop
+        early where nothing after a position can matter to it (full
+        attention: at the first miss); the mask then ends with that miss."""
+        found = self.found(req, 0, limit)
+        return found, bytes(map(bool, found))  # (block ids are never 0)
+
     def empty_table(self) -> list:
         return []
 
     # Each subclass implements these.
-    def longest_hit(self, req: CacheRequest, limit: int) -> int:
+    def longest_hit(self, mask: bytes, limit: int) -> int:
+        """`mask`: byte j is 1 where `found` gave a block for position j, 0
+        where not; the scans search it with bytes.find / rfind (in C)."""
         raise NotImplementedError
 
-    def hit_blocks(self, req: CacheRequest, num_blocks: int) -> list[int]:
+    def hit_blocks(self, found: list, num_blocks: int) -> list[int]:
         raise NotImplementedError
 
     def install_hit(self, req: CacheRequest, blocks: list[int], num_blocks: int) -> None:
@@ -60,9 +83,13 @@ class GroupManager:
         """Free pages that `allocate(req, target)` would take."""
         raise NotImplementedError
 
-    def pages_for_start(self, req: CacheRequest, target: int, hit: list[int]) -> int:
-        """Free pages the first allocation takes after installing `hit`
+    def blocks_for_start(self, req: CacheRequest, target: int, hit: list[int]) -> int:
+        """New blocks the first allocation takes after installing `hit`
         (not counting hit blocks that sit in the free queue)."""
+        raise NotImplementedError
+
+    def start(self, req: CacheRequest, blocks: list[int]) -> None:
+        """The first allocation: `blocks_for_start` new blocks, from the pool."""
         raise NotImplementedError
 
     def allocate(self, req: CacheRequest, target: int, copies: list) -> None:
@@ -135,10 +162,9 @@ class AttentionManager(GroupManager):
         j = n // self.block_size
         return j >= len(table) or self.pool.ref[table[j]] == 1
 
-    def hit_blocks(self, req, num_blocks):
+    def hit_blocks(self, found, num_blocks):
         start = self.hit_start(num_blocks)
-        lookup = self._lookup
-        return [NULL] * start + [lookup(req, j) for j in range(start, num_blocks)]
+        return [NULL] * start + found[start:num_blocks]
 
     def install_hit(self, req, blocks, num_blocks):
         touch = self.pool.touch
@@ -159,9 +185,14 @@ class AttentionManager(GroupManager):
             pages += self.width
         return pages
 
-    def pages_for_start(self, req, target, hit):
+    def blocks_for_start(self, req, target, hit):
         new = -(-target // self.block_size) - len(hit)
-        return new * self.width if new > 0 else 0
+        return new if new > 0 else 0
+
+    def start(self, req, blocks):
+        if blocks:
+            req.tables[self.index].extend(blocks)
+            req.tables_changed()
 
     def _needs_copy(self, req, table, target) -> bool:
         """Is the partly filled block the next tokens land in shared (after a
@@ -197,6 +228,16 @@ class AttentionManager(GroupManager):
                 bs, verify, tokens = self.block_size, self.verify, req.tokens
                 cache, block_key, key_group, cached = pool.cache, pool.key, pool.key_group, self.cached
                 added = 0
+                if full - start >= 8 and not verify:
+                    # A prefill's many blocks: if all are new content (the
+                    # usual case), registered by loops in C.
+                    blocks, new_keys = table[start:full], keys[start:full]
+                    if NULL not in blocks and not any(map(block_key.__getitem__, blocks)) \
+                            and cached.keys().isdisjoint(new_keys):
+                        cached.update(zip(new_keys, blocks))
+                        consume(map(block_key.__setitem__, blocks, new_keys))
+                        consume(map(key_group.__setitem__, blocks, repeat(g)))
+                        added, start = len(blocks), full
                 for j in range(start, full):
                     block = table[j]
                     if block and block_key[block] is None:

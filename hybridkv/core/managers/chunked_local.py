@@ -11,17 +11,14 @@ from .base import AttentionManager
 class ChunkedLocalManager(AttentionManager):
     kind = "chunked_local"
 
-    def longest_hit(self, req, limit):
+    def longest_hit(self, mask, limit):
         # For a candidate n, blocks [start(n), n) must be cached. A miss at j
         # rules out every candidate in (j, n] (they share n's chunk start or
         # an earlier one), so the next candidate is j itself.
-        lookup = self._lookup
         n = limit
         while n > 0:
-            for j in range(n - 1, self.hit_start(n) - 1, -1):
-                if lookup(req, j) is None:
-                    n = j
-                    break
-            else:
+            miss = mask.rfind(0, self.hit_start(n), n)
+            if miss < 0:
                 return n
+            n = miss
         return 0

@@ -36,15 +36,19 @@ class MambaManager(GroupManager):
                 return None
         return block
 
-    def longest_hit(self, req, limit):
-        checkpoint = self._checkpoint
-        for n in range(limit, 0, -1):
-            if checkpoint(req, n) is not None:
-                return n
-        return 0
+    def found(self, req, lo, hi):
+        # A hit of n blocks reads the checkpoint under key n - 1: position j
+        # here is the checkpoint after j + 1 blocks.
+        if not self.verify:
+            return super().found(req, lo, hi)
+        return [self._checkpoint(req, j + 1) for j in range(lo, hi)]
 
-    def hit_blocks(self, req, num_blocks):
-        return [self._checkpoint(req, num_blocks)] if num_blocks else []
+    def longest_hit(self, mask, limit):
+        # The latest checkpoint at or before the limit.
+        return mask.rfind(1, 0, limit) + 1
+
+    def hit_blocks(self, found, num_blocks):
+        return [found[num_blocks - 1]] if num_blocks else []
 
     def install_hit(self, req, blocks, num_blocks):
         read = blocks[0] if blocks else NULL
@@ -62,10 +66,15 @@ class MambaManager(GroupManager):
             return 0
         return self.width
 
-    def pages_for_start(self, req, target, hit):
+    def blocks_for_start(self, req, target, hit):
         # The first pass writes a fresh block: there is no state yet, or the
         # hit's checkpoint is cached and must stay as it is.
-        return self.width if target > req.num_computed else 0
+        return 1 if target > req.num_computed else 0
+
+    def start(self, req, blocks):
+        if blocks:
+            req.tables[self.index][1] = blocks[0]
+            req.tables_changed()
 
     def allocate(self, req, target, copies):
         state = req.tables[self.index]

@@ -18,19 +18,18 @@ class SlidingWindowManager(AttentionManager):
         # Blocks a hit must hold: those covering the last W - 1 tokens.
         self.window_blocks = -(-(self.spec.sliding_window - 1) // self.block_size)
 
-    def longest_hit(self, req, limit):
-        # Right to left: the first run of `window_blocks` cached blocks (or a
-        # run reaching block 0) ends at the longest valid hit.
+    def longest_hit(self, mask, limit):
+        # Right to left: the first end whose `window_blocks` blocks before
+        # it are all cached (or all blocks before it, near the start). Past
+        # a miss, the next candidate end is just after the nearest cached
+        # block before it (the block before an end must be cached).
         need = self.window_blocks
         if need == 0:
             return limit
-        lookup = self._lookup
-        end, run = limit, 0
-        for j in range(limit - 1, -1, -1):
-            if lookup(req, j) is None:
-                end, run = j, 0
-            else:
-                run += 1
-                if run == need:
-                    return end
-        return end
+        end = limit
+        while end > 0:
+            miss = mask.rfind(0, end - need if end > need else 0, end)
+            if miss < 0:
+                return end
+            end = mask.rfind(1, 0, miss) + 1
+        return 0
