@@ -35,16 +35,10 @@ checkpoint) and `reset` (reset_cache).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from itertools import repeat
+from collections import OrderedDict
+from itertools import chain
 
 NULL = 0
-
-
-def consume(iterator) -> None:
-    """Run an iterator to its end in C (for map over many blocks)."""
-    deque(iterator, 0)
-
 EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
 
 
@@ -61,7 +55,13 @@ class BlockPool:
         self.key_group = [0] * num_pages  # the group whose map holds the key
         self.tokens: list = [None] * num_pages  # token ids, only when the hash is not trusted
         self._verified_tokens = False  # some block was cached with its token ids
-        self.span: list = [None] * num_pages  # the pages of a block wider than one page
+        # A block's shape: its width in pages, and, when its pages are not
+        # one run from its first page (it was put together from loose
+        # pages), the runs they form, as ranges. Pages are only ever handled
+        # as runs, so taking a block apart or cutting one out of loose pages
+        # costs a few slice assignments in C, however wide the block.
+        self.widths = [1] * num_pages
+        self.runs: list = [None] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict()
         self.on_probation = [False] * num_pages  # released on probation, still cached
         self.cached: list[dict] = [{} for _ in range(num_groups)]
@@ -78,12 +78,11 @@ class BlockPool:
         """The pages of a block (the null block's for the given width)."""
         if block == NULL:
             return (NULL,) * width
-        span = self.span[block]
-        return (block,) if span is None else span
+        runs = self.runs[block]
+        return range(block, block + self.widths[block]) if runs is None else tuple(chain.from_iterable(runs))
 
     def width(self, block: int) -> int:
-        span = self.span[block]
-        return 1 if span is None else len(span)
+        return self.widths[block]
 
     # -- allocation --------------------------------------------------------
     def allocate(self, width: int, count: int) -> list[int]:
@@ -96,9 +95,10 @@ class BlockPool:
         if need > self.num_free_pages:
             raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
         self.num_free_pages -= need
-        ref, key, span = self.ref, self.key, self.span
+        ref, key, widths, runs = self.ref, self.key, self.widths, self.runs
         blocks: list[int] = []
-        pages: list[int] = []  # loose pages of split blocks, in the order they were freed
+        loose_pages: list = []  # pages of split blocks, as runs (ranges), in the order they were freed
+        loose = 0
         fresh = min(need, self.num_pages - self._next_fresh)
         if fresh:
             start = self._next_fresh
@@ -106,9 +106,11 @@ class BlockPool:
             whole = fresh // width
             if whole:
                 self._fresh_blocks(start, width, whole, blocks)
-            pages = list(range(start + whole * width, start + fresh))
+            loose = fresh - whole * width
+            if loose:
+                loose_pages.append(range(start + whole * width, start + fresh))
         free = self._free
-        have, loose = len(blocks), len(pages)
+        have = len(blocks)
         key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
         tokens = self.tokens if self._verified_tokens else None
         lru = self.evictions["lru"]
@@ -127,70 +129,110 @@ class BlockPool:
                         tokens[block] = None
                     lru[g] += 1
                     evicted += 1
-            block_span = span[block]
-            block_width = 1 if block_span is None else len(block_span)
+            block_width = widths[block]
             if block_width == width:
                 ref[block] = 1  # the right width: reused as it is
                 blocks.append(block)
                 have += 1
                 continue
-            span[block] = None
-            pages.extend((block,) if block_span is None else block_span)
+            if runs[block] is None:
+                loose_pages.append(range(block, block + block_width))
+            else:
+                loose_pages.extend(runs[block])
+                runs[block] = None
             loose += block_width
         if evicted:
             self.version += 1
-        used = (count - len(blocks)) * width
-        if used:
-            self._cut(pages, 0, width, count - len(blocks), blocks)
-        if len(pages) > used:
-            self._free_rest(pages, used)
+        if len(blocks) < count:
+            loose_pages = self._cut(loose_pages, width, count - len(blocks), blocks)
+        if loose_pages:
+            self._free_rest(loose_pages)
         return blocks
 
     def _fresh_blocks(self, start: int, width: int, count: int, out: list) -> None:
-        """`count` blocks of never-used pages from `start` on (a run: each
-        block's pages are a range) into `out`, ref count 1."""
-        blocks = range(start, start + count * width, width)
-        ref, span = self.ref, self.span
-        if count < 8:
-            for b in blocks:
-                ref[b] = 1
-                if width > 1:
-                    span[b] = range(b, b + width)
-        else:  # loops in C, as in _cut
-            consume(map(ref.__setitem__, blocks, repeat(1)))
-            if width > 1:
-                ends = range(start + width, start + (count + 1) * width, width)
-                consume(map(span.__setitem__, blocks, map(range, blocks, ends)))
-        out.extend(blocks)
+        """`count` blocks of never-used pages from `start` on (runs) into
+        `out`, ref count 1."""
+        self._run_blocks(range(start, start + count * width), width, count, out)
 
-    def _cut(self, pages: list, at: int, width: int, count: int, out: list) -> None:
-        """`count` blocks of `width` loose pages from pages[at:] into `out`,
-        ref count 1."""
-        span, ref, key = self.span, self.ref, self.key
-        if count < 8:
-            for i in range(at, at + count * width, width):
-                first = pages[i]
-                span[first] = tuple(pages[i:i + width]) if width > 1 else None
-                ref[first] = 1
-                key[first] = None
-                out.append(first)
+    def _run_blocks(self, run: range, width: int, count: int, out: list) -> None:
+        """`count` blocks of `width` pages from the start of a run of loose
+        pages, ref count 1: slice assignments, loops in C however many.
+        (A loose page holds no key and no other block's shape: keys and
+        runs are cleared when a block is taken apart.)"""
+        first = run[0]
+        if count < 4:  # a decode step's block: plain stores are cheaper
+            ref, widths = self.ref, self.widths
+            for block in range(first, first + count * width, width):
+                ref[block] = 1
+                widths[block] = width
+                out.append(block)
             return
-        # Loops in C (map into deque): one popped Mamba state is cut into
-        # dozens of attention blocks.
-        cut = pages[at:at + count * width]
-        firsts = cut[::width]
-        consume(map(span.__setitem__, firsts, zip(*[iter(cut)] * width) if width > 1 else repeat(None)))
-        consume(map(ref.__setitem__, firsts, repeat(1)))
-        consume(map(key.__setitem__, firsts, repeat(None)))
-        out.extend(firsts)
+        blocks = slice(first, first + count * width, width)
+        self.ref[blocks] = [1] * count
+        self.widths[blocks] = [width] * count
+        out.extend(range(first, first + count * width, width))
 
-    def _free_rest(self, pages: list, at: int) -> None:
-        """Pages left over from splitting a wider block: one free block at
+    def _cut(self, loose_pages: list, width: int, count: int, out: list) -> list:
+        """`count` blocks of `width` pages, ref count 1, from the loose
+        pages (runs, in order) into `out`; returns the runs left. Blocks
+        inside a run are runs; one that straddles runs is made of pieces."""
+        carry: list = []  # runs of a block begun in an earlier run
+        carried = 0
+        for i, run in enumerate(loose_pages):
+            at = 0
+            if carried:
+                at = width - carried
+                if len(run) < at:
+                    carry.append(run)
+                    carried += len(run)
+                    continue
+                carry.append(run[:at])
+                self._pieced_block(carry, width, out)
+                carry, carried = [], 0
+                count -= 1
+            whole = min(count, (len(run) - at) // width)
+            if whole:
+                self._run_blocks(run[at:], width, whole, out)
+                count -= whole
+                at += whole * width
+            if not count:
+                rest = loose_pages[i + 1:]
+                if at < len(run):
+                    rest.insert(0, run[at:])
+                return rest
+            if at < len(run):
+                carry.append(run[at:])
+                carried += len(run) - at
+        raise RuntimeError("allocate: fewer loose pages than counted")
+
+    def _pieced_block(self, pieces: list, width: int, out) -> int:
+        """A block (ref count 1, into `out` if given) of the runs `pieces`,
+        adjacent ones joined."""
+        joined = [pieces[0]]
+        for run in pieces[1:]:
+            last = joined[-1]
+            if last.stop == run.start:
+                joined[-1] = range(last.start, run.stop)
+            else:
+                joined.append(run)
+        first = joined[0].start
+        self.widths[first] = width
+        if len(joined) > 1:
+            self.runs[first] = tuple(joined)
+        if out is not None:
+            self.ref[first] = 1
+            out.append(first)
+        return first
+
+    def _free_rest(self, loose_pages: list) -> None:
+        """Pages left over from splitting wider blocks: one free block at
         the queue's head, nothing cached."""
-        rest = pages[at]
-        self.span[rest] = tuple(pages[at:]) if len(pages) - at > 1 else None
+        if len(loose_pages) == 1:  # the usual case: the tail of one split block
+            rest = loose_pages[0].start
+            self.widths[rest] = len(loose_pages[0])
+        else:
+            rest = self._pieced_block(loose_pages, sum(map(len, loose_pages)), None)
         self.ref[rest] = 0
-        self.key[rest] = None
         self._free[rest] = None
         self._free.move_to_end(rest, last=False)
 
@@ -212,9 +254,9 @@ class BlockPool:
         if need > self.num_free_pages:
             raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
         self.num_free_pages -= need
-        ref, key, span = self.ref, self.key, self.span
+        ref, key, widths, runs = self.ref, self.key, self.widths, self.runs
         got: dict[int, list[int]] = {width: [] for width in want}
-        pages: list[int] = []  # loose pages of split blocks, in the order they were freed
+        loose_pages: list = []  # pages of split blocks, as runs (ranges), in the order they were freed
         fresh = min(need, self.num_pages - self._next_fresh)
         if fresh:
             start = self._next_fresh
@@ -226,9 +268,10 @@ class BlockPool:
                     want[width] = count - whole
                     start += whole * width
                     need -= whole * width
-            pages = list(range(start, end))
+            if end > start:
+                loose_pages.append(range(start, end))
         free = self._free
-        loose = len(pages)
+        loose = end - start if fresh else 0
         key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
         tokens = self.tokens if self._verified_tokens else None
         lru = self.evictions["lru"]
@@ -247,26 +290,26 @@ class BlockPool:
                         tokens[block] = None
                     lru[g] += 1
                     evicted += 1
-            block_span = span[block]
-            block_width = 1 if block_span is None else len(block_span)
+            block_width = widths[block]
             if want.get(block_width):  # wanted at this width: reused as it is
                 want[block_width] -= 1
                 ref[block] = 1
                 got[block_width].append(block)
                 need -= block_width
                 continue
-            span[block] = None
-            pages.extend((block,) if block_span is None else block_span)
+            if runs[block] is None:
+                loose_pages.append(range(block, block + block_width))
+            else:
+                loose_pages.extend(runs[block])
+                runs[block] = None
             loose += block_width
         if evicted:
             self.version += 1
-        used = 0
         for width, count in want.items():
             if count:
-                self._cut(pages, used, width, count, got[width])
-                used += count * width
-        if len(pages) > used:
-            self._free_rest(pages, used)
+                loose_pages = self._cut(loose_pages, width, count, got[width])
+        if loose_pages:
+            self._free_rest(loose_pages)
         out = []
         taken: dict[int, int] = {}
         for width, count in needs:  # groups of one width share its list, in order
@@ -280,7 +323,7 @@ class BlockPool:
         ref = self.ref
         if ref[block] == 0:
             del self._free[block]
-            self.num_free_pages -= self.width(block)
+            self.num_free_pages -= self.widths[block]
             self.on_probation[block] = False
         ref[block] += 1
 
@@ -295,7 +338,7 @@ class BlockPool:
             self.on_probation[block] = probation
             if probation or self.key[block] is None:
                 self._free.move_to_end(block, last=False)
-            self.num_free_pages += self.width(block)
+            self.num_free_pages += self.widths[block]
 
     # -- the cache ---------------------------------------------------------
     def cache(self, block: int, group: int, key, tokens=None, keep_copy: bool = False) -> bool:

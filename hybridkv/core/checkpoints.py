@@ -124,9 +124,8 @@ class PrefixSightings:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
         (a preempted request added back) does not make its blocks shared."""
         young, old = self._young, self._old
-        holders = list(map(young.get, keys))  # in C: a prompt has hundreds of keys
-        if old:
-            holders = [old.get(k) if h is None else h for k, h in zip(keys, holders)]
+        # In C (a prompt has hundreds of keys): the young holder, else the old.
+        holders = list(map(young.get, keys, map(old.get, keys)) if old else map(young.get, keys))
         if any(holders):
             young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
         else:

@@ -63,9 +63,18 @@ class BlockHasher:
             self.verifies = hash_function != "sha256"
         else:
             raise ValueError(f"unknown hash_function {hash_function!r}; expected one of {self.FUNCTIONS} or a callable")
+        self._plain_root = None
 
     def root(self, cache_salt: str | None = None, extra_keys: Sequence | None = None):
-        extra = _canonical_extra(cache_salt, extra_keys)
+        if cache_salt is None and not extra_keys:
+            # Most requests: no salt, no extra keys. Their root is always
+            # the same; computed once (JSON and a hash cost several us).
+            if self._plain_root is None:
+                self._plain_root = self._root(_canonical_extra(None, None))
+            return self._plain_root
+        return self._root(_canonical_extra(cache_salt, extra_keys))
+
+    def _root(self, extra: bytes):
         if self._custom is not None:
             return self._custom(_DOMAIN, extra)
         if self.name == "sha256":

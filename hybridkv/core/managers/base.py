@@ -18,9 +18,9 @@ The coordinator combines the groups; the pool keeps the pages.
 
 from __future__ import annotations
 
-from itertools import repeat
+from operator import itemgetter
 
-from ..block_pool import NULL, BlockPool, consume
+from ..block_pool import NULL, BlockPool
 from ..layout import KVCacheGroup
 from ..request import CacheRequest
 from ..specs import NEVER  # an event position no request reaches
@@ -230,13 +230,14 @@ class AttentionManager(GroupManager):
                 added = 0
                 if full - start >= 8 and not verify:
                     # A prefill's many blocks: if all are new content (the
-                    # usual case), registered by loops in C.
+                    # usual case), the map takes them in one update.
                     blocks, new_keys = table[start:full], keys[start:full]
-                    if NULL not in blocks and not any(map(block_key.__getitem__, blocks)) \
+                    if NULL not in blocks and not any(itemgetter(*blocks)(block_key)) \
                             and cached.keys().isdisjoint(new_keys):
                         cached.update(zip(new_keys, blocks))
-                        consume(map(block_key.__setitem__, blocks, new_keys))
-                        consume(map(key_group.__setitem__, blocks, repeat(g)))
+                        for block, key in zip(blocks, new_keys):
+                            block_key[block] = key
+                            key_group[block] = g
                         added, start = len(blocks), full
                 for j in range(start, full):
                     block = table[j]
