@@ -46,10 +46,12 @@ class CheckpointPolicy:
         last = (num_tokens - 1) // block_size * block_size  # a later hit can reach at most this
         if self.every_block:
             return list(range(hit + block_size, last + 1, block_size))
-        positions = {last}
-        if self.branch_points:
-            positions.add(min(shared, last))
-        return sorted(p for p in positions if p > hit)
+        positions = []
+        if self.branch_points and hit < shared < last:
+            positions.append(shared)
+        if last > hit:
+            positions.append(last)
+        return positions
 
     def on_probation(self, position: int, num_tokens: int, block_size: int, shared: int) -> bool:
         """Is the checkpoint at `position` the prompt-end one, released on probation?"""

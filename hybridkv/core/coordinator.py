@@ -46,6 +46,7 @@ class Coordinator:
         self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
         self.has_mamba = any(m.kind == "mamba" for m in self.managers)
         self._attention = next((m for m in self.managers if m.kind != "mamba"), None)
+        self._events_follow_allocation = any(m.events_follow_allocation for m in self.managers)
         self.sightings = PrefixSightings() if caching and self.has_mamba and policy.branch_points else None
         self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
 
@@ -133,7 +134,7 @@ class Coordinator:
             manager.allocate(req, target, copies)
         if target > req.num_allocated:
             req.num_allocated = target
-        self._refresh(req)
+        self._refresh(req, self._events_follow_allocation)
         return True
 
     def _start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
@@ -147,14 +148,15 @@ class Coordinator:
         req.num_computed = hit  # as it will be once the hit is taken
         counts = []
         pages = 0
+        ref, widths = self.pool.ref, self.pool.widths
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
             count = manager.blocks_for_start(req, target, blocks)
             counts.append((manager.width, count))
             pages += count * manager.width
             for block in blocks:
-                if block and self.pool.ref[block] == 0:  # free in the queue: taking it uses free pages
-                    pages += self.pool.width(block)
+                if block and not ref[block]:  # free in the queue: taking it uses free pages
+                    pages += widths[block]
         if pages > self.pool.num_free_pages:
             req.num_computed = 0
             return False
@@ -174,17 +176,25 @@ class Coordinator:
         self._refresh(req)
         return True
 
-    def _refresh(self, req: CacheRequest) -> None:
-        """Recompute the fast-path bounds after a slow path changed blocks."""
+    def _refresh(self, req: CacheRequest, events: bool = True) -> None:
+        """Recompute the fast-path bounds after a slow path changed blocks
+        (`events`: next_event too; an allocation alone leaves it unchanged
+        unless a group says otherwise)."""
         attention = self._attention
         req.capacity = len(req.tables[attention.index]) * self.block_size if attention else NEVER
         steady = True
-        event = NEVER
-        for manager in self.managers:
-            steady = steady and manager.is_steady(req)
-            event = min(event, manager.next_event(req))
+        if events:
+            event = NEVER
+            for manager in self.managers:
+                steady = steady and manager.is_steady(req)
+                event = min(event, manager.next_event(req))
+            req.next_event = event
+        else:
+            for manager in self.managers:
+                if not manager.is_steady(req):
+                    steady = False
+                    break
         req.steady = steady
-        req.next_event = event
 
     def plan_checkpoints(self, req: CacheRequest, hit: int) -> None:
         """Choose where the request saves Mamba states inside its prompt."""

@@ -28,6 +28,9 @@ from ..specs import NEVER  # an event position no request reaches
 
 class GroupManager:
     kind = "abstract"
+    # Does `allocate` move next_event? (Only a new Mamba state block does:
+    # attention events follow computed tokens, not allocated ones.)
+    events_follow_allocation = False
 
     def __init__(self, group: KVCacheGroup, pool: BlockPool, caching: bool, verify: bool):
         self.group = group
@@ -167,10 +170,13 @@ class AttentionManager(GroupManager):
         return [NULL] * start + found[start:num_blocks]
 
     def install_hit(self, req, blocks, num_blocks):
-        touch = self.pool.touch
+        touch, ref = self.pool.touch, self.pool.ref
         for block in blocks:
             if block:
-                touch(block)
+                if ref[block]:  # held by another request (a shared prefix): one more reference
+                    ref[block] += 1
+                else:
+                    touch(block)  # taken out of the free queue
         g = self.index
         req.tables[g] = blocks
         req.tables_changed()

@@ -144,6 +144,8 @@ class MambaManager(GroupManager):
         parent.tables_changed()
         child.tables[self.index] = [read, NULL]
 
+    events_follow_allocation = True  # a new state block takes over after the next pass
+
     def next_event(self, req):
         read, write = req.tables[self.index]
         if write and write != read:
