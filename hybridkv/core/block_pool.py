@@ -208,17 +208,18 @@ class BlockPool:
     def _pieced_block(self, pieces: list, width: int, out) -> int:
         """A block (ref count 1, into `out` if given) of the runs `pieces`,
         adjacent ones joined."""
-        joined = [pieces[0]]
-        for run in pieces[1:]:
-            last = joined[-1]
-            if last.stop == run.start:
-                joined[-1] = range(last.start, run.stop)
-            else:
-                joined.append(run)
-        first = joined[0].start
+        first = pieces[0].start
         self.widths[first] = width
-        if len(joined) > 1:
-            self.runs[first] = tuple(joined)
+        if len(pieces) > 1:  # (one piece, the usual remainder, is a run as it is)
+            joined = [pieces[0]]
+            for run in pieces[1:]:
+                last = joined[-1]
+                if last.stop == run.start:
+                    joined[-1] = range(last.start, run.stop)
+                else:
+                    joined.append(run)
+            if len(joined) > 1:
+                self.runs[first] = tuple(joined)
         if out is not None:
             self.ref[first] = 1
             out.append(first)
@@ -227,11 +228,7 @@ class BlockPool:
     def _free_rest(self, loose_pages: list) -> None:
         """Pages left over from splitting wider blocks: one free block at
         the queue's head, nothing cached."""
-        if len(loose_pages) == 1:  # the usual case: the tail of one split block
-            rest = loose_pages[0].start
-            self.widths[rest] = len(loose_pages[0])
-        else:
-            rest = self._pieced_block(loose_pages, sum(map(len, loose_pages)), None)
+        rest = self._pieced_block(loose_pages, sum(map(len, loose_pages)), None)
         self.ref[rest] = 0
         self._free[rest] = None
         self._free.move_to_end(rest, last=False)
