@@ -62,8 +62,10 @@ class BlockPool:
         # costs a few slice assignments in C, however wide the block.
         self.widths = [1] * num_pages
         self.runs: list = [None] * num_pages
-        self._free: OrderedDict[int, None] = OrderedDict()
-        self.on_probation = [False] * num_pages  # released on probation, still cached
+        # The free queue: block -> released on probation (still cached, but
+        # first to go). The flag rides in the queue, not in a per-page list,
+        # because a popped block's own entry is the one place read anyway.
+        self._free: OrderedDict[int, bool] = OrderedDict()
         self.cached: list[dict] = [{} for _ in range(num_groups)]
         # Per group, key -> {block: None}: other blocks holding the content of
         # the block that the map names (see "Copies of one content").
@@ -111,17 +113,17 @@ class BlockPool:
                 loose_pages.append(range(start + whole * width, start + fresh))
         free = self._free
         have = len(blocks)
-        key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
+        key_group, cached, copies = self.key_group, self.cached, self.copies
         tokens = self.tokens if self._verified_tokens else None
         lru = self.evictions["lru"]
         evicted = 0
         while have + loose // width < count:
-            block = free.popitem(last=False)[0]
+            block, probation = free.popitem(last=False)
             k = key[block]
             if k is not None:
                 g = key_group[block]
-                if copies[g] or probation[block]:
-                    self._drop_key(block, "probation" if probation[block] else "lru")
+                if copies[g] or probation:
+                    self._drop_key(block, "probation" if probation else "lru")
                 else:  # _drop_key's usual case, inline: this loop runs per block evicted
                     del cached[g][k]
                     key[block] = None
@@ -205,9 +207,9 @@ class BlockPool:
                 carried += len(run) - at
         raise RuntimeError("allocate: fewer loose pages than counted")
 
-    def _pieced_block(self, pieces: list, width: int, out) -> int:
-        """A block (ref count 1, into `out` if given) of the runs `pieces`,
-        adjacent ones joined."""
+    def _pieced_block(self, pieces: list, width: int, out: list) -> None:
+        """A block (ref count 1, into `out`) of the runs `pieces`, adjacent
+        ones joined."""
         first = pieces[0].start
         self.widths[first] = width
         if len(pieces) > 1:  # (one piece, the usual remainder, is a run as it is)
@@ -220,17 +222,21 @@ class BlockPool:
                     joined.append(run)
             if len(joined) > 1:
                 self.runs[first] = tuple(joined)
-        if out is not None:
-            self.ref[first] = 1
-            out.append(first)
-        return first
+        self.ref[first] = 1
+        out.append(first)
 
     def _free_rest(self, loose_pages: list) -> None:
         """Pages left over from splitting wider blocks: one free block at
-        the queue's head, nothing cached."""
-        rest = self._pieced_block(loose_pages, sum(map(len, loose_pages)), None)
+        the queue's head, nothing cached. Its runs are kept as they come,
+        not joined: the remainder passes from allocation to allocation,
+        each cutting a few blocks off its front, and a joining loop over
+        all its runs each time cost more than the few joins it finds."""
+        rest = loose_pages[0].start
+        self.widths[rest] = sum(map(len, loose_pages))
+        if len(loose_pages) > 1:
+            self.runs[rest] = tuple(loose_pages)
         self.ref[rest] = 0
-        self._free[rest] = None
+        self._free[rest] = False
         self._free.move_to_end(rest, last=False)
 
     def allocate_many(self, needs) -> list[list[int]]:
@@ -269,17 +275,17 @@ class BlockPool:
                 loose_pages.append(range(start, end))
         free = self._free
         loose = end - start if fresh else 0
-        key_group, cached, copies, probation = self.key_group, self.cached, self.copies, self.on_probation
+        key_group, cached, copies = self.key_group, self.cached, self.copies
         tokens = self.tokens if self._verified_tokens else None
         lru = self.evictions["lru"]
         evicted = 0
         while need > loose:
-            block = free.popitem(last=False)[0]
+            block, probation = free.popitem(last=False)
             k = key[block]
             if k is not None:
                 g = key_group[block]
-                if copies[g] or probation[block]:
-                    self._drop_key(block, "probation" if probation[block] else "lru")
+                if copies[g] or probation:
+                    self._drop_key(block, "probation" if probation else "lru")
                 else:  # as in allocate
                     del cached[g][k]
                     key[block] = None
@@ -321,7 +327,6 @@ class BlockPool:
         if ref[block] == 0:
             del self._free[block]
             self.num_free_pages -= self.widths[block]
-            self.on_probation[block] = False
         ref[block] += 1
 
     def release(self, block: int, probation: bool = False) -> None:
@@ -331,8 +336,7 @@ class BlockPool:
         ref = self.ref
         ref[block] -= 1
         if ref[block] == 0:
-            self._free[block] = None
-            self.on_probation[block] = probation
+            self._free[block] = probation
             if probation or self.key[block] is None:
                 self._free.move_to_end(block, last=False)
             self.num_free_pages += self.widths[block]
