@@ -180,7 +180,19 @@ class BlockPool:
         inside a run are runs; one that straddles runs is made of pieces."""
         carry: list = []  # runs of a block begun in an earlier run
         carried = 0
+        ref, widths = self.ref, self.widths
         for i, run in enumerate(loose_pages):
+            if not carried and len(run) == width:
+                # A run one block wide (a block of this width popped as a
+                # piece of a wider one): the usual run; plain stores.
+                first = run.start
+                ref[first] = 1
+                widths[first] = width
+                out.append(first)
+                count -= 1
+                if not count:
+                    return loose_pages[i + 1:]
+                continue
             at = 0
             if carried:
                 at = width - carried
