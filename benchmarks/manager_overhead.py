@@ -219,7 +219,7 @@ def main() -> None:
                         help="replays per model, alternating with vLLM's when --against is given; each "
                              "timing is the fastest round's (default: 2 with --against, else 1)")
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.against else 1)
+    rounds = args.rounds if args.rounds is not None else (2 if args.against else 1)
     if rounds < 1:
         parser.error("--rounds must be >= 1")
     vllm_replay = None
