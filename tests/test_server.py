@@ -307,6 +307,34 @@ def test_a_stream_dropped_unread_is_aborted(ref_engine):
     asyncio.run(run())
 
 
+def test_a_dropped_stream_aborts_before_later_commands_while_the_engine_thread_lingers(ref_engine, monkeypatch):
+    # The engine thread may still be finishing the add command when the
+    # caller drops the stream. If that command held the stream, its abort
+    # would run on the engine thread once the command is released, behind
+    # the commands queued after it. Made certain here by a slow add.
+    add = EngineLoop._add
+
+    def slow_add(self, *args, **kwargs):
+        add(self, *args, **kwargs)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(EngineLoop, "_add", slow_add)
+
+    async def run():
+        engine_loop = EngineLoop(ref_engine)
+        engine_loop.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            stream = await engine_loop.submit("a long story", params, "lingered")
+            del stream
+            assert not await engine_loop.call(lambda e: "lingered" in e.requests)
+            assert engine_loop.num_aborted == 1
+        finally:
+            engine_loop.shutdown()
+
+    asyncio.run(run())
+
+
 def test_an_engine_failure_fails_requests_in_flight_and_refuses_new_ones(ref_engine, monkeypatch):
     async def run():
         engine_loop = EngineLoop(ref_engine)

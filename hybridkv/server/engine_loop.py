@@ -139,7 +139,12 @@ class EngineLoop:
         work. `max_tokens_to_context`: generate up to the context limit (the
         prompt's length is known only once it is tokenized)."""
         stream = RequestStream(self, request_id)
-        self._put(lambda: self._add(stream, prompt, params, cache_salt, max_tokens_to_context))
+        # The command holds the stream's queue, not the stream: were the
+        # engine thread still holding the command when the caller drops the
+        # stream, the stream's abort (__del__) would run there, late, and
+        # land behind commands queued after it.
+        out = stream._queue
+        self._put(lambda: self._add(request_id, out, prompt, params, cache_salt, max_tokens_to_context))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -205,28 +210,28 @@ class EngineLoop:
                 else:
                     self._publish(outputs)
 
-    def _add(self, stream, prompt, params, cache_salt, max_tokens_to_context) -> None:
+    def _add(self, request_id, out, prompt, params, cache_salt, max_tokens_to_context) -> None:
         engine = self.engine
         if self.error is not None:
-            return self._deliver(stream._queue.put_nowait, EngineFailed(f"the engine failed: {self.error}"))
+            return self._deliver(out.put_nowait, EngineFailed(f"the engine failed: {self.error}"))
         if len(engine.scheduler.waiting) >= self.max_waiting:
             self.num_rejected += 1
-            return self._deliver(stream._queue.put_nowait, Overloaded(
+            return self._deliver(out.put_nowait, Overloaded(
                 f"the server is overloaded: {len(engine.scheduler.waiting)} requests are waiting "
                 f"(bound {self.max_waiting}); retry later"))
         try:
             ids = self._token_ids(prompt)
             if max_tokens_to_context:
                 params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
-            engine.add_request(ids, params, request_id=stream.request_id, cache_salt=cache_salt)
+            engine.add_request(ids, params, request_id=request_id, cache_salt=cache_salt)
         except ValueError as e:
-            return self._deliver(stream._queue.put_nowait, e)
+            return self._deliver(out.put_nowait, e)
         except Exception as e:  # not the client's fault: a 500, and the loop goes on
-            log.exception("adding request %s failed", stream.request_id)
-            return self._deliver(stream._queue.put_nowait, EngineFailed(f"could not add the request: {e}"))
+            log.exception("adding request %s failed", request_id)
+            return self._deliver(out.put_nowait, EngineFailed(f"could not add the request: {e}"))
         texts = [TextStream(engine.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
-        self._live[stream.request_id] = _Live(stream._queue, texts, len(ids))
-        self._deliver(stream._queue.put_nowait, _ACCEPTED)
+        self._live[request_id] = _Live(out, texts, len(ids))
+        self._deliver(out.put_nowait, _ACCEPTED)
 
     def _token_ids(self, prompt):
         """Text is tokenized here, on the one thread that uses the tokenizer
