@@ -80,14 +80,16 @@ class Engine:
         self.speculative = (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative_method \
             else None
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            keep_large_allocations()  # host_memory.py: no page faults on each step's big tensors
         model_dir = resolve_model_dir(model_dir, progress=progress)
         self.model_dir = model_dir
         self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress)
         self.dtype = next(self.model.parameters()).dtype
         self.linear_backend = configure_linears(self.model, self.device)  # layers/linear.py
         self.tokenizer = load_tokenizer(model_dir)
+        if self.device.type == "cpu":
+            # host_memory.py: no page faults on each step's big tensors; set
+            # once loading is done, so that its temporaries are given back.
+            keep_large_allocations()
         self.vocab_size = self.config.vocab_size
         context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(max_model_len or context, context)
