@@ -341,6 +341,20 @@ class BlockPool:
             self.num_free_pages -= self.widths[block]
         ref[block] += 1
 
+    def touch_all(self, table: list[int]) -> None:
+        """`touch` every non-null block of a block table (a prefix hit, a
+        fork). A block that another request holds, the usual case for a
+        shared prefix, only counts one more reference."""
+        ref, free, widths = self.ref, self._free, self.widths
+        for block in table:
+            if block:
+                if ref[block]:
+                    ref[block] += 1
+                else:
+                    del free[block]
+                    self.num_free_pages -= widths[block]
+                    ref[block] = 1
+
     def release(self, block: int, probation: bool = False) -> None:
         """One reference less. `probation`: the block stays cached but enters
         the free queue at the head, first to go if memory runs short (a

@@ -170,13 +170,7 @@ class AttentionManager(GroupManager):
         return [NULL] * start + found[start:num_blocks]
 
     def install_hit(self, req, blocks, num_blocks):
-        touch, ref = self.pool.touch, self.pool.ref
-        for block in blocks:
-            if block:
-                if ref[block]:  # held by another request (a shared prefix): one more reference
-                    ref[block] += 1
-                else:
-                    touch(block)  # taken out of the free queue
+        self.pool.touch_all(blocks)
         g = self.index
         req.tables[g] = blocks
         req.tables_changed()
@@ -299,10 +293,7 @@ class AttentionManager(GroupManager):
     def fork(self, parent, child):
         g = self.index
         table = list(parent.tables[g])
-        touch = self.pool.touch
-        for block in table:
-            if block:
-                touch(block)
+        self.pool.touch_all(table)
         child.tables[g] = table
         child.num_cached[g] = parent.num_cached[g]
         child.num_released[g] = parent.num_released[g]
