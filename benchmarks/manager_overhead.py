@@ -88,7 +88,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
             admissions += 1
             waiting.pop()
             running[rid] = [outputs, samples, tokens]
-        peak_used = max(peak_used, kv.num_total_blocks - kv.num_free_blocks)
+        peak_used = max(peak_used, kv.num_total_pages - kv.num_free_pages)
         t0 = perf()
         finished = []
         preempted = []
@@ -129,7 +129,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
         "decode_request_steps": decode_steps,
         "us_per_decode_step": 1e6 * decode_time / max(1, decode_steps),
         "peak_pages": peak_used,
-        "total_pages": kv.num_total_blocks,
+        "total_pages": kv.num_total_pages,
         "hit_rate": stats.hit_rate,
     }
 

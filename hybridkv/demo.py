@@ -34,7 +34,7 @@ def _contiguous_bytes(layout, tokens: int) -> int:
     """What a cache sized for `tokens` per request, every layer, costs."""
     total = 0
     for group in layout.groups:
-        if group.kind == "mamba":
+        if group.recurrent:
             total += group.block_bytes
         else:
             total += group.num_layers * group.spec.bytes_per_token * tokens

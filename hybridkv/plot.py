@@ -33,7 +33,7 @@ def plot_layout(layout: KVCacheLayout, title: str, path: str) -> None:
             if filled < 1:
                 left.add_patch(Rectangle((p + filled, y + 0.1), 1 - filled, 0.8, facecolor="none",
                                          edgecolor="grey", hatch="///", linewidth=0.5))
-        if group.kind != "mamba":  # mark the layer boundaries inside the pages
+        if not group.recurrent:  # mark the layer boundaries inside the pages
             per_page = max(1, page // group.layer_bytes)
             for i in range(1, group.num_layers):
                 x = (i // per_page) + (i % per_page) / per_page

@@ -115,13 +115,13 @@ class ShadowRunner:
             if manager.kind == "mamba":
                 read, write = table
                 assert write, "a forward pass without a Mamba write block"
-                for p in kv.pool.pages(write):
+                for p in kv.block_cache.pages(write):
                     self.content[p] = tuple(tokens[:end - len(drafts) + accepted])
             else:
                 for j in range(n // bs, -(-end // bs)):
                     block = table[j]
                     assert block, f"{request_id}: no block for new tokens at block {j}"
-                    for p in kv.pool.pages(block):
+                    for p in kv.block_cache.pages(block):
                         # The slots written hold these tokens; a page record is
                         # the prefix its slots were computed from, drafts included.
                         self.content[p] = tuple(tokens[:min((j + 1) * bs, end)])
@@ -135,7 +135,7 @@ class ShadowRunner:
     def check_cached(self) -> None:
         """Every cached block (and copy) holds exactly the prefix its key
         stands for: nothing cached holds a rejected draft or a foreign KV."""
-        pool = self.kv.pool
+        pool = self.kv.block_cache
         if self.kv.hasher.verifies:
             return  # an untrusted hash: equal keys may stand for other prefixes (reads are still checked)
         for g, manager in enumerate(self.kv.coordinator.managers):
@@ -167,7 +167,7 @@ class ShadowRunner:
                     assert not read, f"{request_id}: a state before any token"
                 else:
                     assert read, f"{request_id}: no state after {n} tokens"
-                    for p in kv.pool.pages(read):
+                    for p in kv.block_cache.pages(read):
                         assert self.content.get(p) == tuple(tokens[:n]), (
                             f"{request_id}: Mamba state page {p} holds another prefix")
                 self.checks += 1
@@ -181,7 +181,7 @@ class ShadowRunner:
                     continue
                 assert block, f"{request_id}: needed block {j} is null"
                 expected = tuple(tokens[:min((j + 1) * bs, n)])
-                for p in kv.pool.pages(block):
+                for p in kv.block_cache.pages(block):
                     # Slots past the computed tokens (rejected drafts) are never read.
                     got = self.content.get(p)
                     assert got is not None and got[:len(expected)] == expected, (
@@ -230,7 +230,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     history: list[list[int]] = []
     live: list[str] = []
     next_id = 0
-    total = kv.num_free_blocks
+    total = kv.num_free_pages
     for op in range(num_ops):
         choice = rng.random()
         if (choice < 0.22 and len(live) < max_live) or not live:
@@ -310,7 +310,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     for rid in live:
         kv.free(rid)
     kv.check_invariants()
-    assert kv.num_free_blocks == total, "pages leaked after freeing every request"
+    assert kv.num_free_pages == total, "pages leaked after freeing every request"
     counts["evictions"] = kv.stats.evictions
     counts["block_checks"] = shadow.checks
     return counts

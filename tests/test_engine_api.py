@@ -40,7 +40,7 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, make):
         make(engine)
     outs = engine.drain()
     assert len(outs["bystander"].outputs[0].token_ids) == 4
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
     assert not engine.has_unfinished_requests()
 
 
@@ -66,7 +66,7 @@ def test_streaming_step_and_abort_free_blocks(engine):
     assert "drop" not in engine.kv
     outs = engine.drain()
     assert len(outs["keep"].outputs[0].token_ids) == 50
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
 
 
 def test_stop_token_ids_and_max_tokens(engine):

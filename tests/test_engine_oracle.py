@@ -71,7 +71,7 @@ def check_all(reference, prompt_list, outs, records, engine):
         for pos, row in by_seq[out.request_id]:
             worst = max(worst, (row - ref[pos]).abs().max().item())
     assert worst < LOGIT_TOL, f"max |logit diff| {worst}"
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "blocks leaked"
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages, "blocks leaked"
     return worst
 
 
@@ -121,7 +121,7 @@ def test_hybrid_generation_past_the_window_releases_blocks(family_model):
         for out in engine.step():
             tokens = out.outputs[0].token_ids
         if "r" in engine.kv:
-            tables = engine.kv.get_block_tables("r")
+            tables = engine.kv.get_page_tables("r")
             for group, table in zip(engine.layout.groups, tables):
                 if group.kind == "sliding_window" and 0 in table:
                     released = True
@@ -159,7 +159,7 @@ def test_hybrid_preemption_in_a_tiny_pool_keeps_outputs(family_model):
         assert got == expected
     for prompt, tokens in zip(prompt_list, got):
         check_tokens(reference, prompt, tokens)
-    assert small.kv.num_free_blocks == small.kv.num_total_blocks
+    assert small.kv.num_free_pages == small.kv.num_total_pages
 
 
 def test_hybrid_triton_backend_matches_transformers(family_model):

@@ -65,7 +65,7 @@ def test_hybrid_hit_equals_brute_force_for_any_mix_of_types(groups, bs, num_toke
     req = kv._requests["probe"]
     num_blocks = num_tokens // bs
     kv.coordinator.extend_keys(req, num_blocks)
-    pool = kv.pool
+    cache = kv.block_cache
     cached = []
     for g, (kind, _) in enumerate(groups):
         width = layout.groups[g].pages_per_block
@@ -73,16 +73,16 @@ def test_hybrid_hit_equals_brute_force_for_any_mix_of_types(groups, bs, num_toke
             positions = data.draw(st.sets(st.integers(1, max(1, num_blocks)))) if num_blocks else set()
             positions = {p for p in positions if p <= num_blocks}
             for p in positions:
-                block = pool.allocate(width, 1)[0]
-                pool.cache(block, g, req.keys[p - 1])
-                pool.release(block)
+                block = cache.allocate([(width, 1)])[0][0]
+                cache.store(g, [block], [req.keys[p - 1]])
+                cache.release(block)
             cached.append({p * bs for p in positions})
         else:
             positions = data.draw(st.sets(st.integers(0, max(0, num_blocks - 1)))) if num_blocks else set()
             for j in positions:
-                block = pool.allocate(width, 1)[0]
-                pool.cache(block, g, req.keys[j])
-                pool.release(block)
+                block = cache.allocate([(width, 1)])[0][0]
+                cache.store(g, [block], [req.keys[j]])
+                cache.release(block)
             cached.append(positions)
     expected = brute_force_hit(groups, cached, num_tokens, bs)
     assert kv.get_computed_tokens("probe") == expected

@@ -54,16 +54,16 @@ def test_a_key_moves_to_a_live_copy_when_the_first_copy_is_evicted():
         assert kv.allocate_slots(rid, 33)
     for rid in ("A", "B"):
         kv.mark_computed(rid, 33)
-    b_blocks = kv.get_block_tables("B")[0][:2]
+    b_blocks = kv.get_page_tables("B")[0][:2]
     kv.free("A")
-    kv.add_request("filler", [1000 + i for i in range(16 * kv.num_free_blocks)])
-    assert kv.allocate_slots("filler", 16 * kv.num_free_blocks)  # every free page, A's included
+    kv.add_request("filler", [1000 + i for i in range(16 * kv.num_free_pages)])
+    assert kv.allocate_slots("filler", 16 * kv.num_free_pages)  # every free page, A's included
     kv.check_invariants()
     kv.free("filler")  # never computed: its blocks hold nothing cached
     kv.add_request("C", tokens)
     assert kv.get_computed_tokens("C") == 32
     assert kv.allocate_slots("C", 1)
-    assert kv.get_block_tables("C")[0][:2] == b_blocks
+    assert kv.get_page_tables("C")[0][:2] == b_blocks
     kv.check_invariants()
     stats = kv.stats
     assert stats.evictions_by_reason["lru"] == (0,)  # the content never left the cache
@@ -77,14 +77,14 @@ def test_a_copy_that_is_evicted_leaves_the_key_with_its_first_block():
         assert kv.allocate_slots(rid, 33)
         kv.mark_computed(rid, 33) if rid == "B" else None
     kv.mark_computed("A", 33)  # B registered first this time; A's blocks are copies
-    a_blocks = kv.get_block_tables("A")[0][:2]
+    a_blocks = kv.get_page_tables("A")[0][:2]
     kv.free("B")
-    kv.add_request("filler", [1000 + i for i in range(16 * kv.num_free_blocks)])
-    assert kv.allocate_slots("filler", 16 * kv.num_free_blocks)
+    kv.add_request("filler", [1000 + i for i in range(16 * kv.num_free_pages)])
+    assert kv.allocate_slots("filler", 16 * kv.num_free_pages)
     kv.free("filler")
     kv.add_request("C", tokens)
     assert kv.get_computed_tokens("C") == 32
-    assert kv.allocate_slots("C", 1) and kv.get_block_tables("C")[0][:2] == a_blocks
+    assert kv.allocate_slots("C", 1) and kv.get_page_tables("C")[0][:2] == a_blocks
     kv.free("A"), kv.free("C")
     kv.check_invariants()
     assert kv.reset_prefix_cache() == 2  # two keys; the copies went with them
@@ -147,8 +147,8 @@ def test_explain_hit_hybrid_window_group_alone_serves_past_evicted_early_blocks(
     kv.add_request("probe", list(range(97)))
     kv.coordinator.extend_keys(req["probe"], 6)
     for g in range(2):
-        block = kv.pool.cached[g][req["probe"].keys[0]]
-        kv.pool.uncache(block)
+        block = kv.block_cache.cached[g][req["probe"].keys[0]]
+        kv.block_cache.evict(block, "superseded")
     why = kv.explain_hit("probe")
     by_kind = {g.kind: g for g in why.groups}
     assert by_kind["sliding_window"].alone_tokens == 96
@@ -203,7 +203,7 @@ def test_hybrid_probation_checkpoint_evictions_are_counted_apart():
     run(kv, "a", list(range(40)))
     kv.free("a")
     mamba = next(g.index for g in kv.layout.groups if g.kind == "mamba")
-    blocks = kv.num_free_blocks - 3
+    blocks = kv.num_free_pages - 3
     kv.add_request("b", [700 + i for i in range(16 * blocks)])
     assert kv.allocate_slots("b", 16 * blocks)  # the free fresh pages, then the probation checkpoint
     counts = kv.stats.evictions_by_reason

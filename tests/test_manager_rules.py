@@ -39,20 +39,20 @@ def decode(kv, rid, tokens):
 def test_full_attention_keeps_every_block():
     kv = manager({"a": FULL})
     prefill(kv, "r", list(range(10)))
-    assert kv.get_block_tables("r") == [[1, 2, 3]]
+    assert kv.get_page_tables("r") == [[1, 2, 3]]
     decode(kv, "r", [7, 7, 7])
-    assert kv.get_block_tables("r") == [[1, 2, 3, 4]]  # token 12 opened block 3
+    assert kv.get_page_tables("r") == [[1, 2, 3, 4]]  # token 12 opened block 3
 
 
 def test_sliding_window_releases_blocks_as_soon_as_they_leave_the_window():
     kv = manager({"w": window(5)})  # keeps the last 4 tokens
     prefill(kv, "r", list(range(10)))
     # after 10 tokens the next query (position 10) reads 6..10: block 0 (0-3) is out
-    assert kv.get_block_tables("r") == [[0, 2, 3]]
+    assert kv.get_page_tables("r") == [[0, 2, 3]]
     decode(kv, "r", [1, 1])  # 12 computed: reads 8..12, blocks 0 and 1 out
-    assert kv.get_block_tables("r") == [[0, 0, 3]]
+    assert kv.get_page_tables("r") == [[0, 0, 3]]
     decode(kv, "r", [1])  # token 12 needs block 3
-    assert kv.get_block_tables("r")[0][:3] == [0, 0, 3] and len(kv.get_block_tables("r")[0]) == 4
+    assert kv.get_page_tables("r")[0][:3] == [0, 0, 3] and len(kv.get_page_tables("r")[0]) == 4
 
 
 def test_sliding_window_peak_blocks_bounded_by_window_plus_chunk():
@@ -63,7 +63,7 @@ def test_sliding_window_peak_blocks_bounded_by_window_plus_chunk():
     while kv.get_computed_tokens("r") < 200 or not kv._requests["r"].started:
         done = kv.get_computed_tokens("r")
         assert kv.allocate_slots("r", min(chunk, 200 - done))
-        peak = max(peak, sum(1 for b in kv.get_block_tables("r")[0] if b))
+        peak = max(peak, sum(1 for b in kv.get_page_tables("r")[0] if b))
         kv.mark_computed("r", min(chunk, 200 - done))
     assert peak <= -(-(w - 1 + chunk) // bs) + 1
 
@@ -71,9 +71,9 @@ def test_sliding_window_peak_blocks_bounded_by_window_plus_chunk():
 def test_chunked_local_keeps_only_the_current_chunk():
     kv = manager({"c": chunked(8)}, enable_prefix_caching=False)
     prefill(kv, "r", list(range(10)))
-    assert kv.get_block_tables("r") == [[0, 0, 3]]  # chunk 1 starts at 8 = block 2
+    assert kv.get_page_tables("r") == [[0, 0, 3]]  # chunk 1 starts at 8 = block 2
     decode(kv, "r", [1] * 6)  # 16 computed: chunk 2 starts at 16, nothing of chunk 1 needed
-    assert kv.get_block_tables("r")[0][:4] == [0, 0, 0, 0]
+    assert kv.get_page_tables("r")[0][:4] == [0, 0, 0, 0]
 
 
 def test_chunked_local_only_model_hits_at_chunk_boundaries_without_blocks():
@@ -90,20 +90,20 @@ def test_chunked_local_only_model_hits_at_chunk_boundaries_without_blocks():
 def test_mamba_keeps_one_state_updated_in_place():
     kv = manager({"m": MAMBA}, enable_prefix_caching=False)
     prefill(kv, "r", list(range(10)), chunk=3)
-    states = kv.get_state_blocks("r")
+    states = kv.get_state_pages("r")
     (read, write), = states.values()
     assert read is not None and write == read  # private: the next pass updates it in place
-    table_before = kv.get_block_tables("r")
+    table_before = kv.get_page_tables("r")
     decode(kv, "r", [5, 6])
-    assert kv.get_block_tables("r") == table_before  # same block, updated in place
+    assert kv.get_page_tables("r") == table_before  # same block, updated in place
     width = kv.layout.groups[0].pages_per_block
-    assert kv.num_free_blocks == kv.num_total_blocks - width
+    assert kv.num_free_pages == kv.num_total_pages - width
 
 
 def test_hybrid_two_types_tables():
     kv = manager({"w": window(5), "f": FULL})
     prefill(kv, "r", list(range(10)))
-    sliding, full = kv.get_block_tables("r")
+    sliding, full = kv.get_page_tables("r")
     assert sliding[0] == 0 and len(sliding) == 3 and 0 not in sliding[1:]
     assert len(full) == 3 and 0 not in full
 
@@ -115,7 +115,7 @@ def test_hybrid_three_types_prefix_hit_is_served_by_all_groups():
     kv.add_request("b", list(range(14)) + [99])
     assert kv.get_computed_tokens("b") == 12
     assert kv.allocate_slots("b", 3)
-    sliding, full, _ = kv.get_block_tables("b")
+    sliding, full, _ = kv.get_page_tables("b")
     assert sliding[:2] == [0, 0] and sliding[2] != 0  # only the window of the hit is taken
     assert 0 not in full[:3]
     kv.check_invariants()
@@ -166,9 +166,9 @@ def test_mamba_a_request_added_back_is_not_its_own_branch_point():
     kv.free("a")
     kv.add_request("a", prompt + [7])
     kv.get_computed_tokens("a")
-    assert kv.coordinator.sightings.shared_blocks(kv._requests["a"].keys) == 0
+    assert kv.coordinator.checkpoints.sightings.shared_blocks(kv._requests["a"].keys) == 0
     kv.add_request("b", prompt[:9])  # another request: the first 2 blocks are shared now
-    assert kv.coordinator.sightings.shared_blocks(kv._requests["a"].keys) == 2
+    assert kv.coordinator.checkpoints.sightings.shared_blocks(kv._requests["a"].keys) == 2
 
 
 def test_mamba_rolling_checkpoint_serves_the_next_chat_turn():
@@ -187,9 +187,9 @@ def test_mamba_rolling_checkpoint_serves_the_next_chat_turn():
 def test_prefix_hit_reuses_the_same_blocks():
     kv = manager({"f": FULL})
     prefill(kv, "a", list(range(12)))
-    first = kv.get_block_tables("a")[0]
+    first = kv.get_page_tables("a")[0]
     prefill(kv, "b", list(range(12)) + [5])
-    assert kv.get_block_tables("b")[0][:3] == first[:3]
+    assert kv.get_page_tables("b")[0][:3] == first[:3]
     assert kv.stats.hit_tokens == 12
 
 
@@ -205,7 +205,7 @@ def test_cache_salt_isolates_tenants_by_block_ids():
     prefill(kv, "a", list(range(12)) + [1], salt="tenant-a")
     prefill(kv, "b", list(range(12)) + [1], salt="tenant-b")
     prefill(kv, "c", list(range(12)) + [1], salt="tenant-a")
-    ids = {r: {p for t in kv.get_block_tables(r) for p in t if p} for r in "abc"}
+    ids = {r: {p for t in kv.get_page_tables(r) for p in t if p} for r in "abc"}
     assert ids["a"].isdisjoint(ids["b"])
     assert ids["a"] & ids["c"]  # same tenant shares
     assert kv.stats.hit_tokens == 12
@@ -214,11 +214,11 @@ def test_cache_salt_isolates_tenants_by_block_ids():
 def test_freed_request_enters_lru_tail_first_so_its_last_block_is_evicted_first():
     kv = manager({"f": FULL}, pages=7)  # 6 usable pages
     prefill(kv, "a", list(range(12)) + [1])  # 4 blocks: 3 full (cached) + 1 partial
-    table = kv.get_block_tables("a")[0]
+    table = kv.get_page_tables("a")[0]
     kv.free("a")
     for rid in "wxyz":  # one block each: the 2 never-used pages first, then the queue's head
         prefill(kv, rid, [90, 91, ord(rid)])
-    used = {p for r in "wxyz" for p in kv.get_block_tables(r)[0]}
+    used = {p for r in "wxyz" for p in kv.get_page_tables(r)[0]}
     assert table[3] in used  # the uncached partial block went first
     assert table[2] in used  # then the prefix's last block
     assert table[0] not in used and table[1] not in used
@@ -230,10 +230,10 @@ def test_allocation_failure_changes_nothing():
     kv = manager({"f": FULL, "m": MAMBA}, pages=20)
     prefill(kv, "a", list(range(12)))
     kv.add_request("b", list(range(200, 300)))
-    free = kv.num_free_blocks
+    free = kv.num_free_pages
     assert not kv.allocate_slots("b", 100)
-    assert kv.num_free_blocks == free and not kv._requests["b"].started
-    assert kv.get_block_tables("b") == [[], []]
+    assert kv.num_free_pages == free and not kv._requests["b"].started
+    assert kv.get_page_tables("b") == [[], []]
     kv.check_invariants()
 
 
@@ -241,21 +241,21 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one_on_write():
     kv = manager({"f": FULL, "m": MAMBA}, pages=100)
     prefill(kv, "p", list(range(10)))
     kv.fork("p", "c")
-    assert kv.get_block_tables("c") == kv.get_block_tables("p")
-    free = kv.num_free_blocks
+    assert kv.get_page_tables("c") == kv.get_page_tables("p")
+    free = kv.num_free_pages
     decode(kv, "c", [1])
     copies = kv.take_copies()
-    full = kv.get_block_tables("c")[0]
-    parent_full = kv.get_block_tables("p")[0]
+    full = kv.get_page_tables("c")[0]
+    parent_full = kv.get_page_tables("p")[0]
     assert full[:2] == parent_full[:2] and full[2] != parent_full[2]
     assert copies == {0: [(parent_full[2], full[2])]}
     decode(kv, "p", [2])  # the parent is now the only owner: writes in place
     assert kv.take_copies() == {}
-    assert kv.get_block_tables("p")[0] == parent_full
+    assert kv.get_page_tables("p")[0] == parent_full
     kv.free("p")
     kv.free("c")
-    assert kv.num_free_blocks == kv.num_total_blocks
-    assert free < kv.num_total_blocks
+    assert kv.num_free_pages == kv.num_total_pages
+    assert free < kv.num_total_pages
 
 
 def test_reset_prefix_cache_forgets_hits_but_keeps_running_requests():
@@ -317,10 +317,10 @@ def test_gemma3_27b_capacity_within_three_percent_of_exact_need():
 def test_bad_input_is_a_value_error_and_changes_nothing(call):
     kv = manager({"f": FULL, "w": window(5), "m": MAMBA}, pages=100)
     prefill(kv, "a", list(range(9)))
-    before = (kv.num_free_blocks, kv.get_block_tables("a"), len(kv), kv.stats)
+    before = (kv.num_free_pages, kv.get_page_tables("a"), len(kv), kv.stats)
     with pytest.raises(ValueError):
         call(kv)
-    assert (kv.num_free_blocks, kv.get_block_tables("a"), len(kv), kv.stats) == before
+    assert (kv.num_free_pages, kv.get_page_tables("a"), len(kv), kv.stats) == before
     kv.check_invariants()
 
 
@@ -362,7 +362,7 @@ def test_many_request_calls_equal_one_by_one_calls():
         many.append_token_ids_many(ids, tokens)
         assert many.allocate_slots_many(ids, 1) == 3
         many.mark_computed_many(ids, 1)
-        assert [one.get_block_tables(r) for r in ids] == [many.get_block_tables(r) for r in ids]
+        assert [one.get_page_tables(r) for r in ids] == [many.get_page_tables(r) for r in ids]
     many.check_invariants()
     with pytest.raises(ValueError):
         many.append_token_ids_many(ids, [1])

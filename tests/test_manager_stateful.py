@@ -39,7 +39,7 @@ class ManagerMachine(RuleBasedStateMachine):
         layout = layout_with_pages(specs, pages, block_size)
         self.kv = KVCacheManager(layout, enable_prefix_caching=caching, checkpoint_policy=policy)
         self.shadow = ShadowRunner(self.kv)
-        self.total = self.kv.num_free_blocks
+        self.total = self.kv.num_free_pages
 
     @rule(base=st.sampled_from(range(len(BASES))), cut=st.integers(1, 24),
           tail=st.lists(st.integers(0, 3), max_size=6), salt=st.sampled_from([None, None, "tenant-b"]))
@@ -72,11 +72,11 @@ class ManagerMachine(RuleBasedStateMachine):
         checkpoint = kv.next_checkpoint(rid)
         if checkpoint is not None and data.draw(st.sampled_from([True, True, True, False])):
             size = min(size, checkpoint - done)
-        before = (kv.num_free_blocks, [list(t) for t in req.tables], req.num_computed, req.started)
+        before = (kv.num_free_pages, [list(t) for t in req.tables], req.num_computed, req.started)
         if kv.allocate_slots(rid, size):
             self.shadow.compute(rid, size)
         else:
-            after = (kv.num_free_blocks, [list(t) for t in req.tables], req.num_computed, req.started)
+            after = (kv.num_free_pages, [list(t) for t in req.tables], req.num_computed, req.started)
             assert before == after, "a failed allocate_slots changed the request or the pool"
 
     @precondition(lambda self: self.live)
@@ -103,10 +103,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def lookup_has_no_side_effect(self, data):
         rid = data.draw(st.sampled_from(self.live))
-        before = (self.kv.num_free_blocks, self.kv.stats)
+        before = (self.kv.num_free_pages, self.kv.stats)
         self.kv.get_computed_tokens(rid)
         self.kv.next_checkpoint(rid)
-        assert (self.kv.num_free_blocks, self.kv.stats) == before
+        assert (self.kv.num_free_pages, self.kv.stats) == before
 
     @rule()
     def reset(self):
@@ -122,7 +122,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for rid in self.live:
                 self.kv.free(rid)
             self.kv.check_invariants()
-            assert self.kv.num_free_blocks == self.total, "pages leaked after freeing every request"
+            assert self.kv.num_free_pages == self.total, "pages leaked after freeing every request"
 
 
 ManagerMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,

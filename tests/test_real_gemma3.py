@@ -114,7 +114,7 @@ def test_hybrid_real_gemma3_chunked_prefill_and_preemption(gguf_path, engine, re
     assert small.num_steps > len(prompts[0]) // chunk  # the long prompt took several chunks
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference(prompt)
-    assert small.kv.num_free_blocks == small.kv.num_total_blocks
+    assert small.kv.num_free_pages == small.kv.num_total_pages
 
 
 def test_real_gemma3_text_prompt_gives_text(engine):
@@ -160,4 +160,4 @@ def test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens(gguf_path, 
     stats = spec.stats
     assert stats["spec_accepted_tokens"] > 20 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
     assert stats["steps"] < 3 * 40  # fewer steps than tokens
-    assert spec.kv.num_free_blocks == spec.kv.num_total_blocks
+    assert spec.kv.num_free_pages == spec.kv.num_total_pages

@@ -20,7 +20,7 @@ MODELS = ["tiny-gemma3", "tiny-jamba"]
 
 def assert_idle(engine):
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "blocks leaked"
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages, "blocks leaked"
     engine.kv.check_invariants()
 
 
@@ -99,7 +99,7 @@ def test_forked_children_freed_before_the_parent_leak_nothing():
     assert shadow.decode("p", 7)
     kv.free("p")
     kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_total_blocks
+    assert kv.num_free_pages == kv.num_total_pages
 
 
 # -- broken models and odd input ----------------------------------------------------

@@ -282,7 +282,7 @@ def test_an_abort_takes_effect_before_the_next_step(ref_engine):
             assert steps_after - steps_before <= 1
             assert not known and not holds_blocks
             other.abort()
-            free = await engine_loop.call(lambda e: (e.kv.num_free_blocks, e.kv.num_total_blocks))
+            free = await engine_loop.call(lambda e: (e.kv.num_free_pages, e.kv.num_total_pages))
             assert free[0] == free[1]
         finally:
             engine_loop.shutdown()

@@ -213,7 +213,7 @@ def test_hybrid_speculative_greedy_outputs_equal_plain_decoding(family_model, fi
         check_tokens(reference, prompt, tokens)
     assert check_logits(reference, prompts, outs, records) > 4
     assert_drafts_were_judged_both_ways(engine)
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "blocks leaked"
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages, "blocks leaked"
 
 
 def test_hybrid_speculation_takes_fewer_steps_for_one_quoting_request(family_model):
@@ -240,7 +240,7 @@ def test_hybrid_speculation_under_preemption_keeps_outputs(family_model):
     assert check_logits(reference, prompts, outs, records) > 0
     assert small.stats["preemptions"] > 0
     assert_drafts_were_judged_both_ways(small)
-    assert small.kv.num_free_blocks == small.kv.num_total_blocks
+    assert small.kv.num_free_pages == small.kv.num_total_pages
 
 
 def test_hybrid_speculation_keeps_the_prefix_hit_rate(family_model):
@@ -284,7 +284,7 @@ def test_speculation_stops_where_plain_decoding_stops(family_model):
     for max_tokens in (1, 2, 7):  # max_tokens is never overshot by a verified step
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         assert generate(spec_engine, prompts, params) == [t[:max_tokens] for t in full]
-    assert spec_engine.kv.num_free_blocks == spec_engine.kv.num_total_blocks
+    assert spec_engine.kv.num_free_pages == spec_engine.kv.num_total_pages
 
 
 def test_hybrid_speculative_seeded_sampling_is_reproducible(family_model):

@@ -33,25 +33,25 @@ def test_lookahead_is_all_or_nothing():
     kv = manager({"f": FULL}, pages=4)  # 3 usable pages of 4 tokens
     started(kv, "a", list(range(5)))  # 2 blocks
     kv.append_token_ids("a", [9])
-    free, tables = kv.num_free_blocks, kv.get_block_tables("a")
+    free, tables = kv.num_free_pages, kv.get_page_tables("a")
     assert not kv.allocate_slots("a", 1, num_lookahead=7)  # needs 3 blocks more
-    assert (kv.num_free_blocks, kv.get_block_tables("a")) == (free, tables)
+    assert (kv.num_free_pages, kv.get_page_tables("a")) == (free, tables)
     assert kv.allocate_slots("a", 1, num_lookahead=6)  # 12 slots: one block more
-    assert len(kv.get_block_tables("a")[0]) == 3
+    assert len(kv.get_page_tables("a")[0]) == 3
 
 
 def test_blocks_holding_only_rejected_drafts_go_back_and_nothing_rejected_is_cached():
     kv = manager({"f": FULL})
     shadow = started(kv, "a", list(range(6)))
-    free = kv.num_free_blocks
+    free = kv.num_free_pages
     cached = kv.stats.cached_blocks
     kv.append_token_ids("a", [50])
     assert kv.allocate_slots("a", 1, num_lookahead=6)  # tokens 6..12: blocks 1, 2, 3
-    assert len(kv.get_block_tables("a")[0]) == 4
+    assert len(kv.get_page_tables("a")[0]) == 4
     shadow.speculate("a", [60, 61, 62, 63, 64, 65], accepted=1, bonus=70)  # 8 computed
     assert kv.num_computed_tokens("a") == 8 and kv.token_ids("a")[6:] == [50, 60, 70]
-    assert len(kv.get_block_tables("a")[0]) == 2  # block 2 held only rejected drafts
-    assert kv.num_free_blocks == free  # block 1 was already held
+    assert len(kv.get_page_tables("a")[0]) == 2  # block 2 held only rejected drafts
+    assert kv.num_free_pages == free  # block 1 was already held
     assert kv.stats.cached_blocks == cached + 1  # block 1 (tokens 4..7) is all accepted
     # The next step writes over the rejected slots; a rejected draft's block
     # never becomes findable: a prompt with the drafts does not hit on it.
@@ -88,7 +88,7 @@ def test_sliding_window_releases_follow_the_accepted_position():
     shadow = shadows[1]
     assert spec_kv.allocate_slots("a", 1, num_lookahead=8)  # drafts up to position 16
     shadow.speculate("a", list(range(80, 88)), accepted=0, bonus=41)
-    held = [[b != 0 for b in kv.get_block_tables("a")[0]] for kv in (plain, spec_kv)]
+    held = [[b != 0 for b in kv.get_page_tables("a")[0]] for kv in (plain, spec_kv)]
     assert held[0] == held[1] == [False, True]  # [4, 8) is still read; block 0 left the window
     assert spec_kv.stats.released_pages == plain.stats.released_pages
     shadow.check_all()
@@ -110,7 +110,7 @@ def test_hybrid_mamba_state_is_checkpointed_only_after_accepted_tokens():
     assert kv.allocate_slots("a", 1, num_lookahead=0)
     shadow.speculate("a", [], accepted=0, bonus=14)  # 8 computed: the rolling checkpoint
     mamba = next(g.index for g in kv.layout.groups if g.kind == "mamba")
-    assert any(kv.pool.key_group[b] == mamba for b in kv.pool.cached[mamba].values())
+    assert any(kv.block_cache.key_group[b] == mamba for b in kv.block_cache.cached[mamba].values())
     shadow.check_all()  # the cached state is the state after the accepted 8 tokens
     kv.add_request("next-turn", kv.token_ids("a")[:8] + [99, 98])
     assert kv.get_computed_tokens("next-turn") == 8

@@ -431,7 +431,7 @@ def test_engine_with_triton_kernels_generates_the_reference_tokens(tmp_path_fact
                         progress=False, backend=name, fixed_shape_decode=fixed)
         assert engine.backend.name == name
         outs = engine.generate(prompts, params, use_tqdm=False)
-        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        assert engine.kv.num_free_pages == engine.kv.num_total_pages
         return [o.outputs[0].token_ids for o in outs]
 
     reference = generate("torch")

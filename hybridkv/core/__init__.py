@@ -1,18 +1,19 @@
-"""The manager core: specs, layout planning, block pool, hashing, per-type
-managers, coordinator and KVCacheManager. Pure Python (no torch), so engine
+"""The manager core: specs, layout planning, the page allocator and the
+block cache, hashing, per-type managers, coordinator and KVCacheManager. Pure Python (no torch), so engine
 builders can import it into their own scheduler."""
 
-from .block_pool import NULL, BlockPool
+from .block_cache import BlockCache
+from .page_allocator import NULL, PageAllocator
 from .checkpoints import POLICIES, CheckpointPolicy
 from .hashing import BlockHasher
-from .coordinator import Coordinator, HybridCoordinator, UnitaryCoordinator, make_coordinator
+from .coordinator import Coordinator, FastPath, HybridCoordinator, UnitaryCoordinator, make_coordinator
 from .kv_cache_manager import CacheStats, GroupHit, HitExplanation, KVCacheManager, UnknownRequestError
 from .layout import KVCacheGroup, KVCacheLayout, LayerView, parse_memory, plan_layout
 from .specs import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
-    "NULL", "BlockPool", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator",
+    "NULL", "BlockCache", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator", "FastPath",
     "FullAttentionSpec", "GroupHit", "HitExplanation", "HybridCoordinator", "KVCacheGroup", "KVCacheLayout",
-    "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "SlidingWindowSpec", "UnitaryCoordinator",
+    "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "PageAllocator", "SlidingWindowSpec", "UnitaryCoordinator",
     "UnknownRequestError", "make_coordinator", "parse_memory", "plan_layout",
 ]

@@ -27,8 +27,9 @@ saves at every block boundary, "prompt_end" only at the end of the prompt.
 
 from __future__ import annotations
 
-from itertools import repeat
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,68 @@ class PrefixSightings:
     def clear(self) -> None:
         self._young.clear()
         self._old.clear()
+
+
+class CheckpointPlanner:
+    """Where one model's requests save Mamba states: planned at a request's
+    first allocation (`plan`), and told to the scheduler as the positions a
+    prefill chunk must end at (`next_checkpoint`), so the state exists
+    there. One planner serves all the Mamba groups of a model: they save at
+    the same positions. `extend_keys(req, n)` makes the request's first n
+    block keys."""
+
+    def __init__(self, policy: CheckpointPolicy, block_size: int, extend_keys: Callable):
+        self.policy = policy
+        self.block_size = block_size
+        self.extend_keys = extend_keys
+        self.sightings = PrefixSightings() if policy.branch_points else None
+
+    def sight(self, req) -> None:
+        """Record a new request's prompt, for branch points."""
+        if self.sightings is not None:
+            blocks = len(req.tokens) // self.block_size
+            self.extend_keys(req, blocks)
+            self.sightings.record(req.keys[:blocks], req.request_id)
+
+    def plan(self, req, hit: int) -> None:
+        """Choose where the request saves states inside its prompt, past the hit."""
+        bs = self.block_size
+        shared = 0
+        if self.sightings is not None:
+            prompt_blocks = len(req.tokens) // bs
+            self.extend_keys(req, prompt_blocks)
+            shared = self.sightings.shared_blocks(req.keys[:prompt_blocks]) * bs
+        req.checkpoints = self.policy.plan(len(req.tokens), bs, hit, shared)
+        last = (len(req.tokens) - 1) // bs * bs
+        req.probation_at = last if self.policy.on_probation(last, len(req.tokens), bs, shared) else -1
+
+    def next_checkpoint(self, req, hit: int) -> int | None:
+        """The next checkpoint after the computed tokens (or, before the
+        first allocation, after the hit it will take). Past the prompt, with
+        rolling checkpoints, the next block boundary: a speculative step must
+        not jump over it, or the state there would never exist."""
+        if not req.started:
+            self.plan(req, hit)
+            done = hit
+        else:
+            done = req.num_computed
+        for position in req.checkpoints:
+            if position > done:
+                return position
+        if req.started and self.policy.rolling and done >= req.num_prompt_tokens:
+            return (done // self.block_size + 1) * self.block_size
+        return None
+
+    def is_checkpoint(self, req, n: int) -> bool:
+        """Does the state after `n` tokens get saved?"""
+        if n == 0 or n % self.block_size:
+            return False
+        return n in req.checkpoints or (self.policy.rolling and n >= req.num_prompt_tokens)
+
+    def is_rolling(self, req, n: int) -> bool:
+        """Is the checkpoint at `n` a rolling one (past the prompt)?"""
+        return self.policy.rolling and n >= req.num_prompt_tokens
+
+    def clear(self) -> None:
+        if self.sightings is not None:
+            self.sightings.clear()

@@ -1,6 +1,6 @@
 """The coordinator: all groups of one model acting as one.
 
-It owns the pool and one manager per group, finds the longest prefix hit that
+It owns the block cache and one manager per group, finds the longest prefix hit that
 every group can serve, and makes allocation all-or-nothing across groups.
 Two kinds, chosen by `make_coordinator` from the layout:
 
@@ -16,20 +16,43 @@ Two kinds, chosen by `make_coordinator` from the layout:
 
 Both also say why a hit is as short as it is (`explain`): per group the
 longest hit it alone could serve, and the joint hit without it.
+
+A started request's steps mostly need nothing from the groups: the
+`FastPath` says until where, and the coordinator skips them that far.
 """
 
 from __future__ import annotations
 
-from .block_pool import BlockPool
-from .checkpoints import CheckpointPolicy, PrefixSightings
+from typing import NamedTuple
+
+from .block_cache import BlockCache
+from .checkpoints import CheckpointPlanner, CheckpointPolicy
 from .hashing import BlockHasher
 from .layout import KVCacheLayout
 from .managers import make_manager
-from .managers.base import NEVER
-from .request import CacheRequest
+from .request import CacheRequest, Lookup, ScanMemo
+from .specs import NEVER
 
 # Groups whose hits are sparsest go first, so the candidate drops fastest.
 _LOOKUP_ORDER = {"mamba": 0, "full": 1, "chunked_local": 2, "sliding_window": 3}
+
+
+class FastPath(NamedTuple):
+    """How far a started request's steps need nothing from the groups.
+    `_refresh` computes it after every slow path, the only code that changes
+    a request's blocks, so it holds until the next one:
+    * allocating tokens up to `room` (counted from position 0) needs no
+      page, no copy and no new state block: they land in blocks the request
+      holds alone (GroupManager.room);
+    * marking tokens computed while num_computed stays below `quiet_until`
+      completes no block a group caches, moves no block out of a window or
+      chunk and hands over no state block (GroupManager.next_event).
+    Appending tokens changes no block, so it leaves the bounds valid.
+    `req.fast` is None where the slow path must run: before the first
+    allocation, after a fork (a shared partly filled block is copied on
+    write), and while lookahead slots wait to be dropped."""
+    room: int
+    quiet_until: int
 
 
 class Coordinator:
@@ -40,25 +63,25 @@ class Coordinator:
         self.block_size = layout.block_size
         self.caching = caching
         self.hasher = hasher
-        self.policy = policy
-        self.pool = BlockPool(layout.num_pages, len(layout.groups))
-        self.managers = [make_manager(g, self.pool, caching, hasher.verifies, policy) for g in layout.groups]
+        self.block_cache = BlockCache(layout.num_pages, len(layout.groups))
+        # Positions where recurrent groups save states, and so where a
+        # prefill chunk must end (None: no group saves any).
+        recurrent = any(g.recurrent for g in layout.groups)
+        self.checkpoints = CheckpointPlanner(policy, self.block_size, self.extend_keys) \
+            if caching and recurrent else None
+        self.managers = [make_manager(g, self.block_cache, caching, hasher.verifies, self.checkpoints)
+                         for g in layout.groups]
         self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
-        self.has_mamba = any(m.kind == "mamba" for m in self.managers)
-        self._attention = next((m for m in self.managers if m.kind != "mamba"), None)
         self._events_follow_allocation = any(m.events_follow_allocation for m in self.managers)
-        self.sightings = PrefixSightings() if caching and self.has_mamba and policy.branch_points else None
         self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
 
     def new_request(self, request_id: str, tokens: list[int], root) -> CacheRequest:
-        return CacheRequest(request_id, tokens, [m.empty_table() for m in self.managers], root)
+        return CacheRequest(request_id, tokens, root, [m.empty_table() for m in self.managers])
 
     def sight(self, req: CacheRequest) -> None:
         """Record a new request's prompt for branch points (checkpoints.py)."""
-        if self.sightings is not None:
-            blocks = len(req.tokens) // self.block_size
-            self.extend_keys(req, blocks)
-            self.sightings.record(req.keys[:blocks], req.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.sight(req)
 
     # -- prefix hits ----------------------------------------------------------
     def hit_limit(self, req: CacheRequest) -> int:
@@ -77,11 +100,11 @@ class Coordinator:
         and remembered while no cache key changes and the limit stays."""
         limit = self.hit_limit(req)
         memo = req.scan
-        version = self.pool.version
-        if memo is None or memo[0] != version or memo[1] != limit:
+        version = self.block_cache.version
+        if memo is None or memo.version != version or memo.limit != limit:
             scans = [m.scan(req, limit) for m in self.managers]
-            memo = req.scan = (version, limit, [s[0] for s in scans], [s[1] for s in scans])
-        return memo[2], memo[3]
+            memo = req.scan = ScanMemo(version, limit, [s[0] for s in scans], [s[1] for s in scans])
+        return memo.found, memo.masks
 
     def find_hit(self, req: CacheRequest) -> int:
         """Longest valid hit in tokens: a multiple of the block size, at most
@@ -109,36 +132,33 @@ class Coordinator:
             self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks, req.prompt_bytes)
 
     # -- allocation --------------------------------------------------------
-    def allocate(self, req: CacheRequest, num_new_tokens: int, hit: int | None) -> bool:
-        """Room for `num_new_tokens` more tokens, or False and no change.
-        `hit` is the prefix hit to take on the request's first allocation."""
-        if req.started:
-            target = req.num_computed + num_new_tokens
-            if target <= req.capacity and req.steady:
-                # Decode fast path: the tokens land in blocks the request has.
-                if target > req.num_allocated:
-                    req.num_allocated = target
-                return True
-            return self._grow(req, target)
-        return self._start(req, num_new_tokens, hit)
-
-    def _grow(self, req: CacheRequest, target: int) -> bool:
+    # Both verbs give room for `num_new_tokens` more tokens, or return False
+    # and change nothing.
+    def grow(self, req: CacheRequest, num_new_tokens: int) -> bool:
+        """A started request's next tokens: a comparison within the fast path."""
+        target = req.num_computed + num_new_tokens
+        fast = req.fast
+        if fast is not None and target <= fast.room:
+            if target > req.num_allocated:
+                req.num_allocated = target
+            return True
         managers = self.managers
         pages = 0
         for manager in managers:
             pages += manager.pages_needed(req, target)
-        if pages > self.pool.num_free_pages:
+        if pages > self.block_cache.num_free_pages:
             return False
         copies = self.pending_copies
         for manager in managers:
             manager.allocate(req, target, copies)
         if target > req.num_allocated:
             req.num_allocated = target
-        self._refresh(req, self._events_follow_allocation)
+        self._refresh(req, self._events_follow_allocation or fast is None)
         return True
 
-    def _start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
-        """The first allocation: take the hit, then room for the new tokens."""
+    def start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
+        """The first allocation: take the prefix hit `hit` (tokens), then room
+        for the new tokens."""
         managers = self.managers
         hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
@@ -148,7 +168,7 @@ class Coordinator:
         req.num_computed = hit  # as it will be once the hit is taken
         counts = []
         pages = 0
-        ref, widths = self.pool.ref, self.pool.widths
+        ref, widths = self.block_cache.ref, self.block_cache.allocator.widths
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
             count = manager.blocks_for_start(req, target, blocks)
@@ -157,84 +177,54 @@ class Coordinator:
             for block in blocks:
                 if block and not ref[block]:  # free in the queue: taking it uses free pages
                     pages += widths[block]
-        if pages > self.pool.num_free_pages:
+        if pages > self.block_cache.num_free_pages:
             req.num_computed = 0
             return False
         # It fits: say why the hit is what it is, before the allocation
         # evicts anything the lookup saw (and never for attempts that fail).
-        req.lookup = (len(req.tokens), hit, self.why(req, hit))
+        req.lookup = Lookup(len(req.tokens), hit, *self.why(req, hit))
         for g, manager in enumerate(managers):
             manager.install_hit(req, found[g] if found else [], hit_blocks)
         req.started = True
         req.scan = None
-        self.plan_checkpoints(req, hit)
-        # One pool call for all groups: popped blocks go to the group of
-        # their width, so fewer are cut (BlockPool.allocate_many).
-        for manager, blocks in zip(managers, self.pool.allocate_many(counts)):
+        if self.checkpoints is not None:
+            self.checkpoints.plan(req, hit)
+        # One call for all groups: reused blocks go to the group of their
+        # width, so fewer are taken apart (BlockCache.allocate).
+        for manager, blocks in zip(managers, self.block_cache.allocate(counts)):
             manager.start(req, blocks)
         req.num_allocated = target
         self._refresh(req)
         return True
 
     def _refresh(self, req: CacheRequest, events: bool = True) -> None:
-        """Recompute the fast-path bounds after a slow path changed blocks
-        (`events`: next_event too; an allocation alone leaves it unchanged
-        unless a group says otherwise)."""
-        attention = self._attention
-        req.capacity = len(req.tables[attention.index]) * self.block_size if attention else NEVER
-        steady = True
+        """Recompute the fast path after a slow path changed blocks
+        (`events`: quiet_until too; an allocation leaves it as it was
+        unless a group's events follow allocation)."""
+        room = NEVER
+        for manager in self.managers:
+            room = min(room, manager.room(req))
         if events:
-            event = NEVER
+            quiet_until = NEVER
             for manager in self.managers:
-                steady = steady and manager.is_steady(req)
-                event = min(event, manager.next_event(req))
-            req.next_event = event
+                quiet_until = min(quiet_until, manager.next_event(req))
         else:
-            for manager in self.managers:
-                if not manager.is_steady(req):
-                    steady = False
-                    break
-        req.steady = steady
-
-    def plan_checkpoints(self, req: CacheRequest, hit: int) -> None:
-        """Choose where the request saves Mamba states inside its prompt."""
-        if not (self.has_mamba and self.caching):
-            return
-        bs = self.block_size
-        prompt_blocks = len(req.tokens) // bs
-        self.extend_keys(req, prompt_blocks)
-        keys = req.keys[:prompt_blocks]
-        shared = 0
-        if self.sightings is not None:
-            shared = self.sightings.shared_blocks(keys) * bs
-        req.checkpoints = self.policy.plan(len(req.tokens), bs, hit, shared)
-        last = (len(req.tokens) - 1) // bs * bs
-        req.probation_at = last if self.policy.on_probation(last, len(req.tokens), bs, shared) else -1
+            quiet_until = req.fast.quiet_until
+        req.fast = FastPath(room, quiet_until)
 
     def next_checkpoint(self, req: CacheRequest, hit: int) -> int | None:
-        """The next planned checkpoint after the computed tokens (or, before
-        the first allocation, after the hit it will take). Past the prompt,
-        with rolling checkpoints, the next block boundary: a speculative step
-        must not jump over it, or the state there would never exist."""
-        if not req.started:
-            self.plan_checkpoints(req, hit)
-            done = hit
-        else:
-            done = req.num_computed
-        for position in req.checkpoints:
-            if position > done:
-                return position
-        if req.started and self.has_mamba and self.caching and self.policy.rolling \
-                and done >= req.num_prompt_tokens:
-            return (done // self.block_size + 1) * self.block_size
-        return None
+        """The next position where a prefill chunk must end (a checkpoint),
+        after the computed tokens or, before the first allocation, after
+        the hit it will take; None if there is none ahead."""
+        return None if self.checkpoints is None else self.checkpoints.next_checkpoint(req, hit)
 
     # -- progress ------------------------------------------------------------
     def mark_computed(self, req: CacheRequest, num_tokens: int) -> None:
         n = req.num_computed + num_tokens
         req.num_computed = n
-        if n < req.next_event:
-            return  # decode fast path: no block completed, nothing leaves a window
+        fast = req.fast
+        if fast is not None and n < fast.quiet_until:
+            return
         if self.caching:
             self.extend_keys(req, n // self.block_size)
         for manager in self.managers:
@@ -254,22 +244,12 @@ class Coordinator:
             manager.free(req)
 
     def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
-        child.num_prompt_tokens = parent.num_prompt_tokens
-        child.num_computed = parent.num_computed
-        child.num_allocated = parent.num_allocated
-        child.started = parent.started
-        child.keys = list(parent.keys)
-        child.checkpoints = list(parent.checkpoints)
-        child.probation_at = parent.probation_at
-        child.lookup = parent.lookup
-        child.num_cached = list(parent.num_cached)
-        child.num_released = list(parent.num_released)
+        child.inherit(parent)
         for manager in self.managers:
             manager.fork(parent, child)
-        # Both now share the partly filled block: the next allocation of
-        # either must take the slow path (copy on write).
-        self._refresh(child)
-        parent.steady = child.steady = False
+        # Both now share the partly filled block: the next step of either
+        # takes the slow path (copy on write).
+        parent.fast = child.fast = None
 
     def take_copies(self) -> dict[int, list[tuple[int, int]]]:
         """Page copies (src, dst) per group that the runner must make before

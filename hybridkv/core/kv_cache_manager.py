@@ -8,16 +8,17 @@ docs/api.md for the contract and an example scheduler loop.
 from __future__ import annotations
 
 import struct
+import warnings
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .block_cache import EVICTION_REASONS
 from .checkpoints import CheckpointPolicy, get_policy
-from .block_pool import EVICTION_REASONS
 from .coordinator import make_coordinator
 from .hashing import BlockHasher, token_bytes_of
 from .layout import KVCacheLayout
-from .request import CacheRequest  # noqa: F401  (the record type, for readers)
+from .request import CacheRequest, HitMemo
 
 
 class UnknownRequestError(ValueError, KeyError):
@@ -45,7 +46,7 @@ class CacheStats:
     # over admissions, had this group alone served more (explain_hit)
     capped_tokens: tuple[int, ...] = ()
     # reason ("lru", "probation", "superseded", "reset") -> per group, cache
-    # keys dropped for it (core/block_pool.py)
+    # keys dropped for it (core/block_cache.py)
     evictions_by_reason: dict = None
 
     @property
@@ -174,7 +175,7 @@ class KVCacheManager:
         self.hasher = BlockHasher(hash_function)
         self.coordinator = make_coordinator(layout, self.enable_prefix_caching, self.hasher,
                                             get_policy(checkpoint_policy))
-        self.pool = self.coordinator.pool
+        self.block_cache = self.coordinator.block_cache
         self._requests: dict[str, CacheRequest] = {}
         self._num_started = 0
         self._queried_tokens = 0
@@ -225,18 +226,18 @@ class KVCacheManager:
         # Remembered while no cache key changed and no token was appended
         # (more tokens can make a longer hit).
         memo = req.hit_memo
-        if memo is not None and memo[0] == self.pool.version and memo[1] == len(req.tokens):
-            return memo[2]
+        if memo is not None and memo.version == self.block_cache.version and memo.num_tokens == len(req.tokens):
+            return memo.hit
         hit = self.coordinator.find_hit(req)
-        req.hit_memo = (self.pool.version, len(req.tokens), hit, None)
+        req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None)
         return hit
 
     def _why(self, req: CacheRequest, hit: int) -> tuple:
         """(alone, without) per group for the hit just found (memoised with it)."""
         memo = req.hit_memo
-        if memo[3] is None:
-            req.hit_memo = memo = memo[:3] + (self.coordinator.why(req, hit),)
-        return memo[3]
+        if memo.why is None:
+            req.hit_memo = memo = memo._replace(why=self.coordinator.why(req, hit))
+        return memo.why
 
     def explain_hit(self, request_id: str) -> HitExplanation:
         """Why the request's prefix hit is as long as it is: before its first
@@ -245,7 +246,7 @@ class KVCacheManager:
         (as cheap as get_computed_tokens, and free when nothing was missed)."""
         req = self._get(request_id)
         if req.started:
-            prompt, hit, (alone, without) = req.lookup
+            prompt, hit, alone, without = req.lookup
         else:
             prompt, hit = len(req.tokens), self._hit(req)
             alone, without = self._why(req, hit)
@@ -276,17 +277,18 @@ class KVCacheManager:
             raise ValueError(
                 f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
                 f"but only {len(req.tokens)} token ids are known (append them first)")
-        ok = self.coordinator.allocate(req, num_new_tokens + num_lookahead, hit)
+        total = num_new_tokens + num_lookahead
+        ok = self.coordinator.grow(req, total) if hit is None else self.coordinator.start(req, total, hit)
         if ok and num_lookahead:
             req.lookahead = num_lookahead
-            req.next_event = 0  # mark_computed takes the slow path, which drops the rejected slots
+            req.fast = None  # mark_computed takes the slow path, which drops the rejected slots
         if ok and hit is not None:
             self._num_started += 1
             self._queried_tokens += len(req.tokens)
             self._hit_tokens += hit
             req.hit_memo = None
             capped = self._capped_tokens
-            for g, without in enumerate(req.lookup[2][1]):
+            for g, without in enumerate(req.lookup.without):
                 capped[g] += without - hit
         return ok
 
@@ -327,42 +329,47 @@ class KVCacheManager:
         return self._get(request_id).tokens
 
     # -- a decode step for many requests at once ------------------------------
-    # The calls an engine's decode step makes, for a list of requests, with
-    # the coordinator's fast paths inlined: a step decoding hundreds of
-    # requests saves a method call and the argument checks per request. The
-    # single-request calls above take the general path.
+    # The calls an engine's decode step makes, for a list of requests: a step
+    # decoding hundreds of requests saves the argument checks per request, and
+    # within the coordinator's fast path (FastPath) each is a comparison. A
+    # request the checks do not clear takes the single-request call.
     def allocate_slots_many(self, request_ids: Sequence[str], num_new_tokens: int = 1, num_lookahead: int = 0) -> int:
         """`allocate_slots` for each request in order; stops at the first that
         does not fit and returns how many got their slots."""
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
-        if _count(num_lookahead, "num_lookahead"):
-            for i, request_id in enumerate(request_ids):
-                if not self.allocate_slots(request_id, num_new_tokens, num_lookahead):
-                    return i
-            return len(request_ids)
-        requests = self._requests
+        lookahead = _count(num_lookahead, "num_lookahead")
+        requests, grow = self._requests, self.coordinator.grow
         for i, request_id in enumerate(request_ids):
             req = requests.get(request_id)
-            if req is not None and req.started:
+            if req is not None and req.started and not lookahead:
                 target = req.num_computed + num_new_tokens
-                if target <= req.capacity and req.steady and target <= len(req.tokens):
-                    if target > req.num_allocated:
-                        req.num_allocated = target
-                    continue
-            if not self.allocate_slots(request_id, num_new_tokens):
+                if target <= len(req.tokens):
+                    fast = req.fast  # Coordinator.grow's first test, inline: this loop runs per request per step
+                    if fast is not None and target <= fast.room:
+                        if target > req.num_allocated:
+                            req.num_allocated = target
+                        continue
+                    if grow(req, num_new_tokens):
+                        continue
+                    return i
+            if not self.allocate_slots(request_id, num_new_tokens, lookahead):
                 return i
         return len(request_ids)
 
     def mark_computed_many(self, request_ids: Sequence[str], num_tokens: int = 1) -> None:
         """`mark_computed` for each request."""
         num_tokens = _count(num_tokens, "num_tokens")
-        requests = self._requests
+        requests, mark = self._requests, self.coordinator.mark_computed
         for request_id in request_ids:
             req = requests.get(request_id)
-            if req is not None:
+            if req is not None and not req.lookahead and num_tokens:
                 n = req.num_computed + num_tokens
-                if n < req.next_event and n <= req.num_allocated:
-                    req.num_computed = n
+                if n <= req.num_allocated:
+                    fast = req.fast  # Coordinator.mark_computed's first test, inline, as above
+                    if fast is not None and n < fast.quiet_until:
+                        req.num_computed = n
+                    else:
+                        mark(req, num_tokens)
                     continue
             self.mark_computed(request_id, num_tokens)
 
@@ -400,44 +407,40 @@ class KVCacheManager:
         del self._requests[request_id]
 
     # -- what the runner reads -------------------------------------------------
-    def get_block_tables(self, request_id: str) -> list[list[int]]:
-        """Per group, the page ids of the request's blocks in order (a block
-        spans `group.pages_per_block` pages; the null page 0 where a layer no
-        longer needs the tokens). For a Mamba group: the pages of the block
-        holding its state (empty before the first pass)."""
+    def get_page_tables(self, request_id: str) -> list[list[int]]:
+        """Per group, the pages the runner reads and writes for the request:
+        for a group of block tables, the pages of its blocks in order (a
+        block spans `group.pages_per_block` pages; null pages where a layer
+        no longer needs the tokens); for a recurrent group, the pages of the
+        block holding its state (empty before the first allocation)."""
         req = self._get(request_id)
-        pool = self.pool
-        out = []
-        for manager, table in zip(self.coordinator.managers, req.tables):
-            if manager.kind == "mamba":
-                read, write = table
-                block = write or read
-                out.append(list(pool.pages(block)) if block else [])
-            elif manager.width == 1:
-                out.append(list(table))
-            else:
-                width = manager.width
-                out.append([p for b in table for p in pool.pages(b, width)])
-        return out
+        return [manager.page_table(req) for manager in self.coordinator.managers]
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """Deprecated name of `get_page_tables` (it returns pages)."""
+        warnings.warn("get_block_tables is deprecated: use get_page_tables (it returns page ids)",
+                      DeprecationWarning, stacklevel=2)
+        return self.get_page_tables(request_id)
 
     def table_version(self, request_id: str) -> int:
-        """Changes whenever one of the request's block tables changes (so a
+        """Changes whenever one of the request's page tables changes (so a
         runner can keep its tensors of them between steps)."""
         return self._get(request_id).table_version
 
-    def get_state_blocks(self, request_id: str) -> dict[int, tuple]:
-        """Per Mamba group: (pages to read the state from, or None for the
-        zero state; pages to write the next state into, or None before
-        allocate_slots). The same pages when the update is in place."""
+    def get_state_pages(self, request_id: str) -> dict[int, tuple]:
+        """Per recurrent group (`group.recurrent`): (pages to read the state
+        from, or None for the zero state; pages to write the next state
+        into, or None before allocate_slots). The same pages when the update
+        is in place."""
         req = self._get(request_id)
-        pool = self.pool
-        out = {}
-        for manager in self.coordinator.managers:
-            if manager.kind == "mamba":
-                read, write = req.tables[manager.index]
-                out[manager.index] = (tuple(pool.pages(read)) if read else None,
-                                      tuple(pool.pages(write)) if write else None)
-        return out
+        return {manager.index: manager.state_pages(req) for manager in self.coordinator.managers
+                if manager.group.recurrent}
+
+    def get_state_blocks(self, request_id: str) -> dict[int, tuple]:
+        """Deprecated name of `get_state_pages` (it returns pages)."""
+        warnings.warn("get_state_blocks is deprecated: use get_state_pages (it returns page ids)",
+                      DeprecationWarning, stacklevel=2)
+        return self.get_state_pages(request_id)
 
     def take_copies(self) -> dict[int, list[tuple[int, int]]]:
         """Page copies (src, dst) per group to make before the next forward."""
@@ -485,34 +488,48 @@ class KVCacheManager:
 
     # -- the pool --------------------------------------------------------------
     @property
+    def num_free_pages(self) -> int:
+        """Pages no request holds (the null page not counted)."""
+        return self.block_cache.num_free_pages
+
+    @property
+    def num_total_pages(self) -> int:
+        """Usable pages (the null page not counted)."""
+        return self.block_cache.num_pages - 1
+
+    @property
     def num_free_blocks(self) -> int:
-        """Free pages (DESIGN's pool blocks); the null page is not counted."""
-        return self.pool.num_free_pages
+        """Deprecated name of `num_free_pages` (it counts pages)."""
+        warnings.warn("num_free_blocks is deprecated: use num_free_pages", DeprecationWarning, stacklevel=2)
+        return self.num_free_pages
 
     @property
     def num_total_blocks(self) -> int:
-        return self.pool.num_pages - 1
+        """Deprecated name of `num_total_pages` (it counts pages)."""
+        warnings.warn("num_total_blocks is deprecated: use num_total_pages", DeprecationWarning, stacklevel=2)
+        return self.num_total_pages
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_pages / (self.pool.num_pages - 1)
+        return 1.0 - self.block_cache.num_free_pages / (self.block_cache.num_pages - 1)
 
     @property
     def stats(self) -> CacheStats:
         managers = self.coordinator.managers
+        cache = self.block_cache
         return CacheStats(self._num_started, self._queried_tokens, self._hit_tokens,
-                          self.pool.num_cached_blocks, self.pool.num_evictions,
-                          self.pool.num_free_pages, self.pool.num_pages - 1,
+                          cache.num_cached_blocks, cache.num_evictions,
+                          cache.num_free_pages, cache.num_pages - 1,
                           tuple(getattr(m, "released_pages", 0) for m in managers),
                           tuple(m.kind for m in managers), tuple(self._capped_tokens),
-                          {r: tuple(self.pool.evictions[r]) for r in EVICTION_REASONS})
+                          {r: tuple(cache.evictions[r]) for r in EVICTION_REASONS})
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (e.g. after weights change). Blocks in
         use stay with their requests. Returns the number of keys dropped."""
-        dropped = self.pool.reset_cache()
-        if self.coordinator.sightings is not None:
-            self.coordinator.sightings.clear()
+        dropped = self.block_cache.reset()
+        if self.coordinator.checkpoints is not None:
+            self.coordinator.checkpoints.clear()
         return dropped
 
     def pages_in_use_by_group(self) -> list[int]:
@@ -522,7 +539,7 @@ class KVCacheManager:
         for req in self._requests.values():
             for manager in self.coordinator.managers:
                 seen[manager.index].update(manager.held_blocks(req))
-        return [sum(self.pool.width(b) for b in blocks) for blocks in seen]
+        return [sum(self.block_cache.width(b) for b in blocks) for blocks in seen]
 
     def check_invariants(self) -> None:
         """Assert the pool invariants against every request's references
@@ -532,4 +549,4 @@ class KVCacheManager:
             for manager in self.coordinator.managers:
                 for block in manager.held_blocks(req):
                     held[block] = held.get(block, 0) + 1
-        self.pool.check_invariants(held)
+        self.block_cache.check_invariants(held)

@@ -22,6 +22,7 @@ the whole pool, and no type can starve while another holds idle pages.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import reduce
 
@@ -58,6 +59,11 @@ class KVCacheGroup:
         return self.spec.kind
 
     @property
+    def recurrent(self) -> bool:
+        """One state per request (Mamba), not a block table over positions."""
+        return isinstance(self.spec, MambaSpec)
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_names)
 
@@ -91,7 +97,8 @@ class KVCacheLayout:
 
     @property
     def num_blocks(self) -> int:
-        """Pages in the pool, the null page included (DESIGN's pool blocks)."""
+        """Deprecated name of `num_pages` (it counts pages, the null page included)."""
+        warnings.warn("KVCacheLayout.num_blocks is deprecated: use num_pages", DeprecationWarning, stacklevel=2)
         return self.num_pages
 
     @property

@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Table versions are unique across requests, so a runner's cached tables of a
 # freed and re-added request id can never look current.
 _versions = itertools.count(1)
 
 
+class HitMemo(NamedTuple):
+    """The last prefix lookup of a request that has not started, valid
+    while no cache key changed and no token was appended."""
+    version: int  # the block cache's version then
+    num_tokens: int
+    hit: int  # tokens
+    why: tuple | None  # (alone, without) per group, once explain_hit asked
+
+
+class ScanMemo(NamedTuple):
+    """Per group, what the cache held for the request's block positions
+    below the hit limit (Coordinator.scan)."""
+    version: int
+    limit: int  # blocks
+    found: list  # per group: per position the cached block or None
+    masks: list  # per group: the same as bytes (1 where cached)
+
+
+class Lookup(NamedTuple):
+    """The prefix hit a request took at its first allocation, and why."""
+    prompt_tokens: int  # tokens known then
+    hit: int
+    alone: list  # per group: the longest hit it alone could serve
+    without: list  # per group: the joint hit if it could serve anything
+
+
+@dataclass(slots=True, eq=False)
 class CacheRequest:
     """Token ids, progress and, per group, the blocks a request holds.
 
@@ -17,46 +46,63 @@ class CacheRequest:
     layer no longer needs them); for a Mamba group it is `[read, write]`:
     the block holding the state after `num_computed` tokens, and the block
     the next forward pass writes the new state into (the same block when the
-    update can happen in place, None until slots are allocated).
+    update can happen in place, the null block until slots are allocated).
     """
 
-    __slots__ = (
-        "request_id", "tokens", "num_prompt_tokens", "num_computed", "num_allocated",
-        "started", "keys", "root", "tables", "num_cached", "num_released",
-        "checkpoints", "rolling", "hit_memo", "capacity", "steady", "next_event", "prompt_bytes", "table_version", "probation_at", "probation", "lookup", "lookahead", "scan",
-    )
+    request_id: str
+    tokens: list[int]
+    root: object  # the root of the request's key chain (its salt and extra keys)
+    tables: list[list]
+    num_prompt_tokens: int = 0
+    num_computed: int = 0
+    num_allocated: int = 0  # tokens that have slots: computed + scheduled
+    lookahead: int = 0  # of those, draft tokens past the known ones (speculative decoding)
+    started: bool = False  # the first allocation (which takes the hit) happened
+    keys: list = field(default_factory=list)  # chained cache keys of the full blocks of known tokens
+    prompt_bytes: bytes | None = None  # canonical bytes of the prompt, for hashing
+    # Per attention group: leading blocks already offered to the cache, and
+    # leading blocks already released (they left the window or chunk).
+    num_cached: list[int] = None
+    num_released: list[int] = None
+    # Mamba checkpoints (written by core/checkpoints.py and the Mamba manager):
+    checkpoints: list[int] = field(default_factory=list)  # planned positions, ascending
+    probation_at: int = -1  # the planned position whose state is released on probation
+    rolling: list = None  # per Mamba group: (block, key) of its latest decode checkpoint
+    probation: list[int] = None  # per Mamba group: the probation checkpoint's block once saved
+    hit_memo: HitMemo | None = None
+    scan: ScanMemo | None = None
+    lookup: Lookup | None = None
+    fast: object = None  # the coordinator's FastPath, or None: take the slow path
+    table_version: int = 0  # renewed whenever a block table or a Mamba state block changes
 
-    def __init__(self, request_id: str, tokens: list[int], tables: list[list], root):
-        self.request_id = request_id
-        self.tokens = tokens
-        self.num_prompt_tokens = len(tokens)
-        self.num_computed = 0
-        self.num_allocated = 0  # tokens that have slots: computed + scheduled
-        self.lookahead = 0  # of those, draft tokens past the known ones (speculative decoding)
-        self.started = False  # the first allocation (which takes the hit) happened
-        self.keys: list = []  # chained cache keys of the full blocks of known tokens
-        self.root = root
-        self.tables = tables
-        num_groups = len(tables)
-        self.num_cached = [0] * num_groups  # leading blocks already offered to the cache
-        self.num_released = [0] * num_groups  # leading blocks already released (windows)
-        self.checkpoints: list[int] = []  # planned Mamba checkpoint positions, ascending
-        self.rolling: list = [None] * num_groups  # latest decode checkpoint per Mamba group
-        self.probation_at = -1  # the checkpoint position whose state is released on probation
-        self.probation = [0] * num_groups  # per Mamba group, that checkpoint's block once saved
-        # (pool version, tokens known, hit, why or None) from the last lookup
-        self.hit_memo = None
-        self.scan = None  # (pool version, hit limit, found, masks): Coordinator.scan's memo
-        # (prompt tokens, hit, (alone, without) per group) of the first allocation
-        self.lookup = None
-        # The decode fast path: while the next tokens fit in `capacity` and the
-        # request is `steady`, allocation is a comparison; while num_computed
-        # stays below `next_event`, marking tokens computed is an addition.
-        self.capacity = 0
-        self.steady = False
-        self.next_event = 0
-        self.prompt_bytes = None  # canonical bytes of the prompt, for hashing
-        self.table_version = next(_versions)  # renewed whenever a block table or a Mamba state block changes
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.tokens)
+        groups = len(self.tables)
+        self.num_cached = [0] * groups
+        self.num_released = [0] * groups
+        self.rolling = [None] * groups
+        self.probation = [0] * groups
+        self.table_version = next(_versions)
 
     def tables_changed(self) -> None:
         self.table_version = next(_versions)
+
+    def inherit(self, parent: CacheRequest) -> None:
+        """Take the parent's progress at a fork (`INHERITED`, lists copied)."""
+        for name in INHERITED:
+            value = getattr(parent, name)
+            setattr(self, name, list(value) if isinstance(value, list) else value)
+
+
+# What a forked child takes from its parent: its progress and its plans.
+INHERITED = ("num_prompt_tokens", "num_computed", "num_allocated", "started", "keys",
+             "num_cached", "num_released", "checkpoints", "probation_at", "lookup")
+# What it does not, and why: its id; tokens and root (given to the child as
+# it is made); tables (the managers share the blocks, counting references);
+# table_version (its own); lookahead (none between steps, where forks
+# happen); prompt_bytes (the keys are inherited); the lookup memos hit_memo
+# and scan (a started request looks nothing up); fast (the child's first
+# step takes the slow path, which copies a shared partly filled block);
+# rolling and probation (checkpoints this request saved: the child saved none).
+NOT_INHERITED = ("request_id", "tokens", "root", "tables", "table_version", "lookahead", "prompt_bytes",
+                 "hit_memo", "scan", "fast", "rolling", "probation")

@@ -174,9 +174,9 @@ class Engine:
                              f"{self.max_model_len} tokens (one token must remain to generate)")
         full = min(len(ids) + params.max_tokens, self.max_model_len)
         need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
-        if need > self.kv.num_total_blocks:
+        if need > self.kv.num_total_pages:
             raise ValueError(f"a request of {full} tokens needs {need} KV cache pages, the cache holds "
-                             f"{self.kv.num_total_blocks}: raise kv_cache_memory or lower max_tokens")
+                             f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:

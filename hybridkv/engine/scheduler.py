@@ -199,7 +199,7 @@ class Scheduler:
         # for every running sequence stays free, so that a draft's slots never
         # make another sequence's next token preempt someone.
         reserve = len(self.running) * self._pages_per_step
-        if self.kv.num_free_blocks < reserve or \
+        if self.kv.num_free_pages < reserve or \
                 not self.kv.allocate_slots(seq.seq_id, 1, num_lookahead=len(drafts)):
             return False
         out.append(Scheduled(seq, len(seq.token_ids) - 1, 1 + len(drafts), drafts))

@@ -46,7 +46,7 @@ class DeviceTables:
         self._host_zero: dict[int, np.ndarray] = {}
         for g in layout.groups:
             sinks = [sink_page(c) for c in range(g.pages_per_block)]
-            if g.kind == "mamba":
+            if g.recurrent:
                 self._host_read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
                 self._host_write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
                 self._host_zero[g.index] = np.ones(rows, dtype=np.bool_)
@@ -92,13 +92,13 @@ class DeviceTables:
 
     def _refresh(self, row: int, seq_id: str) -> None:
         kv = self.kv
-        tables = kv.get_block_tables(seq_id)
+        tables = kv.get_page_tables(seq_id)
         states = None
         for g in self.layout.groups:
             width = g.pages_per_block
-            if g.kind == "mamba":
+            if g.recurrent:
                 if states is None:
-                    states = kv.get_state_blocks(seq_id)
+                    states = kv.get_state_pages(seq_id)
                 read, write = states[g.index]
                 new_read = read or (0,) * width
                 new_write = write or new_read

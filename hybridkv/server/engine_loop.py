@@ -306,7 +306,7 @@ class EngineLoop:
         """Engine and server counters (call through `call`, on the engine thread)."""
         stats = dict(engine.stats)
         cache = engine.kv.stats
-        stats.update(kv_free_pages=engine.kv.num_free_blocks, kv_total_pages=engine.kv.num_total_blocks,
+        stats.update(kv_free_pages=engine.kv.num_free_pages, kv_total_pages=engine.kv.num_total_pages,
                      group_kinds=list(cache.group_kinds), capped_tokens=list(cache.capped_tokens),
                      evictions_by_reason={r: list(v) for r, v in cache.evictions_by_reason.items()},
                      aborted=self.num_aborted, rejected=self.num_rejected)

@@ -13,10 +13,12 @@ MANAGER_TYPES = {
 }
 
 
-def make_manager(group, pool, caching, verify, policy) -> GroupManager:
+def make_manager(group, block_cache, caching, verify, planner) -> GroupManager:
+    """The manager of a group's type. `planner`: the model's checkpoint
+    planner, for groups that keep recurrent states."""
     if group.kind == "mamba":
-        return MambaManager(group, pool, caching, verify, policy)
-    return MANAGER_TYPES[group.kind](group, pool, caching, verify)
+        return MambaManager(group, block_cache, caching, verify, planner)
+    return MANAGER_TYPES[group.kind](group, block_cache, caching, verify)
 
 
 __all__ = ["GroupManager", "AttentionManager", "FullAttentionManager", "SlidingWindowManager",

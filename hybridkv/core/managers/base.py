@@ -12,16 +12,18 @@ A group manager knows one layer type's rules and nothing of the others:
 * `pages_needed` / `allocate`: room for tokens up to a target;
 * `on_computed`: after a forward pass, cache full blocks and release what
   the type will never read again;
-* `free`.
-The coordinator combines the groups; the pool keeps the pages.
+* `free`;
+* `page_table`: the pages the runner reads and writes for the request;
+* for the coordinator's fast path (core/coordinator.py, `FastPath`):
+  `room` and `next_event`, the bounds below which the group has no work.
+The coordinator combines the groups; the block cache keeps the blocks.
 """
 
 from __future__ import annotations
 
-from operator import itemgetter
-
-from ..block_pool import NULL, BlockPool
+from ..block_cache import BlockCache
 from ..layout import KVCacheGroup
+from ..page_allocator import NULL
 from ..request import CacheRequest
 from ..specs import NEVER  # an event position no request reaches
 
@@ -32,23 +34,23 @@ class GroupManager:
     # attention events follow computed tokens, not allocated ones.)
     events_follow_allocation = False
 
-    def __init__(self, group: KVCacheGroup, pool: BlockPool, caching: bool, verify: bool):
+    def __init__(self, group: KVCacheGroup, block_cache: BlockCache, caching: bool, verify: bool):
         self.group = group
         self.index = group.index
         self.block_size = group.block_size
         self.width = group.pages_per_block
-        self.pool = pool
+        self.block_cache = block_cache
         self.caching = caching
         # With an untrusted hash, a hit must also match the stored token ids.
         self.verify = verify
-        self.cached = pool.cached[group.index]
+        self.by_key = block_cache.cached[group.index]  # this group's cache keys -> blocks (read only)
 
     def _lookup(self, req: CacheRequest, j: int) -> int | None:
         """The cached block for block position j of req, if any."""
-        block = self.cached.get(req.keys[j])
+        block = self.by_key.get(req.keys[j])
         if block is not None and self.verify:
             bs = self.block_size
-            if self.pool.tokens[block] != tuple(req.tokens[j * bs:(j + 1) * bs]):
+            if self.block_cache.tokens[block] != tuple(req.tokens[j * bs:(j + 1) * bs]):
                 return None
         return block
 
@@ -56,7 +58,7 @@ class GroupManager:
         """`_lookup` for block positions lo .. hi-1 (None where nothing is
         cached): with a trusted hash, one map over the keys, run in C."""
         if not self.verify:
-            return list(map(self.cached.get, req.keys[lo:hi]))
+            return list(map(self.by_key.get, req.keys[lo:hi]))
         return [self._lookup(req, j) for j in range(lo, hi)]
 
     def scan(self, req: CacheRequest, limit: int) -> tuple[list, bytes]:
@@ -115,14 +117,19 @@ class GroupManager:
         """Every non-null block the request references (for invariant checks)."""
         raise NotImplementedError
 
-    # The decode fast path (coordinator): between events nothing is done.
+    def page_table(self, req: CacheRequest) -> list[int]:
+        """The pages the runner reads and writes for the request, in order."""
+        raise NotImplementedError
+
+    # The fast path (core/coordinator.py, FastPath): below these bounds the
+    # group has nothing to do.
     def next_event(self, req: CacheRequest) -> int:
         """The smallest num_computed at which on_computed has work to do."""
         raise NotImplementedError
 
-    def is_steady(self, req: CacheRequest) -> bool:
-        """True if allocating tokens within the request's existing blocks
-        needs no work from this group (no copy, no state block to assign)."""
+    def room(self, req: CacheRequest) -> int:
+        """Tokens (from position 0) that allocate can cover with no work:
+        they land in blocks the request holds alone, or need no block."""
         raise NotImplementedError
 
 
@@ -131,8 +138,8 @@ class AttentionManager(GroupManager):
     needs, and which a hit must hold, follow from the layer's read rule
     (`spec.first_visible`, core/specs.py); subclasses say how a hit is found."""
 
-    def __init__(self, group, pool, caching, verify):
-        super().__init__(group, pool, caching, verify)
+    def __init__(self, group, block_cache, caching, verify):
+        super().__init__(group, block_cache, caching, verify)
         self.spec = group.spec
         self.released_pages = 0  # pages given back because no query reads them again
 
@@ -157,20 +164,23 @@ class AttentionManager(GroupManager):
         event = (req.num_cached[self.index] + 1) * self.block_size if self.caching else NEVER
         return min(event, self.release_event(req))
 
-    def is_steady(self, req):
-        n = req.num_computed
-        if n % self.block_size == 0:
-            return True
+    def room(self, req):
+        # Up to the end of the last block held, unless the partly filled
+        # block the next token lands in is shared (after a fork): that one
+        # is copied before it is written, so nothing is free.
         table = req.tables[self.index]
+        n = req.num_computed
         j = n // self.block_size
-        return j >= len(table) or self.pool.ref[table[j]] == 1
+        if n % self.block_size and j < len(table) and self.block_cache.ref[table[j]] > 1:
+            return n
+        return len(table) * self.block_size
 
     def hit_blocks(self, found, num_blocks):
         start = self.hit_start(num_blocks)
         return [NULL] * start + found[start:num_blocks]
 
     def install_hit(self, req, blocks, num_blocks):
-        self.pool.touch_all(blocks)
+        self.block_cache.touch_all(blocks)
         g = self.index
         req.tables[g] = blocks
         req.tables_changed()
@@ -199,21 +209,21 @@ class AttentionManager(GroupManager):
         fork)? Then it is copied before it is written."""
         n = req.num_computed
         j = n // self.block_size
-        return target > n and n % self.block_size != 0 and j < len(table) and self.pool.ref[table[j]] > 1
+        return target > n and n % self.block_size != 0 and j < len(table) and self.block_cache.ref[table[j]] > 1
 
     def allocate(self, req, target, copies):
         table = req.tables[self.index]
         if self._needs_copy(req, table, target):
             j = req.num_computed // self.block_size
             shared = table[j]
-            fresh = self.pool.allocate(self.width, 1)[0]
-            copies.append((self.index, self.pool.pages(shared), self.pool.pages(fresh)))
+            fresh = self.block_cache.allocate([(self.width, 1)])[0][0]
+            copies.append((self.index, self.block_cache.pages(shared), self.block_cache.pages(fresh)))
             table[j] = fresh
-            self.pool.release(shared)
+            self.block_cache.release(shared)
             req.tables_changed()
         new = -(-target // self.block_size) - len(table)
         if new > 0:
-            table.extend(self.pool.allocate(self.width, new))
+            table.extend(self.block_cache.allocate([(self.width, new)])[0])
             req.tables_changed()
 
     def on_computed(self, req):
@@ -224,41 +234,18 @@ class AttentionManager(GroupManager):
             full = n // self.block_size
             start = req.num_cached[g]
             if full > start:
-                pool, keys = self.pool, req.keys
-                bs, verify, tokens = self.block_size, self.verify, req.tokens
-                cache, block_key, key_group, cached = pool.cache, pool.key, pool.key_group, self.cached
-                added = 0
-                if full - start >= 8 and not verify:
-                    # A prefill's many blocks: if all are new content (the
-                    # usual case), the map takes them in one update.
-                    blocks, new_keys = table[start:full], keys[start:full]
-                    if NULL not in blocks and not any(itemgetter(*blocks)(block_key)) \
-                            and cached.keys().isdisjoint(new_keys):
-                        cached.update(zip(new_keys, blocks))
-                        for block, key in zip(blocks, new_keys):
-                            block_key[block] = key
-                            key_group[block] = g
-                        added, start = len(blocks), full
-                for j in range(start, full):
-                    block = table[j]
-                    if block and block_key[block] is None:
-                        key = keys[j]
-                        if verify or key in cached:
-                            # keep_copy: another request registered this content
-                            # first; ours stays findable after its block goes
-                            cache(block, g, key, tuple(tokens[j * bs:(j + 1) * bs]) if verify else None, True)
-                        else:  # pool.cache's usual case, inline (once per block computed)
-                            cached[key] = block
-                            block_key[block] = key
-                            key_group[block] = g
-                            added += 1
-                if added:
-                    pool.version += 1
+                tokens = None
+                if self.verify:
+                    bs = self.block_size
+                    tokens = [tuple(req.tokens[j * bs:(j + 1) * bs]) for j in range(start, full)]
+                # keep_copies: where another request stored this content
+                # first, ours stays findable after its block goes.
+                self.block_cache.store(g, table[start:full], req.keys[start:full], tokens, keep_copies=True)
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]
         if first > start:
-            release = self.pool.release
+            release = self.block_cache.release
             for j in range(start, min(first, len(table))):
                 block = table[j]
                 if block:
@@ -274,7 +261,7 @@ class AttentionManager(GroupManager):
         table = req.tables[self.index]
         keep = -(-req.num_computed // self.block_size)
         if len(table) > keep:
-            release = self.pool.release
+            release = self.block_cache.release
             for block in reversed(table[keep:]):
                 if block:
                     release(block)
@@ -282,7 +269,7 @@ class AttentionManager(GroupManager):
             req.tables_changed()
 
     def free(self, req):
-        release = self.pool.release
+        release = self.block_cache.release
         # Last block first: it enters the free queue first and so is evicted
         # before the (more widely shared) blocks of the prefix.
         for block in reversed(req.tables[self.index]):
@@ -293,10 +280,17 @@ class AttentionManager(GroupManager):
     def fork(self, parent, child):
         g = self.index
         table = list(parent.tables[g])
-        self.pool.touch_all(table)
+        self.block_cache.touch_all(table)
         child.tables[g] = table
         child.num_cached[g] = parent.num_cached[g]
         child.num_released[g] = parent.num_released[g]
 
     def held_blocks(self, req):
         return [b for b in req.tables[self.index] if b]
+
+    def page_table(self, req):
+        table = req.tables[self.index]
+        if self.width == 1:
+            return list(table)
+        pages = self.block_cache.pages
+        return [p for b in table for p in pages(b, self.width)]

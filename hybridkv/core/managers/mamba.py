@@ -9,30 +9,32 @@ a fork, or a block just cached as a checkpoint) the pass reads one block and
 writes a fresh one, so saving or sharing a state never costs a copy.
 
 A checkpoint is the state block at a block-aligned position, cached under
-the chained key of the prefix it summarises. The checkpoint policy
+the chained key of the prefix it summarises. The checkpoint planner
 (`core/checkpoints.py`) says where; the scheduler ends prefill chunks there.
+What the runner reads of a request is its state pages (`state_pages`):
+where to read the state from, where to write the next one.
 """
 
 from __future__ import annotations
 
-from ..block_pool import NULL
+from ..page_allocator import NULL
 from .base import NEVER, GroupManager
 
 
 class MambaManager(GroupManager):
     kind = "mamba"
 
-    def __init__(self, group, pool, caching, verify, policy):
-        super().__init__(group, pool, caching, verify)
-        self.policy = policy
+    def __init__(self, group, block_cache, caching, verify, planner):
+        super().__init__(group, block_cache, caching, verify)
+        self.planner = planner  # None without prefix caching: no checkpoints
 
     def empty_table(self):
         return [NULL, NULL]  # [read, write]; NULL read = the zero state
 
     def _checkpoint(self, req, num_blocks):
-        block = self.cached.get(req.keys[num_blocks - 1])
+        block = self.by_key.get(req.keys[num_blocks - 1])
         if block is not None and self.verify:
-            if self.pool.tokens[block] != tuple(req.tokens[:num_blocks * self.block_size]):
+            if self.block_cache.tokens[block] != tuple(req.tokens[:num_blocks * self.block_size]):
                 return None
         return block
 
@@ -53,12 +55,12 @@ class MambaManager(GroupManager):
     def install_hit(self, req, blocks, num_blocks):
         read = blocks[0] if blocks else NULL
         if read:
-            self.pool.touch(read)
+            self.block_cache.touch(read)
         req.tables[self.index] = [read, NULL]
         req.tables_changed()
 
     def _in_place(self, read) -> bool:
-        return read != NULL and self.pool.ref[read] == 1 and self.pool.key[read] is None
+        return read != NULL and self.block_cache.ref[read] == 1 and self.block_cache.key[read] is None
 
     def pages_needed(self, req, target):
         read, write = req.tables[self.index]
@@ -81,13 +83,8 @@ class MambaManager(GroupManager):
         read, write = state
         if target <= req.num_computed or write:
             return
-        state[1] = read if self._in_place(read) else self.pool.allocate(self.width, 1)[0]
+        state[1] = read if self._in_place(read) else self.block_cache.allocate([(self.width, 1)])[0][0]
         req.tables_changed()
-
-    def is_checkpoint(self, req, n) -> bool:
-        if n == 0 or n % self.block_size:
-            return False
-        return n in req.checkpoints or (self.policy.rolling and n >= req.num_prompt_tokens)
 
     def on_computed(self, req):
         g = self.index
@@ -96,17 +93,17 @@ class MambaManager(GroupManager):
         if not write:
             return
         n = req.num_computed
-        if self.caching and self.is_checkpoint(req, n):
-            tokens = tuple(req.tokens[:n]) if self.verify else None
-            if self.pool.cache(write, g, req.keys[n // self.block_size - 1], tokens):
-                if self.policy.rolling and n >= req.num_prompt_tokens:
+        if self.caching and self.planner.is_checkpoint(req, n):
+            tokens = [tuple(req.tokens[:n])] if self.verify else None
+            if self.block_cache.store(g, [write], [req.keys[n // self.block_size - 1]], tokens):
+                if self.planner.is_rolling(req, n):
                     self._supersede(req, write)
                 if n == req.probation_at:
                     req.probation[g] = write
         if read and read != write:
             # The state we move on from goes on probation if it is the
             # prompt-end checkpoint (see core/checkpoints.py).
-            self.pool.release(read, probation=read == req.probation[g])
+            self.block_cache.release(read, probation=read == req.probation[g])
         # The state now lives in `write`; the next pass updates it in place
         # unless it just became a cached checkpoint.
         state = [write, write if self._in_place(write) else NULL]
@@ -117,28 +114,28 @@ class MambaManager(GroupManager):
     def _supersede(self, req, checkpoint):
         g = self.index
         previous = req.rolling[g]
-        req.rolling[g] = (checkpoint, self.pool.key[checkpoint])
-        if self.policy.supersede and previous is not None:
+        req.rolling[g] = (checkpoint, self.block_cache.key[checkpoint])
+        if self.planner.policy.supersede and previous is not None:
             block, key = previous
             # Only the newest state of a sequence is worth keeping for the
             # next turn; the older one would just push useful blocks out.
             # (The key check: the block id may since hold other content.)
-            if self.pool.ref[block] == 0 and self.pool.key[block] == key:
-                self.pool.uncache(block)
+            if self.block_cache.ref[block] == 0 and self.block_cache.key[block] == key:
+                self.block_cache.evict(block, "superseded")
 
     def free(self, req):
         read, write = req.tables[self.index]
         if write and write != read:
-            self.pool.release(write)
+            self.block_cache.release(write)
         if read:
-            self.pool.release(read)
+            self.block_cache.release(read)
         req.tables[self.index] = self.empty_table()
 
     def fork(self, parent, child):
         state = parent.tables[self.index]
         read = state[0]
         if read:
-            self.pool.touch(read)
+            self.block_cache.touch(read)
         # The state is shared now: neither may update it in place any more.
         state[1] = NULL
         parent.tables_changed()
@@ -154,8 +151,25 @@ class MambaManager(GroupManager):
             return (req.num_computed // self.block_size + 1) * self.block_size  # a possible checkpoint
         return NEVER
 
-    def is_steady(self, req):
-        return req.tables[self.index][1] != NULL
+    def room(self, req):
+        # With a write block assigned the next pass has its state block
+        # whatever its length; without one, allocate must assign it.
+        return NEVER if req.tables[self.index][1] != NULL else req.num_computed
+
+    def state_pages(self, req) -> tuple:
+        """(pages to read the state from, or None for the zero state; pages
+        to write the next state into, or None before allocate_slots). The
+        same pages when the update is in place."""
+        read, write = req.tables[self.index]
+        pages = self.block_cache.pages
+        return (tuple(pages(read)) if read else None, tuple(pages(write)) if write else None)
+
+    def page_table(self, req):
+        # The pages of the block holding the state (the write block once
+        # assigned); empty before the first allocation.
+        read, write = req.tables[self.index]
+        block = write or read
+        return list(self.block_cache.pages(block)) if block else []
 
     def held_blocks(self, req):
         read, write = req.tables[self.index]

@@ -13,8 +13,8 @@ from .base import AttentionManager
 class SlidingWindowManager(AttentionManager):
     kind = "sliding_window"
 
-    def __init__(self, group, pool, caching, verify):
-        super().__init__(group, pool, caching, verify)
+    def __init__(self, group, block_cache, caching, verify):
+        super().__init__(group, block_cache, caching, verify)
         # Blocks a hit must hold: those covering the last W - 1 tokens.
         self.window_blocks = -(-(self.spec.sliding_window - 1) // self.block_size)
 

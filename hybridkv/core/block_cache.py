@@ -1,0 +1,290 @@
+"""The block cache: references, the LRU free queue and the cache keys.
+
+Blocks are ints (core/page_allocator.py makes them of pages); their fields
+live in per-page lists indexed by block id, so the hot paths create no
+Python object per block (and the cyclic garbage collector has nothing to
+scan). This is the one place where cache keys appear (`store`), move and
+disappear (`evict`, `reset`): the managers read the per-group key maps and
+never write them.
+
+Free queue. One queue, least recently freed first. A block whose reference
+count drops to 0 keeps its cached content and goes to the tail; a block
+with nothing cached, or released on probation, goes to the head (keeping it
+gains nothing, or little). New blocks come from the allocator's spare pages
+first, then from the queue's head (`_reclaim`): a block taken from the
+queue loses its key. Every operation is O(1) per block it touches.
+
+Copies of one content. Two requests that compute the same block before
+either finds the other's hold two blocks with one key. The first is the
+key's entry in the map; the others are remembered as its copies, so that
+when the entry's block is evicted while a copy lives on, the key moves to
+the copy and the content stays findable (a dict per key: O(1) to add, drop
+or promote one).
+
+Why keys leave the map is counted per group: `lru` (a free cached block
+taken for new content), `probation` (the same, for a checkpoint released on
+probation), `superseded` (dropped by its owner: an older rolling Mamba
+checkpoint) and `reset` (`reset`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from operator import itemgetter
+
+from .page_allocator import NULL, PageAllocator
+
+EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
+# From this many blocks on, `store` first tries to add them all in one dict
+# update (a prefill's blocks, nearly always new content); below it, the
+# checks that the shortcut needs cost more than the per-block loop.
+_BULK_STORE = 8
+
+
+class BlockCache:
+    def __init__(self, num_pages: int, num_groups: int):
+        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages
+        self.ref = [0] * num_pages  # per block id: references held by requests
+        self.key: list = [None] * num_pages  # per block id: its cache key while cached
+        self.key_group = [0] * num_pages  # per block id: the group whose map holds the key
+        self.tokens: list = [None] * num_pages  # per block id: token ids, only when the hash is not trusted
+        # The free queue: block -> released on probation. (The flag rides
+        # in the queue because popping a block returns its entry anyway.)
+        self._free: OrderedDict[int, bool] = OrderedDict()
+        self._free_pages = 0  # pages of the blocks in the queue
+        self.cached: list[dict] = [{} for _ in range(num_groups)]  # per group: key -> block
+        # Per group, key -> {block: None}: other blocks holding the content of
+        # the block that the map names (see "Copies of one content").
+        self.copies: list[dict] = [{} for _ in range(num_groups)]
+        # Bumped whenever a cache key appears, disappears or moves, so a
+        # remembered prefix hit can tell that it may be stale.
+        self.version = 0
+        self.evictions = {reason: [0] * num_groups for reason in EVICTION_REASONS}
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no request holds (spare, or in free blocks); the null page not counted."""
+        return self.allocator.num_spare_pages + self._free_pages
+
+    def pages(self, block: int, width: int = 1):
+        return self.allocator.pages(block, width)
+
+    def width(self, block: int) -> int:
+        return self.allocator.widths[block]
+
+    # -- references ----------------------------------------------------------
+    def allocate(self, needs: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """Per (width, count) in `needs`, `count` new blocks of `width`
+        pages, one reference each. One call per step or admission: blocks
+        taken from the queue go to a group of their own width while one
+        still wants some, and only the rest are taken apart. The caller has
+        checked `num_free_pages`."""
+        need = 0
+        for width, count in needs:
+            need += width * count
+        if need > self.num_free_pages:
+            raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
+        out = self.allocator.take(needs, self._reclaim)
+        ref = self.ref
+        for blocks in out:
+            for block in blocks:
+                ref[block] = 1
+        return out
+
+    def _reclaim(self, pages: int) -> list[int]:
+        """Blocks from the queue's head, at least `pages` pages in all, each
+        losing its key (evicted) if it had one."""
+        free, widths, key = self._free, self.allocator.widths, self.key
+        out = []
+        got = 0
+        while got < pages:
+            block, probation = free.popitem(last=False)
+            if key[block] is not None:
+                self.evict(block, "probation" if probation else "lru")
+            got += widths[block]
+            out.append(block)
+        self._free_pages -= got
+        return out
+
+    def touch(self, block: int) -> None:
+        """One more reference (a prefix hit or a fork)."""
+        ref = self.ref
+        if ref[block] == 0:
+            del self._free[block]
+            self._free_pages -= self.allocator.widths[block]
+        ref[block] += 1
+
+    def touch_all(self, table: Sequence[int]) -> None:
+        """`touch` every non-null block of a block table. A block another
+        request holds, the usual case for a shared prefix, only counts one
+        more reference."""
+        ref, free, widths = self.ref, self._free, self.allocator.widths
+        for block in table:
+            if block:
+                if ref[block]:
+                    ref[block] += 1
+                else:
+                    del free[block]
+                    self._free_pages -= widths[block]
+                    ref[block] = 1
+
+    def release(self, block: int, probation: bool = False) -> None:
+        """One reference less. `probation`: the block stays cached but enters
+        the free queue at the head, first to go if memory runs short (a
+        checkpoint unlikely to be reused)."""
+        ref = self.ref
+        ref[block] -= 1
+        if ref[block] == 0:
+            self._free[block] = probation
+            if probation or self.key[block] is None:
+                self._free.move_to_end(block, last=False)
+            self._free_pages += self.allocator.widths[block]
+
+    # -- keys ------------------------------------------------------------------
+    def store(self, group: int, blocks: Sequence[int], keys: Sequence, tokens: Sequence | None = None,
+              keep_copies: bool = False) -> int:
+        """Register computed blocks under their keys in `group`'s map
+        (null blocks and blocks that hold a key already are skipped).
+        `tokens`: per block, its token ids, kept when the hash is not
+        trusted. Where another block holds a key already, that one stays
+        the entry, and with `keep_copies` the new block is remembered as a
+        copy of it (an attention block other requests may keep reading; a
+        Mamba state moves on, so it is not kept). Returns how many blocks
+        became entries."""
+        cached, key_of, key_group = self.cached[group], self.key, self.key_group
+        if (tokens is None and len(blocks) >= _BULK_STORE and NULL not in blocks
+                and not any(itemgetter(*blocks)(key_of)) and cached.keys().isdisjoint(keys)):
+            cached.update(zip(keys, blocks))
+            for block, key in zip(blocks, keys):
+                key_of[block] = key
+                key_group[block] = group
+            self.version += 1
+            return len(blocks)
+        entries = 0
+        for i, block in enumerate(blocks):
+            if not block or key_of[block] is not None:
+                continue
+            key = keys[i]
+            own = tokens[i] if tokens is not None else None
+            if key not in cached:
+                cached[key] = block
+                entries += 1
+            elif keep_copies and (own is None or self.tokens[cached[key]] == own):
+                # (With an untrusted hash, equal keys may hold other
+                # tokens: a collision is not a copy.)
+                self.copies[group].setdefault(key, {})[block] = None
+            else:
+                continue
+            key_of[block] = key
+            key_group[block] = group
+            if own is not None:
+                self.tokens[block] = own
+        if entries:
+            self.version += 1
+        return entries
+
+    def evict(self, block: int, reason: str) -> None:
+        """The block's content is no longer findable by its key (a free
+        block that stays in the queue moves to its head: it holds nothing
+        worth keeping). If a copy of the content lives on, the key moves
+        to it."""
+        key = self.key[block]
+        if key is None:
+            return
+        group = self.key_group[block]
+        self.key[block] = None
+        if self.tokens[block] is not None:
+            self.tokens[block] = None
+        copies = self.copies[group]
+        others = copies.get(key) if copies else None
+        if others is None:  # the usual case: one block per key
+            del self.cached[group][key]
+            self.version += 1
+            self.evictions[reason][group] += 1
+        elif self.cached[group][key] != block:
+            del others[block]  # a copy goes; the entry stays
+            if not others:
+                del copies[key]
+        else:  # the entry goes, a copy lives on: the key moves to it
+            self.cached[group][key] = others.popitem()[0]
+            self.version += 1
+            if not others:
+                del copies[key]
+        if not self.ref[block] and block in self._free:
+            self._free.move_to_end(block, last=False)
+
+    def reset(self) -> int:
+        """Forget every key (blocks in use stay with their requests).
+        Returns the number of keys dropped."""
+        dropped = 0
+        key, tokens = self.key, self.tokens
+        for g, table in enumerate(self.cached):
+            for others in (table.values(), *self.copies[g].values()):
+                for block in others:
+                    key[block] = None
+                    tokens[block] = None
+            dropped += len(table)
+            self.evictions["reset"][g] += len(table)
+            table.clear()
+            self.copies[g].clear()
+        self.version += 1
+        return dropped
+
+    @property
+    def num_evictions(self) -> int:
+        """Keys dropped to reuse their blocks or superseded (resets not counted)."""
+        return sum(sum(self.evictions[r]) for r in ("lru", "probation", "superseded"))
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(t) for t in self.cached)
+
+    # -- checks for tests --------------------------------------------------
+    def check_invariants(self, held: dict[int, int]) -> None:
+        """`held`: every block some request holds -> how many references the
+        requests hold. Raises AssertionError on the first broken invariant:
+        each page is spare, in a free block or in a held block, exactly
+        once; ref counts equal references; the key maps point only at
+        blocks holding that key."""
+        owner: dict[int, int] = {}
+
+        def claim(page: int, block: int) -> None:
+            assert page != NULL, f"block {block} uses the null page"
+            assert page not in owner, f"page {page} is in blocks {owner[page]} and {block}"
+            owner[page] = block
+
+        free_pages = 0
+        for block in self._free:
+            assert self.ref[block] == 0, f"block {block} is in the free queue with references"
+            assert block not in held, f"block {block} is free but a request holds it"
+            for page in self.pages(block):
+                claim(page, block)
+            free_pages += self.width(block)
+        assert free_pages == self._free_pages, f"free queue page count {self._free_pages} != {free_pages}"
+        free_pages += self.allocator.check_invariants(claim)
+        for block, refs in held.items():
+            assert block != NULL, "a request holds the null block as a block"
+            assert self.ref[block] == refs, f"block {block} has ref count {self.ref[block]}, requests hold {refs}"
+            for page in self.pages(block):
+                claim(page, block)
+        used = sum(self.width(b) for b in held)
+        assert used + free_pages == self.num_pages - 1, (
+            f"pages leaked: {used} held + {free_pages} free != {self.num_pages - 1}")
+        keyed = 0
+        for g, table in enumerate(self.cached):
+            for key, block in table.items():
+                assert self.key[block] == key and self.key_group[block] == g, (
+                    f"cache map entry {key!r} points at block {block}, which holds another key")
+                assert self.ref[block] > 0 or block in self._free, f"cached block {block} is neither held nor free"
+            keyed += len(table)
+            for key, others in self.copies[g].items():
+                assert others and key in table, f"copies of key {key!r} without an entry in the map"
+                for block in others:
+                    assert block != table[key], f"block {block} is both the entry and a copy of {key!r}"
+                    assert self.key[block] == key and self.key_group[block] == g, (
+                        f"block {block} is listed as a copy of {key!r} but holds another key")
+                    assert self.ref[block] > 0 or block in self._free, f"cached copy {block} is neither held nor free"
+                keyed += len(others)
+        assert keyed == sum(1 for k in self.key if k is not None), "a block holds a key no map lists"

@@ -1,0 +1,161 @@
+"""The page allocator: which pages hold no block, and how blocks of any
+width are made of them.
+
+The pool is `num_pages` pages of one size (core/layout.py); page 0 is the
+null page and is never handed out. A block is what a group allocates:
+`width` pages (`KVCacheGroup.pages_per_block`), named by its block id, the
+id of its first page. Every page can serve every group, so no group starves
+while another holds idle memory.
+
+The allocator knows nothing of cache keys or references. It hands out
+blocks cut from its spare pages (never used, or left over when a block of
+another width was taken apart) and, when those run short, asks the block
+cache (`reclaim`) for free blocks to reuse: a reclaimed block of a width
+still wanted is reused whole, any other is taken apart into spare pages.
+
+Pages are handled as runs (ranges). A block's width and, when its pages are
+not one run from its first page (it was put together from pieces), its runs
+live in per-page lists indexed by block id; the entries of a block's other
+pages mean nothing. So cutting blocks out of a run, or taking a wide one
+apart, is a few slice operations in C however wide the blocks are, and no
+Python object is made per block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import chain
+
+NULL = 0  # the null page, and the null block: a placeholder in tables, never allocated
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"a pool needs the null page and at least one more, got {num_pages} pages")
+        self.num_pages = num_pages
+        self.widths = [1] * num_pages  # per block id: pages in the block
+        self.runs: list = [None] * num_pages  # per block id: its runs, when not one run
+        # Spare pages as runs, used from the left. Never-used pages come
+        # first; the pages of blocks taken apart join at the right.
+        self._spare: deque[range] = deque([range(1, num_pages)])
+        self.num_spare_pages = num_pages - 1
+
+    def pages(self, block: int, width: int = 1):
+        """The pages of a block, in order (the null block's: `width` null pages)."""
+        if block == NULL:
+            return (NULL,) * width
+        runs = self.runs[block]
+        return range(block, block + self.widths[block]) if runs is None else tuple(chain.from_iterable(runs))
+
+    def width(self, block: int) -> int:
+        return self.widths[block]
+
+    def take(self, needs: Sequence[tuple[int, int]], reclaim: Callable[[int], list[int]]) -> list[list[int]]:
+        """Per (width, count) in `needs`, `count` new blocks of `width`
+        pages (groups of one width get consecutive pieces of one list).
+        `reclaim(pages)` gives free blocks of at least that many pages in
+        all; it is called at most once, for what the spare pages lack. The
+        caller has checked that enough pages are free."""
+        want: dict[int, int] = {}
+        need = 0
+        for width, count in needs:
+            if count:
+                want[width] = want.get(width, 0) + count
+                need += width * count
+        reused: dict[int, list[int]] = {}
+        if need > self.num_spare_pages:
+            for block in reclaim(need - self.num_spare_pages):
+                self._reuse_or_take_apart(block, want, reused)
+        got: dict[int, list[int]] = {}
+        for width, count in want.items():
+            blocks = got[width] = self._cut(width, count) if count else []
+            if reused:
+                blocks += reused.get(width, ())
+        if len(needs) == 1:  # (one group's blocks: nothing to share out)
+            return [got[needs[0][0]] if needs[0][1] else []]
+        out = []
+        taken: dict[int, int] = {}
+        for width, count in needs:
+            at = taken.get(width, 0)
+            out.append(got[width][at:at + count] if count else [])
+            taken[width] = at + count
+        return out
+
+    def _reuse_or_take_apart(self, block: int, want: dict[int, int], reused: dict[int, list[int]]) -> None:
+        """A reclaimed block goes whole to a width still wanted; any other
+        becomes spare pages."""
+        width = self.widths[block]
+        if want.get(width):
+            want[width] -= 1
+            reused.setdefault(width, []).append(block)
+            return
+        runs = self.runs[block]
+        if runs is None:
+            self._spare.append(range(block, block + width))
+        else:
+            self._spare.extend(runs)
+            self.runs[block] = None
+        self.num_spare_pages += width
+
+    def _cut(self, width: int, count: int) -> list[int]:
+        """`count` blocks of `width` pages from the left of the spare runs.
+        A block inside a run is a run; one that straddles runs is pieced."""
+        spare, widths = self._spare, self.widths
+        self.num_spare_pages -= width * count
+        out: list[int] = []
+        pieces: list[range] = []  # runs of a block begun in an earlier run
+        pieced = 0
+        while count:
+            run = spare.popleft()
+            if pieces:
+                rest = width - pieced
+                pieces.append(run[:rest])
+                if len(run) < rest:
+                    pieced += len(run)
+                    continue
+                out.append(self._pieced_block(pieces, width))
+                count -= 1
+                pieces, pieced = [], 0
+                run = run[rest:]
+            whole = min(count, len(run) // width)
+            if whole == 1:  # (a step's one new block: a plain store)
+                widths[run.start] = width
+                out.append(run.start)
+            elif whole:
+                stop = run.start + whole * width
+                widths[run.start:stop:width] = [width] * whole
+                out.extend(range(run.start, stop, width))
+            count -= whole
+            run = run[whole * width:]
+            if run:
+                if count:
+                    pieces, pieced = [run], len(run)
+                else:
+                    spare.appendleft(run)
+        return out
+
+    def _pieced_block(self, pieces: list[range], width: int) -> int:
+        """A block of the runs `pieces`, adjacent ones joined."""
+        joined = [pieces[0]]
+        for run in pieces[1:]:
+            if joined[-1].stop == run.start:
+                joined[-1] = range(joined[-1].start, run.stop)
+            else:
+                joined.append(run)
+        first = joined[0].start
+        self.widths[first] = width
+        if len(joined) > 1:
+            self.runs[first] = tuple(joined)
+        return first
+
+    def check_invariants(self, claim: Callable[[int, int], None]) -> int:
+        """Claim every spare page (`claim(page, NULL)`); returns their count."""
+        count = 0
+        for run in self._spare:
+            for page in run:
+                claim(page, NULL)
+            count += len(run)
+        assert count == self.num_spare_pages, f"spare page count {self.num_spare_pages} != {count}"
+        return count

@@ -1,0 +1,107 @@
+"""The core's parts on their own: the page allocator, the block cache's one
+place for keys, the request record's fork rule, the deprecated names."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core import BlockCache, FullAttentionSpec, KVCacheManager, MambaSpec, PageAllocator, plan_layout
+from hybridkv.core.request import INHERITED, NOT_INHERITED, CacheRequest
+
+
+def test_every_request_field_is_inherited_at_a_fork_or_not_by_decision():
+    names = {f.name for f in dataclasses.fields(CacheRequest)}
+    assert set(INHERITED) | set(NOT_INHERITED) == names
+    assert not set(INHERITED) & set(NOT_INHERITED)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), widths=st.lists(st.integers(1, 5), min_size=1, max_size=3))
+def test_allocated_blocks_never_share_a_page_and_take_exactly_their_width(seed, widths):
+    # Blocks of several widths come and go (freed ones are reclaimed, whole
+    # or taken apart): at every step each page is in at most one live block,
+    # the null page in none, and the spare count is what is left.
+    rng = random.Random(seed)
+    num_pages = 40
+    allocator = PageAllocator(num_pages)
+    free: list[int] = []  # blocks given back, oldest first (the cache's queue)
+    live: dict[int, int] = {}
+
+    def reclaim(pages):
+        out, got = [], 0
+        while got < pages:
+            block = free.pop(0)
+            out.append(block)
+            got += allocator.width(block)
+        return out
+
+    for _ in range(30):
+        if live and rng.random() < 0.4:
+            block = rng.choice(list(live))
+            del live[block]
+            free.append(block)
+            continue
+        needs = [(w, rng.randint(0, 3)) for w in widths]
+        asked = sum(w * c for w, c in needs)
+        if asked > allocator.num_spare_pages + sum(allocator.width(b) for b in free):
+            continue
+        for (width, count), blocks in zip(needs, allocator.take(needs, reclaim)):
+            assert len(blocks) == count
+            for block in blocks:
+                assert len(list(allocator.pages(block))) == width == allocator.width(block)
+                live[block] = width
+        seen: set[int] = set()
+        for block in list(live) + free:
+            pages = set(allocator.pages(block))
+            assert 0 not in pages and not pages & seen
+            seen |= pages
+        assert len(seen) + allocator.num_spare_pages == num_pages - 1
+
+
+def test_a_key_leaves_the_map_only_through_evict_and_moves_to_a_live_copy():
+    cache = BlockCache(10, 1)
+    a, b = cache.allocate([(1, 2)])[0]
+    assert cache.store(0, [a], ["k"]) == 1
+    assert cache.store(0, [b], ["k"], keep_copies=True) == 0  # b: a copy of a's content
+    version = cache.version
+    cache.release(a)
+    cache.evict(a, "lru")
+    assert cache.cached[0] == {"k": b} and cache.version > version  # the key moved to the copy
+    cache.evict(b, "superseded")
+    assert cache.cached[0] == {} and cache.evictions["superseded"] == [1]
+    cache.release(b)
+    cache.check_invariants({})
+
+
+def test_old_page_counting_names_still_answer_with_a_deprecation_warning():
+    layout = plan_layout({"l0": FullAttentionSpec(1, 8, "float32")}, 64 * 1024, block_size=4)
+    kv = KVCacheManager(layout)
+    kv.add_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots("a", 5)
+    with pytest.warns(DeprecationWarning):
+        assert kv.num_free_blocks == kv.num_free_pages
+    with pytest.warns(DeprecationWarning):
+        assert kv.num_total_blocks == kv.num_total_pages
+    with pytest.warns(DeprecationWarning):
+        assert kv.get_block_tables("a") == kv.get_page_tables("a")
+    with pytest.warns(DeprecationWarning):
+        assert layout.num_blocks == layout.num_pages
+
+
+def test_state_pages_are_asked_by_group_not_by_layer_kind():
+    specs = {"a": FullAttentionSpec(1, 8, "float32"), "m": MambaSpec(shapes=((4, 3), (4, 8)),
+                                                                      dtypes=("float32", "float32"))}
+    layout = plan_layout(specs, 1 << 20, block_size=4)
+    kv = KVCacheManager(layout)
+    kv.add_request("a", list(range(1, 10)))
+    assert kv.allocate_slots("a", 9)
+    recurrent = [g.index for g in layout.groups if g.recurrent]
+    states = kv.get_state_pages("a")
+    assert sorted(states) == recurrent
+    read, write = states[recurrent[0]]
+    assert read is None and write and list(write) == kv.get_page_tables("a")[recurrent[0]]
