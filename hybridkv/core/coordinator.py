@@ -203,11 +203,15 @@ class Coordinator:
         unless a group's events follow allocation)."""
         room = NEVER
         for manager in self.managers:
-            room = min(room, manager.room(req))
+            bound = manager.room(req)
+            if bound < room:
+                room = bound
         if events:
             quiet_until = NEVER
             for manager in self.managers:
-                quiet_until = min(quiet_until, manager.next_event(req))
+                bound = manager.next_event(req)
+                if bound < quiet_until:
+                    quiet_until = bound
         else:
             quiet_until = req.fast.quiet_until
         req.fast = FastPath(room, quiet_until)
