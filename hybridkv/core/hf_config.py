@@ -193,7 +193,3 @@ def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) ->
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
         return MambaSpec(shapes=((conv_dim, conv - 1), (v_heads, k_dim, v_dim)), dtypes=(dtype, state_dtype))
     raise ValueError(f"{model_type}: recurrent layers are not supported")
-
-
-def max_context(config: dict) -> int | None:
-    return text_config(config).get("max_position_embeddings")
