@@ -150,9 +150,11 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hybridkv.layers.dtypes import TORCH_DTYPES
+
     torch.set_num_threads(args["threads"])
     path = model_path(args["model"], args.get("dry", False))
-    dtype = getattr(torch, args["dtype"])
+    dtype = TORCH_DTYPES[args["dtype"]]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args["device"]).eval()
     prompts = prompts_for(args["workload"], args["num_prompts"], model.config.vocab_size)
     ids, mask = left_padded(prompts)

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+from .dtypes import MODEL_DTYPES, dtype_name
 from .specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, MambaSpec, SlidingWindowSpec
-
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 
 SUPPORTED = {
     "gemma2": "Gemma-2", "gemma3": "Gemma-3", "gemma3_text": "Gemma-3 (text)",
@@ -53,10 +51,10 @@ def _need(cfg: dict, key: str, family: str):
 
 def _dtype(cfg: dict, override: str | None) -> str:
     raw = override or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    try:
-        return _DTYPES[str(raw).replace("torch.", "")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {raw!r} in config") from None
+    name = dtype_name(raw)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {raw!r} in config")
+    return name
 
 
 def _attention_dims(cfg: dict, family: str) -> tuple[int, int]:

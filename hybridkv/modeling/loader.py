@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from ..core.dtypes import MODEL_DTYPES, dtype_name
+from ..layers.dtypes import TORCH_DTYPES
 from .base import CausalLM
 
 
@@ -34,8 +36,6 @@ def _architectures():
 
 SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma2ForCausalLM",
                            "JambaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM")
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_dir(path: str, progress: bool = True) -> str:
@@ -76,11 +76,11 @@ def resolve_dtype(dtype: str | torch.dtype, text_config) -> torch.dtype:
         found = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
         if isinstance(found, torch.dtype):
             return found
-        return TORCH_DTYPES.get(str(found).replace("torch.", ""), torch.float32)
-    try:
-        return TORCH_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}") from None
+        name = dtype_name(found)  # spelled as configs spell it, read as the config reader reads it
+        return TORCH_DTYPES[name] if name in MODEL_DTYPES else torch.float32
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, MODEL_DTYPES))}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
