@@ -10,14 +10,24 @@ import os
 from .dtypes import MODEL_DTYPES, dtype_name
 from .specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, MambaSpec, SlidingWindowSpec
 
-SUPPORTED = {
-    "gemma2": "Gemma-2", "gemma3": "Gemma-3", "gemma3_text": "Gemma-3 (text)",
-    "mistral": "Mistral", "ministral": "Ministral", "mixtral": "Mixtral", "gpt_oss": "gpt-oss",
-    "llama4": "Llama-4", "llama4_text": "Llama-4 (text)", "cohere2": "Cohere-2",
-    "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE",
-    "jamba": "Jamba", "bamba": "Bamba", "granitemoehybrid": "Granite-4.0-H",
-    "nemotron_h": "Nemotron-H", "qwen3_next": "Qwen3-Next",
+# The one list of supported models. Every config.json `model_type` this
+# reader plans a KV cache for, with the config.json `architectures` of it
+# that the engine runs (none: no model code, `hybridkv plan` only). The
+# loader, the GGUF converter and both error messages read it from here,
+# torch-free, so that the list cannot differ between them.
+MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "gemma3_text": ("Gemma3ForCausalLM",),
+    "gemma3": ("Gemma3ForConditionalGeneration",),  # the engine runs its language model
+    "gemma2": ("Gemma2ForCausalLM",),
+    "jamba": ("JambaForCausalLM",),
+    "llama": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM",),
+    "ministral": ("MinistralForCausalLM",),
+    "mixtral": (), "gpt_oss": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
+    "qwen3_moe": (), "bamba": (), "granitemoehybrid": (), "nemotron_h": (), "qwen3_next": (),
 }
+# config.json architecture -> model_type, for the architectures the engine runs.
+ENGINE_ARCHITECTURES = {arch: model_type for model_type, archs in MODEL_TYPES.items() for arch in archs}
 
 
 def load_config(path: str) -> dict:
@@ -147,8 +157,8 @@ def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str =
     (Nemotron-H's MLP blocks) are left out."""
     cfg = text_config(config)
     model_type = cfg.get("model_type") or config.get("model_type")
-    if model_type not in SUPPORTED:
-        known = ", ".join(sorted(SUPPORTED))
+    if model_type not in MODEL_TYPES:
+        known = ", ".join(sorted(MODEL_TYPES))
         raise ValueError(f"unsupported architecture: model_type {model_type!r} "
                          f"(architectures={config.get('architectures')}); supported model types: {known}")
     kv_dtype = _dtype(cfg, dtype)
