@@ -90,7 +90,8 @@ class KVCacheLayout:
 
     @property
     def num_blocks(self) -> int:
-        """Pages in the pool, the null page included (DESIGN's pool blocks)."""
+        """Pages in the pool, the null page included. The stable API
+        (docs/api.md) calls them blocks: for most models a block is one page."""
         return self.num_pages
 
     @property
