@@ -83,7 +83,9 @@ def prompts_for(kind: str, n: int, vocab: int, seed: int = 0, low=100, high=1000
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def model_path(name: str, dtype: str, dry: bool = False) -> str:
+def model_path(name: str, dry: bool = False) -> str:
+    """The folder of model `name`, one per model whatever the run's dtype:
+    both engines cast the saved weights to their dtype at load."""
     from hybridkv.files import cache_root
     from hybridkv.tiny_models import MODELS, tiny_model_dir
 
@@ -117,7 +119,7 @@ def run_hybridkv(args) -> dict:
 
     torch.set_num_threads(args["threads"])
     dry = args.get("dry", False)
-    path = model_path(args["model"], args["dtype"], dry)
+    path = model_path(args["model"], dry)
     config = load_config(path)
     prompts = prompts_for(args["workload"], args["num_prompts"], config["vocab_size"])
     longest = max(len(p) for p in prompts) + args["max_tokens"]
@@ -148,9 +150,11 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hybridkv.layers.dtypes import TORCH_DTYPES
+
     torch.set_num_threads(args["threads"])
-    path = model_path(args["model"], args["dtype"], args.get("dry", False))
-    dtype = getattr(torch, args["dtype"])
+    path = model_path(args["model"], args.get("dry", False))
+    dtype = TORCH_DTYPES[args["dtype"]]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args["device"]).eval()
     prompts = prompts_for(args["workload"], args["num_prompts"], model.config.vocab_size)
     ids, mask = left_padded(prompts)
@@ -239,7 +243,7 @@ def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12, dry: bool = 
     """Decode tokens/s if each step only had to read the weights once."""
     import torch
 
-    path = model_path(model, "bfloat16", dry)
+    path = model_path(model, dry)
     from safetensors import safe_open
 
     total = 0

@@ -69,7 +69,7 @@ def replay(kv: KVCacheManager, conversations, max_running: int = 32, chunk: int 
     pending = [(c, 0) for c in range(len(conversations))]  # (conversation, turn) ready to arrive
     pending.reverse()
     running: dict[str, list] = {}
-    queued_tokens = hit_tokens = prompt_tokens = 0
+    hit_tokens = prompt_tokens = 0
     rid_counter = 0
     history: dict[int, list[int]] = {}
     while pending or running:

@@ -85,6 +85,8 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig, JambaForCausalLM
 
+    from .layers.dtypes import TORCH_DTYPES
+
     if name not in MODELS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(MODELS)}")
     family, sizes = MODELS[name]
@@ -100,7 +102,7 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
         config = JambaConfig(**ids, **sizes, expert_layer_period=2, expert_layer_offset=1, num_experts_per_tok=2,
                              mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False)
         model = JambaForCausalLM(config)
-    model = model.to(getattr(torch, dtype)).eval()
+    model = model.to(TORCH_DTYPES[dtype]).eval()
     tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(os.path.abspath(path)) or ".")
     try:
         model.save_pretrained(tmp)

@@ -1,7 +1,7 @@
-"""The transformers oracle (DESIGN section 8): tiny random models built with
-transformers' own classes, saved to a folder that hybridkv.Engine loads, and
-checks of the engine's tokens and logits against one no-cache transformers
-forward over prompt + generated tokens."""
+"""The transformers oracle (docs/engine.md, "Checked against transformers"):
+tiny random models built with transformers' own classes, saved to a folder
+that hybridkv.Engine loads, and checks of the engine's tokens and logits
+against one no-cache transformers forward over prompt + generated tokens."""
 
 from __future__ import annotations
 

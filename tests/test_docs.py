@@ -16,6 +16,15 @@ def test_api_examples_run(monkeypatch):
         exec(compile(block, "docs/api.md", "exec"), namespace)
 
 
+def test_the_docs_name_every_architecture_the_engine_runs():
+    from hybridkv.core.hf_config import ENGINE_ARCHITECTURES
+
+    for page in ("api.md", "engine.md"):
+        with open(os.path.join(DOCS, page)) as f:
+            text = f.read()
+        assert [a for a in ENGINE_ARCHITECTURES if a not in text] == [], page
+
+
 def test_observability_example_prints_what_the_doc_shows():
     import subprocess
     import sys

@@ -120,6 +120,13 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         Engine(str(tmp_path / "missing"))
 
 
+def test_every_architecture_on_the_supported_list_has_a_model_class():
+    from hybridkv.core.hf_config import ENGINE_ARCHITECTURES
+    from hybridkv.modeling.loader import _model_classes
+
+    assert set(_model_classes()) == set(ENGINE_ARCHITECTURES.values())
+
+
 def test_a_stop_string_at_the_very_start_leaves_empty_text(engine):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     full = engine.generate(["tell me"], params, use_tqdm=False)[0].outputs[0]

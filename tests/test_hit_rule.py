@@ -1,7 +1,7 @@
-"""The coordinator's prefix hit against a brute-force reading of the rule
-(DESIGN section 4), written straight from the definitions: a hit of L tokens
-is valid iff every group can serve it, and the answer is the largest valid
-L that is a multiple of the block size and at most len(prompt) - 1."""
+"""The coordinator's prefix hit against a brute-force reading of the rule,
+written straight from the definitions: a hit of L tokens is valid iff every
+group can serve it, and the answer is the largest valid L that is a
+multiple of the block size and at most len(prompt) - 1."""
 
 from __future__ import annotations
 

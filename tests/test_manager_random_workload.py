@@ -1,7 +1,8 @@
 """A seeded random workload per layer-type mix, long enough that prefix
 hits, allocation failures, preemption, forks and evictions all happen many
 times; the shadow runner checks every read and the pool invariants after
-every operation. (tests/test_soak.py runs the same for 10^6 operations.)"""
+every operation. (The soak in tests/test_reliability.py, `pytest -m soak`,
+runs the same for 10^6 operations.)"""
 
 import random
 

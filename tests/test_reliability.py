@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from hybridkv import Engine, SamplingParams
 from hybridkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec

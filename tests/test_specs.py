@@ -24,6 +24,20 @@ def test_non_positive_or_unknown_spec_values_are_rejected(make):
         make()
 
 
+def test_the_core_dtype_table_agrees_with_torch_and_aliases_name_the_same_dtype():
+    import torch
+
+    from hybridkv.core.dtypes import DTYPE_SIZES, dtype_name
+    from hybridkv.layers.dtypes import TORCH_DTYPES
+
+    for name, torch_dtype in TORCH_DTYPES.items():
+        assert torch.empty(0, dtype=torch_dtype).element_size() == DTYPE_SIZES[name]
+        assert dtype_name(torch_dtype) == name
+    assert dtype_name("bf16") == dtype_name("torch.bfloat16") == "bfloat16"
+    assert dtype_name("half") == "float16" and dtype_name("fp32") == "float32"
+    assert dtype_name("float13") is None
+
+
 def _mix(name):
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "models", name)

@@ -1,10 +1,9 @@
-"""Speculative decoding in the engine (prompt-lookup drafts; DESIGN section
-10): the drafter and the acceptance rule alone, then the engine with
-speculation against the engine without it and against transformers, on a
-sliding-window model whose drafts cross the window and on a Mamba hybrid
-whose state must be rolled back to the last accepted token: greedy outputs
-identical, the prefix hit rate unchanged, under batching, preemption and
-prefix hits."""
+"""Speculative decoding in the engine (prompt-lookup drafts): the drafter
+and the acceptance rule alone, then the engine with speculation against the
+engine without it and against transformers, on a sliding-window model whose
+drafts cross the window and on a Mamba hybrid whose state must be rolled
+back to the last accepted token: greedy outputs identical, the prefix hit
+rate unchanged, under batching, preemption and prefix hits."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The manager under speculative decoding (DESIGN section 10): lookahead slots
-reserved all or nothing, and after verification only accepted tokens count.
+"""The manager under speculative decoding: lookahead slots reserved all or
+nothing, and after verification only accepted tokens count.
 No block holding a rejected draft is cached, blocks holding only rejected
 drafts go back to the pool, window releases follow the accepted position, and
 a Mamba state is carried on and checkpointed only after accepted tokens."""

@@ -7,19 +7,27 @@ from __future__ import annotations
 import json
 import os
 
+from .dtypes import MODEL_DTYPES, dtype_name
 from .specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, MambaSpec, SlidingWindowSpec
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-
-SUPPORTED = {
-    "gemma2": "Gemma-2", "gemma3": "Gemma-3", "gemma3_text": "Gemma-3 (text)",
-    "mistral": "Mistral", "ministral": "Ministral", "mixtral": "Mixtral", "gpt_oss": "gpt-oss",
-    "llama4": "Llama-4", "llama4_text": "Llama-4 (text)", "cohere2": "Cohere-2",
-    "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE",
-    "jamba": "Jamba", "bamba": "Bamba", "granitemoehybrid": "Granite-4.0-H",
-    "nemotron_h": "Nemotron-H", "qwen3_next": "Qwen3-Next",
+# The one list of supported models. Every config.json `model_type` this
+# reader plans a KV cache for, with the config.json `architectures` of it
+# that the engine runs (none: no model code, `hybridkv plan` only). The
+# loader, the GGUF converter and both error messages read it from here,
+# torch-free, so that the list cannot differ between them.
+MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "gemma3_text": ("Gemma3ForCausalLM",),
+    "gemma3": ("Gemma3ForConditionalGeneration",),  # the engine runs its language model
+    "gemma2": ("Gemma2ForCausalLM",),
+    "jamba": ("JambaForCausalLM",),
+    "llama": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM",),
+    "ministral": ("MinistralForCausalLM",),
+    "mixtral": (), "gpt_oss": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
+    "qwen3_moe": (), "bamba": (), "granitemoehybrid": (), "nemotron_h": (), "qwen3_next": (),
 }
+# config.json architecture -> model_type, for the architectures the engine runs.
+ENGINE_ARCHITECTURES = {arch: model_type for model_type, archs in MODEL_TYPES.items() for arch in archs}
 
 
 def load_config(path: str) -> dict:
@@ -53,10 +61,10 @@ def _need(cfg: dict, key: str, family: str):
 
 def _dtype(cfg: dict, override: str | None) -> str:
     raw = override or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    try:
-        return _DTYPES[str(raw).replace("torch.", "")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {raw!r} in config") from None
+    name = dtype_name(raw)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {raw!r} in config")
+    return name
 
 
 def _attention_dims(cfg: dict, family: str) -> tuple[int, int]:
@@ -149,8 +157,8 @@ def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str =
     (Nemotron-H's MLP blocks) are left out."""
     cfg = text_config(config)
     model_type = cfg.get("model_type") or config.get("model_type")
-    if model_type not in SUPPORTED:
-        known = ", ".join(sorted(SUPPORTED))
+    if model_type not in MODEL_TYPES:
+        known = ", ".join(sorted(MODEL_TYPES))
         raise ValueError(f"unsupported architecture: model_type {model_type!r} "
                          f"(architectures={config.get('architectures')}); supported model types: {known}")
     kv_dtype = _dtype(cfg, dtype)
@@ -193,7 +201,3 @@ def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) ->
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
         return MambaSpec(shapes=((conv_dim, conv - 1), (v_heads, k_dim, v_dim)), dtypes=(dtype, state_dtype))
     raise ValueError(f"{model_type}: recurrent layers are not supported")
-
-
-def max_context(config: dict) -> int | None:
-    return text_config(config).get("max_position_embeddings")

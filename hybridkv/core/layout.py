@@ -33,7 +33,6 @@ from .specs import ATTENTION_KINDS, AttentionSpec, LayerSpec, MambaSpec
 MAX_STATE_ROUNDING = 0.005
 # Byte alignment of every tensor part inside a page (vector loads, dtype views).
 ALIGN = 16
-NULL_PAGE = 0
 
 
 def _round_up(x: int, m: int) -> int:

@@ -10,23 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DTYPE_SIZES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-def dtype_size(dtype: str) -> int:
-    try:
-        return DTYPE_SIZES[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
+from .dtypes import dtype_size
 
 
 def _require_positive(owner: str, **values: int) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from ..core import KVCacheManager, plan_layout
+from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backend import choose as choose_backend
@@ -37,9 +38,6 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduled, Scheduler
 from .speculative import PromptLookup, accept_drafts
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -93,7 +91,7 @@ class Engine:
         self.vocab_size = self.config.vocab_size
         context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(max_model_len or context, context)
-        specs = specs_from_config(self.config.to_dict(), dtype=_DTYPE_NAMES[self.dtype])
+        specs = specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype))
         self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy)

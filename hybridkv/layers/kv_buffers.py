@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.layout import KVCacheLayout
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
-                "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
-                "float8_e5m2": getattr(torch, "float8_e5m2", None)}
+from .dtypes import TORCH_DTYPES
 
 
 class KVBuffers:

@@ -20,7 +20,7 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from .base import CausalLM
-from .blocks import GatedMLP, PagedSelfAttention
+from .sublayers import GatedMLP, PagedSelfAttention
 
 
 class GemmaAttention(PagedSelfAttention):
@@ -40,7 +40,7 @@ class GemmaAttention(PagedSelfAttention):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, qk_norm: bool, softcap: float | None):
+    def __init__(self, config, qk_norm: bool, softcap: float | None):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = GemmaAttention(config, qk_norm, softcap)
@@ -68,7 +68,7 @@ class GemmaForCausalLM(CausalLM):
         self.layer_types = list(config.layer_types)
         attn_softcap = None if qk_norm else getattr(config, "attn_logit_softcapping", None)
         self.model.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, t, qk_norm, attn_softcap) for t in self.layer_types)
+            GemmaDecoderLayer(config, qk_norm, attn_softcap) for _ in self.layer_types)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

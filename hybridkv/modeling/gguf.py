@@ -29,16 +29,17 @@ import sys
 import tempfile
 import time
 
+from ..core.hf_config import MODEL_TYPES
 from ..files import cache_root
 
 # GGUF `general.architecture` -> what the engine runs it as. Mistral files
 # say "llama"; transformers tells them apart by name (config model_type).
 SUPPORTED_ARCHITECTURES = ("gemma3", "gemma2", "llama")
-_MODEL_TYPES = {  # transformers config model_type -> (config.json architecture, tokenizer class)
-    "gemma3_text": ("Gemma3ForCausalLM", "GemmaTokenizer"),
-    "gemma2": ("Gemma2ForCausalLM", "GemmaTokenizer"),
-    "llama": ("LlamaForCausalLM", "LlamaTokenizer"),
-    "mistral": ("MistralForCausalLM", "LlamaTokenizer"),
+_TOKENIZERS = {  # transformers config model_type -> its tokenizer class (the architecture: MODEL_TYPES)
+    "gemma3_text": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "llama": "LlamaTokenizer",
+    "mistral": "LlamaTokenizer",
 }
 # Tensor types gguf's dequantizer (what transformers calls) turns into floats
 # and that llama.cpp's usual quantizations write; the dequantizer decides, this
@@ -139,9 +140,9 @@ def _convert(path: str, gguf_architecture: str, digest: str, out: str, target: s
     with tqdm(total=4, desc="converting GGUF", unit="stage", disable=not progress) as bar:
         bar.set_postfix_str("config")
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        if config.model_type not in _MODEL_TYPES:
+        if config.model_type not in _TOKENIZERS:
             raise ValueError(f"transformers reads it as {config.model_type!r}, which hybridkv does not serve")
-        architecture, tokenizer_class = _MODEL_TYPES[config.model_type]
+        architecture, tokenizer_class = MODEL_TYPES[config.model_type][0], _TOKENIZERS[config.model_type]
         bar.update()
         bar.set_postfix_str("tokenizer")
         # The tokenizer class directly: AutoTokenizer would parse the whole file again to find it.

@@ -21,7 +21,7 @@ from ..layers.mamba_ops import causal_conv, selective_scan
 from ..layers.norm import RMSNorm
 from ..layers.step import StepBatch, capturing
 from .base import CacheLayer, CausalLM
-from .blocks import GatedMLP, PagedSelfAttention
+from .sublayers import GatedMLP, PagedSelfAttention
 
 
 def _padded_prefills(prefills, device):

@@ -13,7 +13,7 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from .base import CausalLM
-from .blocks import GatedMLP, PagedSelfAttention
+from .sublayers import GatedMLP, PagedSelfAttention
 
 
 class LlamaAttention(PagedSelfAttention):

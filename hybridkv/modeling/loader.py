@@ -10,32 +10,32 @@ import os
 
 import torch
 
+from ..core.dtypes import MODEL_DTYPES, dtype_name
+from ..core.hf_config import ENGINE_ARCHITECTURES
+from ..layers.dtypes import TORCH_DTYPES
 from .base import CausalLM
 
 
-def _architectures():
+def _model_classes():
+    """model_type -> (model class, checkpoint name prefixes to rename), for
+    the model types whose architectures the engine runs (hf_config's
+    MODEL_TYPES, which names the architectures)."""
     from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
     from .jamba import JambaForCausalLM
     from .llama import LlamaForCausalLM
 
     return {
-        "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
-        "Gemma3ForConditionalGeneration": (GemmaForCausalLM, {
+        "gemma3_text": (GemmaForCausalLM, {}),
+        "gemma3": (GemmaForCausalLM, {
             # transformers 5 and older layouts of the multimodal checkpoint
             "model.language_model.": "model.", "language_model.model.": "model.",
             "language_model.lm_head.": "lm_head."}),
-        "Gemma2ForCausalLM": (Gemma2ForCausalLM, {}),
-        "JambaForCausalLM": (JambaForCausalLM, {}),
-        "LlamaForCausalLM": (LlamaForCausalLM, {}),
-        "MistralForCausalLM": (LlamaForCausalLM, {}),
-        "MinistralForCausalLM": (LlamaForCausalLM, {}),
+        "gemma2": (Gemma2ForCausalLM, {}),
+        "jamba": (JambaForCausalLM, {}),
+        "llama": (LlamaForCausalLM, {}),
+        "mistral": (LlamaForCausalLM, {}),
+        "ministral": (LlamaForCausalLM, {}),
     }
-
-
-SUPPORTED_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma2ForCausalLM",
-                           "JambaForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM")
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_dir(path: str, progress: bool = True) -> str:
@@ -61,9 +61,9 @@ def read_config(model_dir: str):
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
     architecture = (raw.get("architectures") or [None])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in ENGINE_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r} in {model_dir}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"supported: {', '.join(ENGINE_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(model_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return config, text, architecture
@@ -76,11 +76,11 @@ def resolve_dtype(dtype: str | torch.dtype, text_config) -> torch.dtype:
         found = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
         if isinstance(found, torch.dtype):
             return found
-        return TORCH_DTYPES.get(str(found).replace("torch.", ""), torch.float32)
-    try:
-        return TORCH_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}") from None
+        name = dtype_name(found)  # spelled as configs spell it, read as the config reader reads it
+        return TORCH_DTYPES[name] if name in MODEL_DTYPES else torch.float32
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, MODEL_DTYPES))}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -147,7 +147,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     from tqdm.auto import tqdm
 
     config, text, architecture = read_config(model_dir)
-    model_class, renames = _architectures()[architecture]
+    model_class, renames = _model_classes()[ENGINE_ARCHITECTURES[architecture]]
     torch_dtype = resolve_dtype(dtype, text)
     device = torch.device(device)
     with torch.device("meta"):

@@ -1,4 +1,6 @@
-"""Building blocks the decoder families share (Hugging Face parameter names)."""
+"""The two sublayers every decoder family is made of: self-attention over
+the paged KV cache and the gated MLP (Hugging Face parameter names). The
+families add their norms, rotary embeddings or mixers around them."""
 
 from __future__ import annotations
 

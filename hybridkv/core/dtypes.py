@@ -1,0 +1,43 @@
+"""Dtype names: the one table of the dtypes hybridkv stores, their sizes and
+the other spellings configs use for them. Torch-free, so the manager core
+can size pages; `layers/dtypes.py` maps the same names to torch dtypes.
+
+The names are torch's own (`torch.bfloat16` is "bfloat16"), so a spec's
+dtype, a config's `torch_dtype` and a torch dtype's `str` all meet here."""
+
+from __future__ import annotations
+
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+# What a model's weights and activations may be in: the loader casts to one
+# of these and the config reader takes the KV dtype from one of them.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+# Other spellings of the same dtypes found in configs and on command lines.
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def dtype_name(raw) -> str | None:
+    """The table's name for a dtype spelled `raw` ("bf16", "torch.bfloat16",
+    a torch dtype itself), or None when the table does not know it."""
+    name = str(raw).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    return name if name in DTYPE_SIZES else None
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of `dtype`, which must be a table name (a spec's
+    dtype is compared for equality, so aliases are not taken here)."""
+    try:
+        return DTYPE_SIZES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_SIZES)}") from None
