@@ -6,7 +6,7 @@ Two kinds, chosen by `make_coordinator` from the layout:
 
 * `UnitaryCoordinator`: one group (a full-attention-only model, or one kind
   of layer). Its manager's longest hit is the hit.
-* `HybridCoordinator`: N groups of any types. The hit rule (DESIGN section 4)
+* `HybridCoordinator`: N groups of any types. The hit rule (docs/architecture.md)
   is a fixed point: start from the longest candidate, let each group lower it
   to its own longest valid hit at most that long, and repeat until a whole
   pass lowers it no more. Each pass strictly lowers the candidate or ends,
