@@ -215,16 +215,70 @@ class ShadowRunner:
         return True
 
 
+class ShadowTier:
+    """A tier below the pool for the shadow runner (core/tiers.py): it keeps
+    what the shadow says evicted pages held, at most `capacity` blocks (LRU),
+    and loses a block now and then (`loss`: the chance a fetch finds it gone,
+    as a corrupt file would be), so a hit must survive it."""
+
+    def __init__(self, shadow: ShadowRunner, num_groups: int, capacity: int, rng=None, loss: float = 0.0):
+        from collections import OrderedDict
+
+        from hybridkv.core.tiers import TierRef
+
+        self.shadow, self.capacity, self.rng, self.loss = shadow, capacity, rng, loss
+        self.index = [{} for _ in range(num_groups)]
+        self.blocks: OrderedDict = OrderedDict()  # (group, key) -> page contents
+        self.ref = TierRef
+        self.changed = None
+        self.puts = self.loads = self.lost = 0
+
+    def _drop(self, group, key) -> None:
+        del self.blocks[(group, key)]
+        del self.index[group][key]
+        self.changed()
+
+    def put(self, group, key, pages) -> None:
+        self.puts += 1
+        self.blocks[(group, key)] = [self.shadow.content.get(p) for p in pages]
+        self.blocks.move_to_end((group, key))
+        self.index[group][key] = self.ref(group, key, "shadow")
+        while len(self.blocks) > self.capacity:
+            self._drop(*next(iter(self.blocks)))
+
+    def fetch(self, ref):
+        got = self.blocks.get((ref.group, ref.key))
+        if got is not None and self.rng is not None and self.rng.random() < self.loss:
+            self.lost += 1
+            self._drop(ref.group, ref.key)
+            return None
+        return got
+
+    def load(self, pages, content) -> None:
+        self.loads += 1
+        for page, value in zip(pages, content):
+            self.shadow.content[page] = value
+
+    def clear(self) -> None:
+        for group, key in list(self.blocks):
+            self._drop(group, key)
+
+
 def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8,
-                    speculative: bool = False) -> dict:
+                    speculative: bool = False, tier_blocks: int | None = None) -> dict:
     """A seeded random mix of every manager operation, with heavy prefix
     sharing (a few system prompts, chat turns that extend earlier sequences,
     forks), checked by the shadow runner. `speculative`: decode steps also
     verify 1-4 draft tokens with lookahead slots and accept a random number
-    of them. Returns event counts."""
+    of them. `tier_blocks`: a ShadowTier of that many blocks below the
+    pool, which also loses one fetch in ten. Returns event counts."""
     import collections
 
     shadow = ShadowRunner(kv)
+    tier = None
+    if tier_blocks is not None:
+        tier = ShadowTier(shadow, len(kv.layout.groups), tier_blocks, rng, loss=0.1)
+        kv.attach_tier(tier)
     counts = collections.Counter()
     systems = [[rng.randrange(100) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
     history: list[list[int]] = []
@@ -313,4 +367,6 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     assert kv.num_free_pages == total, "pages leaked after freeing every request"
     counts["evictions"] = kv.stats.evictions
     counts["block_checks"] = shadow.checks
+    if tier is not None:
+        counts.update(tier_puts=tier.puts, tier_loads=tier.loads, tier_lost=tier.lost)
     return counts

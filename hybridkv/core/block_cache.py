@@ -36,6 +36,10 @@ from operator import itemgetter
 from .page_allocator import NULL, PageAllocator
 
 EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
+# Keys that leave for these reasons go to the tier below, if there is one:
+# the block is being reused, its content is still worth something. A
+# superseded checkpoint is not (its owner has a newer one).
+_SPILLED = ("lru", "probation")
 # From this many blocks on, `store` first tries to add them all in one dict
 # update (a prefill's blocks, nearly always new content); below it, the
 # checks that the shortcut needs cost more than the per-block loop.
@@ -62,6 +66,9 @@ class BlockCache:
         # remembered prefix hit can tell that it may be stale.
         self.version = 0
         self.evictions = {reason: [0] * num_groups for reason in EVICTION_REASONS}
+        # A tier below the pool (core/tiers.py): `spill(group, key, block)`
+        # keeps the content of a block about to be reused. None: no tier.
+        self.spill = None
 
     @property
     def num_free_pages(self) -> int:
@@ -200,6 +207,8 @@ class BlockCache:
         copies = self.copies[group]
         others = copies.get(key) if copies else None
         if others is None:  # the usual case: one block per key
+            if self.spill is not None and reason in _SPILLED:
+                self.spill(group, key, block)
             del self.cached[group][key]
             self.version += 1
             self.evictions[reason][group] += 1

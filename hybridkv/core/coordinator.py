@@ -30,6 +30,7 @@ from .checkpoints import CheckpointPlanner, CheckpointPolicy
 from .hashing import BlockHasher
 from .layout import KVCacheLayout
 from .managers import make_manager
+from .page_allocator import NULL
 from .request import CacheRequest, Lookup, ScanMemo
 from .specs import NEVER
 
@@ -74,6 +75,28 @@ class Coordinator:
         self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
         self._events_follow_allocation = any(m.events_follow_allocation for m in self.managers)
         self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
+        self.tier = None  # the store below the pool (core/tiers.py), once attached
+        self.tier_loads: dict[str, list[int]] = {}  # tier -> per group, blocks loaded into the pool
+
+    def attach_tier(self, tier) -> None:
+        """Put `tier` below the pool: evicted blocks go to it, lookups and
+        hits read it (core/tiers.py)."""
+        if not self.caching:
+            raise ValueError("a tier below the pool needs prefix caching")
+        if self.hasher.verifies:
+            raise ValueError("a tier below the pool needs a trusted hash (hash_function='sha256'): "
+                             "it keeps no token ids to check")
+        self.tier = tier
+        cache = self.block_cache
+        pages = cache.pages
+        widths = [m.width for m in self.managers]
+        cache.spill = lambda group, key, block: tier.put(group, key, pages(block, widths[group]))
+
+        def changed() -> None:  # a key left the tier: remembered lookups may be stale
+            cache.version += 1
+        tier.changed = changed
+        for manager in self.managers:
+            manager.tier_index = tier.index[manager.index]
 
     def new_request(self, request_id: str, tokens: list[int], root) -> CacheRequest:
         return CacheRequest(request_id, tokens, root, [m.empty_table() for m in self.managers])
@@ -131,6 +154,23 @@ class Coordinator:
         if len(req.keys) < num_blocks:
             self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks, req.prompt_bytes)
 
+    def fetch_from_tier(self, req: CacheRequest, hit: int) -> dict | None:
+        """Before a first allocation: the content of every block the hit
+        takes from the tier, by TierRef; None if the tier lost one (it has
+        dropped the key: look the hit up again)."""
+        fetched: dict = {}
+        hit_blocks = hit // self.block_size
+        if self.tier is None or not hit_blocks:
+            return fetched
+        for manager, found in zip(self.managers, self.scan(req)[0]):
+            for ref in manager.hit_blocks(found, hit_blocks):
+                if ref and type(ref) is not int:
+                    content = self.tier.fetch(ref)
+                    if content is None:
+                        return None
+                    fetched[ref] = content
+        return fetched
+
     # -- allocation --------------------------------------------------------
     # Both verbs give room for `num_new_tokens` more tokens, or return False
     # and change nothing.
@@ -156,22 +196,31 @@ class Coordinator:
         self._refresh(req, self._events_follow_allocation or fast is None)
         return True
 
-    def start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
+    def start(self, req: CacheRequest, num_new_tokens: int, hit: int, fetched: dict | None = None) -> bool:
         """The first allocation: take the prefix hit `hit` (tokens), then room
-        for the new tokens."""
+        for the new tokens. `fetched`: the content of the hit's blocks that
+        come from the tier (fetch_from_tier); each is loaded into a fresh
+        block before any step reads it."""
         managers = self.managers
         hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
         found = None
+        loads: list[list] = [[] for _ in managers]  # per group: (position, TierRef)
         if hit_blocks:
             found = [m.hit_blocks(f, hit_blocks) for m, f in zip(managers, self.scan(req)[0])]
+            if self.tier is not None:
+                for g, blocks in enumerate(found):
+                    for position, block in enumerate(blocks):
+                        if block and type(block) is not int:
+                            loads[g].append((position, block))
+                            blocks[position] = NULL  # until loaded (place_loaded)
         req.num_computed = hit  # as it will be once the hit is taken
         counts = []
         pages = 0
         ref, widths = self.block_cache.ref, self.block_cache.allocator.widths
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
-            count = manager.blocks_for_start(req, target, blocks)
+            count = manager.blocks_for_start(req, target, blocks) + len(loads[g])
             counts.append((manager.width, count))
             pages += count * manager.width
             for block in blocks:
@@ -192,10 +241,27 @@ class Coordinator:
         # One call for all groups: reused blocks go to the group of their
         # width, so fewer are taken apart (BlockCache.allocate).
         for manager, blocks in zip(managers, self.block_cache.allocate(counts)):
-            manager.start(req, blocks)
+            taken = len(loads[manager.index])
+            if taken:
+                self._load(req, manager, loads[manager.index], blocks[:taken], fetched)
+            manager.start(req, blocks[taken:])
         req.num_allocated = target
         self._refresh(req)
         return True
+
+    def _load(self, req: CacheRequest, manager, loads: list, blocks: list[int], fetched: dict) -> None:
+        """Tier blocks of a hit into fresh pool blocks: their content, their
+        key (they are cached content again), their place in the request."""
+        g = manager.index
+        groups = len(self.managers)
+        mine = dict(req.lookup.loaded or {})
+        for (position, tier_ref), block in zip(loads, blocks):
+            self.tier.load(self.block_cache.pages(block, manager.width), fetched[tier_ref])
+            self.block_cache.store(g, [block], [tier_ref.key])
+            manager.place_loaded(req, position, block)
+            self.tier_loads.setdefault(tier_ref.tier, [0] * groups)[g] += 1
+            mine.setdefault(tier_ref.tier, [0] * groups)[g] += 1
+        req.lookup = req.lookup._replace(loaded=mine)
 
     def _refresh(self, req: CacheRequest, events: bool = True) -> None:
         """Recompute the fast path after a slow path changed blocks

@@ -48,6 +48,8 @@ class CacheStats:
     # reason ("lru", "probation", "superseded", "reset") -> per group, cache
     # keys dropped for it (core/block_cache.py)
     evictions_by_reason: dict = None
+    # tier ("host", "disk") -> per group, hit blocks loaded from it into the pool
+    tier_loads: dict = None
 
     @property
     def hit_rate(self) -> float:
@@ -89,6 +91,9 @@ class HitExplanation:
     lost_to_one_token_minimum: int
     groups: tuple[GroupHit, ...]
     caching: bool = True
+    # tier -> per group, blocks of the hit loaded from it (the rest came from
+    # the pool); known once the request took its hit
+    loaded_blocks: dict | None = None
 
     @property
     def missed_tokens(self) -> int:
@@ -106,6 +111,8 @@ class HitExplanation:
                  f"{self.lost_to_one_token_minimum} kept for the one-token minimum)"]
         if not self.caching:
             lines.append("  prefix caching is off")
+        for tier, blocks in (self.loaded_blocks or {}).items():
+            lines.append(f"  loaded from the {tier} tier: {', '.join(map(str, blocks))} blocks per group")
         for g in self.groups:
             note = ""
             if g.capped:
@@ -228,8 +235,14 @@ class KVCacheManager:
         memo = req.hit_memo
         if memo is not None and memo.version == self.block_cache.version and memo.num_tokens == len(req.tokens):
             return memo.hit
-        hit = self.coordinator.find_hit(req)
-        req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None)
+        while True:
+            hit = self.coordinator.find_hit(req)
+            # The content of the blocks a tier serves is read now, so that a
+            # hit this call reports is one the allocation can take.
+            fetched = self.coordinator.fetch_from_tier(req, hit)
+            if fetched is not None:
+                break  # (None: the tier lost a block and dropped its key; look again)
+        req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None, fetched)
         return hit
 
     def _why(self, req: CacheRequest, hit: int) -> tuple:
@@ -245,8 +258,9 @@ class KVCacheManager:
         group the longest hit it alone serves and the joint hit without it
         (as cheap as get_computed_tokens, and free when nothing was missed)."""
         req = self._get(request_id)
+        loaded = None
         if req.started:
-            prompt, hit, alone, without = req.lookup
+            prompt, hit, alone, without, loaded = req.lookup
         else:
             prompt, hit = len(req.tokens), self._hit(req)
             alone, without = self._why(req, hit)
@@ -259,7 +273,8 @@ class KVCacheManager:
                      caching and alone[m.index] == hit < limit)
             for m in self.coordinator.managers)
         return HitExplanation(request_id, prompt, hit, limit if caching else 0, prompt - whole,
-                              whole - limit if caching else 0, groups, caching)
+                              whole - limit if caching else 0, groups, caching,
+                              {t: tuple(n) for t, n in loaded.items()} if loaded else None)
 
     def allocate_slots(self, request_id: str, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Room for the next `num_new_tokens` tokens (beyond the computed ones
@@ -278,7 +293,10 @@ class KVCacheManager:
                 f"request {request_id!r}: slots for tokens up to {start + num_new_tokens} asked, "
                 f"but only {len(req.tokens)} token ids are known (append them first)")
         total = num_new_tokens + num_lookahead
-        ok = self.coordinator.grow(req, total) if hit is None else self.coordinator.start(req, total, hit)
+        if hit is None:
+            ok = self.coordinator.grow(req, total)
+        else:
+            ok = self.coordinator.start(req, total, hit, req.hit_memo.fetched)
         if ok and num_lookahead:
             req.lookahead = num_lookahead
             req.fast = None  # mark_computed takes the slow path, which drops the rejected slots
@@ -522,11 +540,20 @@ class KVCacheManager:
                           cache.num_free_pages, cache.num_pages - 1,
                           tuple(getattr(m, "released_pages", 0) for m in managers),
                           tuple(m.kind for m in managers), tuple(self._capped_tokens),
-                          {r: tuple(cache.evictions[r]) for r in EVICTION_REASONS})
+                          {r: tuple(cache.evictions[r]) for r in EVICTION_REASONS},
+                          {t: tuple(n) for t, n in self.coordinator.tier_loads.items()})
+
+    def attach_tier(self, tier) -> None:
+        """Put a store below the pool (core/tiers.py: host memory, disk):
+        blocks the pool evicts go to it, and prefix hits read it too."""
+        self.coordinator.attach_tier(tier)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block (e.g. after weights change). Blocks in
-        use stay with their requests. Returns the number of keys dropped."""
+        """Forget every cached block (e.g. after weights change), in the
+        tier below the pool too. Blocks in use stay with their requests.
+        Returns the number of keys dropped from the pool."""
+        if self.coordinator.tier is not None:
+            self.coordinator.tier.clear()
         dropped = self.block_cache.reset()
         if self.coordinator.checkpoints is not None:
             self.coordinator.checkpoints.clear()

@@ -18,6 +18,7 @@ class HitMemo(NamedTuple):
     num_tokens: int
     hit: int  # tokens
     why: tuple | None  # (alone, without) per group, once explain_hit asked
+    fetched: dict | None = None  # TierRef -> content of the hit's blocks a tier serves
 
 
 class ScanMemo(NamedTuple):
@@ -35,6 +36,7 @@ class Lookup(NamedTuple):
     hit: int
     alone: list  # per group: the longest hit it alone could serve
     without: list  # per group: the joint hit if it could serve anything
+    loaded: dict | None = None  # tier -> per group, hit blocks loaded from it (None: all from the pool)
 
 
 @dataclass(slots=True, eq=False)

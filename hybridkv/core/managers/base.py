@@ -44,6 +44,8 @@ class GroupManager:
         # With an untrusted hash, a hit must also match the stored token ids.
         self.verify = verify
         self.by_key = block_cache.cached[group.index]  # this group's cache keys -> blocks (read only)
+        # The group's keys in the tier below the pool -> TierRef (core/tiers.py), or None.
+        self.tier_index: dict | None = None
 
     def _lookup(self, req: CacheRequest, j: int) -> int | None:
         """The cached block for block position j of req, if any."""
@@ -54,11 +56,18 @@ class GroupManager:
                 return None
         return block
 
+    def lookups(self, keys: list):
+        """The pool's block for each key, else the tier's TierRef, else None
+        (an iterator; maps run in C)."""
+        if self.tier_index is None:
+            return map(self.by_key.get, keys)
+        return map(self.by_key.get, keys, map(self.tier_index.get, keys))
+
     def found(self, req: CacheRequest, lo: int, hi: int) -> list:
         """`_lookup` for block positions lo .. hi-1 (None where nothing is
         cached): with a trusted hash, one map over the keys, run in C."""
         if not self.verify:
-            return list(map(self.by_key.get, req.keys[lo:hi]))
+            return list(self.lookups(req.keys[lo:hi]))
         return [self._lookup(req, j) for j in range(lo, hi)]
 
     def scan(self, req: CacheRequest, limit: int) -> tuple[list, bytes]:
@@ -67,7 +76,7 @@ class GroupManager:
         early where nothing after a position can matter to it (full
         attention: at the first miss); the mask then ends with that miss."""
         found = self.found(req, 0, limit)
-        return found, bytes(map(bool, found))  # (block ids are never 0)
+        return found, bytes(map(bool, found))  # (block ids are never 0; a TierRef is truthy)
 
     def empty_table(self) -> list:
         return []
@@ -115,6 +124,11 @@ class GroupManager:
 
     def held_blocks(self, req: CacheRequest) -> list[int]:
         """Every non-null block the request references (for invariant checks)."""
+        raise NotImplementedError
+
+    def place_loaded(self, req: CacheRequest, position: int, block: int) -> None:
+        """A block loaded from a tier takes its place in the request's hit:
+        `position` is its index in the list `hit_blocks` gave."""
         raise NotImplementedError
 
     def page_table(self, req: CacheRequest) -> list[int]:
@@ -287,6 +301,10 @@ class AttentionManager(GroupManager):
 
     def held_blocks(self, req):
         return [b for b in req.tables[self.index] if b]
+
+    def place_loaded(self, req, position, block):
+        req.tables[self.index][position] = block
+        req.tables_changed()
 
     def page_table(self, req):
         table = req.tables[self.index]

@@ -21,7 +21,7 @@ class FullAttentionManager(AttentionManager):
         # long prompt's lookups, each a few cache misses in a large pool.
         if self.verify:
             return super().scan(req, limit)
-        found = list(takewhile(_is_cached, map(self.by_key.get, req.keys[:limit])))
+        found = list(takewhile(_is_cached, self.lookups(req.keys[:limit])))
         return found, b"\x01" * len(found) + (b"\x00" if len(found) < limit else b"")
 
     def next_event(self, req):

@@ -59,6 +59,10 @@ class MambaManager(GroupManager):
         req.tables[self.index] = [read, NULL]
         req.tables_changed()
 
+    def place_loaded(self, req, position, block):
+        req.tables[self.index][0] = block  # the state to read: the checkpoint loaded
+        req.tables_changed()
+
     def _in_place(self, read) -> bool:
         return read != NULL and self.block_cache.ref[read] == 1 and self.block_cache.key[read] is None
 
