@@ -55,7 +55,9 @@ def _serve(args) -> int:
           kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
           enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-          speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens)
+          speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+          kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
+          kv_disk_cache_memory=args.kv_disk_cache_memory)
     return 0
 
 
@@ -98,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    serve.add_argument("--kv-host-cache-memory", default=None, metavar="BYTES",
+                       help="keep blocks the KV pool evicts in host memory, e.g. 4GiB (default: off)")
+    serve.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                       help="keep evicted blocks in files under DIR; a restarted server hits them (default: off)")
+    serve.add_argument("--kv-disk-cache-memory", default="16GiB", metavar="BYTES",
+                       help="byte budget of the disk tier (default 16GiB)")
     serve.add_argument("--speculative-method", choices=["ngram"], default=None,
                        help="speculative decoding: ngram (prompt-lookup drafts; greedy outputs unchanged)")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,

@@ -14,10 +14,12 @@ children after the prompt, check stop conditions, free finished sequences.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
 import time
+import weakref
 from collections.abc import Sequence as Seq
 
 import torch
@@ -31,6 +33,7 @@ from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
+from .kv_tiers import TieredStore, kv_identity
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .runner import ModelRunner
@@ -51,7 +54,9 @@ class Engine:
                  checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
                  enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
-                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+                 kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
+                 kv_disk_cache_memory: int | str = "16GiB"):
         """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
         "triton" (layers/backend.py), chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
@@ -61,7 +66,13 @@ class Engine:
         last prompt_lookup_max..prompt_lookup_min tokens matched earlier in
         the sequence; speculative.py): greedy outputs are unchanged, sampled
         ones keep their distribution (a seeded request's draws then depend
-        on how many drafts each step verified, which the batch can change)."""
+        on how many drafts each step verified, which the batch can change).
+        Tiers below the pool (kv_tiers.py): `kv_host_cache_memory` ("4GiB")
+        keeps the blocks the pool evicts in host memory; `kv_disk_cache`
+        (a directory) keeps what host memory evicts, or with no host tier
+        what the pool evicts, in files, up to `kv_disk_cache_memory` bytes,
+        and survives a restart (`close()` writes what the pool still
+        caches there too)."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -99,6 +110,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
                                   fixed_shape_decode=fixed_shape_decode)
+        self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -110,6 +122,28 @@ class Engine:
         self.num_steps = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # and those the model agreed with
+
+    def _attach_tiers(self, host_memory, disk_dir, disk_memory) -> TieredStore | None:
+        if host_memory is None and disk_dir is None:
+            return None
+        if not self.kv.enable_prefix_caching:
+            raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
+        identity = kv_identity(self.model_dir, dtype_name(self.dtype), self.layout)
+        tiers = TieredStore(self.runner.buffers.pool, self.layout,
+                            host_bytes=parse_memory(host_memory) if host_memory is not None else 0,
+                            disk_dir=disk_dir, disk_bytes=parse_memory(disk_memory), identity=identity)
+        self.kv.attach_tier(tiers)
+        # A process that exits without close() still leaves its cached
+        # prefixes on disk (a weak reference: the engine may go first).
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+        return tiers
+
+    def close(self) -> None:
+        """Write what the pool still caches to the disk tier (the next start
+        hits it). Safe to call more than once; without a disk tier, nothing."""
+        if self.tiers is not None:
+            self.tiers.flush(self.kv)
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":
@@ -463,4 +497,6 @@ class Engine:
             "prefix_hit_rate": cache.hit_rate,
             "kv_usage": self.kv.usage,
             "kv_pages_in_use_by_group": self.kv.pages_in_use_by_group(),
+            "kv_tier_loads_by_group": {t: list(n) for t, n in (cache.tier_loads or {}).items()},
+            **({f"kv_tier_{k}": v for k, v in self.tiers.describe().items()} if self.tiers is not None else {}),
         }

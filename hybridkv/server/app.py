@@ -87,6 +87,8 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
             yield
         finally:
             await asyncio.to_thread(engine_loop.shutdown)
+            # The engine thread has stopped: keep what the pool caches on the disk tier.
+            await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
     app.state.engine_loop = engine_loop

@@ -1,0 +1,347 @@
+"""Tiers below the device pool: host memory and disk (core/tiers.py says
+what the manager asks of them and the rules they follow).
+
+A block the pool reuses is copied out (`put`) into host memory; what host
+memory pushes out goes to disk; with no host tier, straight to disk. A hit
+reads the content back (`fetch`) and the manager loads it into fresh pool
+pages (`load`). Copies are synchronous, at the moment the manager evicts or
+takes a hit: the pages are not written again before the next forward pass,
+so no ordering between stores, loads and steps is needed.
+
+On disk (`DiskTier`), one file per block under
+`DIR/<identity>/g<group>/<key hex>.kv`: a header (magic, format version,
+group, width, page size, the identity digest, the key), the pages' bytes,
+and a CRC-32 of all of it. The identity (`kv_identity`) hashes the weights'
+fingerprint, the dtype and the layout, so another model or layout never
+reads these files. A file is written under a temporary name and renamed
+into place, so a reader never sees half a block; one that is truncated,
+corrupt or of another version is a miss and is removed. A write that fails
+(a full disk, a read-only directory) warns once and turns writing off;
+serving goes on.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import struct
+import warnings
+import zlib
+from collections import OrderedDict
+
+import torch
+
+from ..core.layout import KVCacheLayout
+from ..core.tiers import TierRef
+
+FORMAT_VERSION = 1
+_MAGIC = b"HKVC"
+_HEADER = struct.Struct("<4sHHII32sB")  # magic, version, group, width, page size, identity, key length
+_TRAILER = struct.Struct("<I")  # CRC-32 of header, key and pages
+
+
+def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout) -> bytes:
+    """What made the KV: the weights (each weight file's name, size and
+    first MiB, where safetensors keeps its header of names, shapes and
+    offsets), the dtype, and the layout (page size, block size, groups).
+    A 32-byte digest."""
+    h = hashlib.sha256(f"hybridkv-kv-v{FORMAT_VERSION}".encode())
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")) +
+                       glob.glob(os.path.join(model_dir, "config.json"))):
+        h.update(os.path.basename(path).encode())
+        h.update(str(os.path.getsize(path)).encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+    groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
+    h.update(json.dumps([dtype, layout.page_size_bytes, layout.block_size, repr(groups)]).encode())
+    return h.digest()
+
+
+class HostTier:
+    """Blocks in host memory: one slab of pages (pinned when the pool is on
+    a GPU, so copies go by DMA), an LRU of blocks, a free list of pages."""
+
+    def __init__(self, num_pages: int, page_size: int, pin: bool):
+        self.slab = torch.empty(num_pages, page_size, dtype=torch.uint8, pin_memory=pin)
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.blocks: OrderedDict[tuple, list[int]] = OrderedDict()  # (group, key) -> slab pages
+
+    def __contains__(self, item) -> bool:
+        return item in self.blocks
+
+    def add(self, item, content: torch.Tensor) -> list:
+        """Keep `content` ([width, page size]); returns the blocks pushed
+        out to make room, as (item, content)."""
+        width = content.shape[0]
+        if width > self.slab.shape[0]:
+            return [(item, content)]  # larger than the whole tier
+        pushed = []
+        while len(self.free) < width:
+            old, pages = self.blocks.popitem(last=False)
+            pushed.append((old, self.slab[pages].clone()))
+            self.free.extend(pages)
+        pages = [self.free.pop() for _ in range(width)]
+        self.slab[pages] = content
+        self.blocks[item] = pages
+        return pushed
+
+    def get(self, item) -> torch.Tensor | None:
+        pages = self.blocks.get(item)
+        if pages is None:
+            return None
+        self.blocks.move_to_end(item)
+        return self.slab[pages].clone()
+
+    def touch(self, item) -> None:
+        self.blocks.move_to_end(item)
+
+    def clear(self) -> None:
+        for pages in self.blocks.values():
+            self.free.extend(pages)
+        self.blocks.clear()
+
+
+class DiskTier:
+    """Blocks in files, an LRU by byte budget (see the module docstring)."""
+
+    def __init__(self, directory: str, identity: bytes, page_size: int, budget_bytes: int):
+        self.root = os.path.join(directory, identity.hex()[:32])
+        self.identity = identity
+        self.page_size = page_size
+        self.budget = budget_bytes
+        self.writable = True
+        self.files: OrderedDict[tuple, int] = OrderedDict()  # (group, key) -> bytes, oldest first
+        self.bytes = 0
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            self._stop_writing(e)
+        self._scan()
+
+    def _path(self, group: int, key: bytes) -> str:
+        return os.path.join(self.root, f"g{group}", key.hex() + ".kv")
+
+    def _scan(self) -> None:
+        """What an earlier run left: every whole block file, oldest first
+        (contents are checked when read); temporary files of a write that
+        never finished are removed."""
+        found = []
+        for path in glob.glob(os.path.join(self.root, "g*", "*")):
+            name = os.path.basename(path)
+            try:
+                if not name.endswith(".kv"):
+                    os.unlink(path)  # a write cut short (the process died before its rename)
+                    continue
+                group = int(os.path.basename(os.path.dirname(path))[1:])
+                key = bytes.fromhex(name[:-3])
+                stat = os.stat(path)
+            except (OSError, ValueError):
+                continue
+            found.append((stat.st_mtime_ns, group, key, stat.st_size))
+        for _, group, key, size in sorted(found):
+            self.files[(group, key)] = size
+            self.bytes += size
+
+    def _stop_writing(self, error: OSError) -> None:
+        if self.writable:
+            warnings.warn(f"the disk KV tier at {self.root} stops storing blocks: {error}", RuntimeWarning,
+                          stacklevel=3)
+        self.writable = False
+
+    def write(self, group: int, key: bytes, content: torch.Tensor) -> list:
+        """Store a block atomically; returns the items removed for room."""
+        if not self.writable or (group, key) in self.files:
+            if (group, key) in self.files:
+                self.files.move_to_end((group, key))
+            return []
+        body = _HEADER.pack(_MAGIC, FORMAT_VERSION, group, content.shape[0], self.page_size, self.identity,
+                            len(key)) + key + content.numpy().tobytes()
+        data = body + _TRAILER.pack(zlib.crc32(body))
+        removed = []
+        while self.files and self.bytes + len(data) > self.budget:
+            old = next(iter(self.files))
+            self.remove(old)
+            removed.append(old)
+        if len(data) > self.budget:
+            return removed
+        path = self._path(group, key)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._stop_writing(e)
+            return removed
+        self.files[(group, key)] = len(data)
+        self.bytes += len(data)
+        return removed
+
+    def read(self, group: int, key: bytes) -> torch.Tensor | None:
+        """The block's pages, or None (and the file removed) if it is
+        missing, truncated, corrupt, or of another format or model."""
+        if (group, key) not in self.files:
+            return None
+        try:
+            with open(self._path(group, key), "rb") as f:
+                data = f.read()
+        except OSError:
+            data = b""
+        content = self._parse(data, group, key)
+        if content is None:
+            self.remove((group, key))
+            return None
+        self.files.move_to_end((group, key))
+        return content
+
+    def _parse(self, data: bytes, group: int, key: bytes) -> torch.Tensor | None:
+        head = _HEADER.size + len(key)
+        if len(data) < head + _TRAILER.size:
+            return None
+        magic, version, g, width, page_size, identity, key_len = _HEADER.unpack_from(data)
+        if (magic, version, g, page_size, identity, key_len) != (_MAGIC, FORMAT_VERSION, group, self.page_size,
+                                                                  self.identity, len(key)):
+            return None
+        if data[_HEADER.size:head] != key or len(data) != head + width * page_size + _TRAILER.size:
+            return None
+        if _TRAILER.unpack_from(data, len(data) - _TRAILER.size)[0] != zlib.crc32(data[:-_TRAILER.size]):
+            return None
+        pages = bytearray(data[head:head + width * page_size])
+        return torch.frombuffer(pages, dtype=torch.uint8).view(width, page_size)
+
+    def remove(self, item) -> None:
+        size = self.files.pop(item, None)
+        if size is None:
+            return
+        self.bytes -= size
+        try:
+            os.unlink(self._path(*item))
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        for item in list(self.files):
+            self.remove(item)
+
+
+class TieredStore:
+    """The tiers below one engine's pool, as the manager sees them
+    (core/tiers.py's KVTier): host memory, then disk; either may be off."""
+
+    def __init__(self, pool: torch.Tensor, layout: KVCacheLayout, *, host_bytes: int = 0,
+                 disk_dir: str | None = None, disk_bytes: int = 0, identity: bytes | None = None):
+        self.pool = pool
+        page = layout.page_size_bytes
+        self.host = HostTier(host_bytes // page, page, pool.device.type == "cuda") if host_bytes >= page else None
+        self.disk = DiskTier(disk_dir, identity, page, disk_bytes) if disk_dir else None
+        self.index: list[dict] = [{} for _ in layout.groups]
+        self.changed = lambda: None  # set by the manager
+        self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
+        if self.disk is not None:
+            for group, key in self.disk.files:
+                if group < len(self.index):
+                    self.index[group][key] = TierRef(group, key, "disk")
+
+    # -- the manager's side ------------------------------------------------------
+    def put(self, group: int, key: bytes, pages) -> None:
+        content = self.pool[list(pages)].cpu()
+        self.counters["stores"] += 1
+        self.counters["store_bytes"] += content.numel()
+        if self.host is not None:
+            if (group, key) in self.host:
+                self.host.touch((group, key))
+                return
+            self.index[group][key] = TierRef(group, key, "host")
+            for item, pushed in self.host.add((group, key), content):
+                self._to_disk(item, pushed)
+        else:
+            self._to_disk((group, key), content)
+
+    def _to_disk(self, item, content: torch.Tensor) -> None:
+        """A block leaving host memory (or, with none, the pool) goes to disk
+        if there is one; a key no tier holds any more leaves the index."""
+        group, key = item
+        stored = False
+        if self.disk is not None:
+            for old in self.disk.write(group, key, content):
+                self._reindex(old)
+            stored = item in self.disk.files
+        if stored:
+            self.index[group][key] = TierRef(group, key, "disk")
+        else:
+            self._reindex(item)
+
+    def _reindex(self, item) -> None:
+        """The index entry of `item` after a tier dropped or moved it: the
+        tier that still holds it, or none (the key leaves the index)."""
+        group, key = item
+        if (self.host is not None and item in self.host) or (self.disk is not None and item in self.disk.files):
+            self.index[group][key] = TierRef(group, key, "host" if self.host is not None and item in self.host
+                                             else "disk")
+            return
+        if self.index[group].pop(key, None) is not None:
+            self.counters["evictions"] += 1
+            self.changed()
+
+    def fetch(self, ref: TierRef):
+        item = (ref.group, ref.key)
+        content = self.host.get(item) if self.host is not None else None
+        if content is None and self.disk is not None:
+            content = self.disk.read(*item)
+        if content is None:
+            self._reindex(item)
+            return None
+        self.counters["loads"] += 1
+        self.counters["load_bytes"] += content.numel()
+        return content
+
+    def load(self, pages, content: torch.Tensor) -> None:
+        self.pool[list(pages)] = content.to(self.pool.device, non_blocking=True)
+
+    def clear(self) -> None:
+        if self.host is not None:
+            self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+        for index in self.index:
+            index.clear()
+        self.changed()
+
+    # -- the engine's side -------------------------------------------------------
+    def flush(self, kv) -> int:
+        """Write every block the pool still caches to disk (a server about to
+        stop: the next start hits them). Returns the blocks written."""
+        if self.disk is None or not self.disk.writable:
+            return 0
+        cache = kv.block_cache
+        written = 0
+        for manager in kv.coordinator.managers:
+            g = manager.index
+            for key, block in list(cache.cached[g].items()):
+                if (g, key) not in self.disk.files:
+                    content = self.pool[list(cache.pages(block, manager.width))].cpu()
+                    for old in self.disk.write(g, key, content):
+                        self._reindex(old)
+                    if (g, key) in self.disk.files:
+                        self.index[g].setdefault(key, TierRef(g, key, "disk"))
+                        written += 1
+        return written
+
+    def describe(self) -> dict:
+        """Sizes and counters, for stats and metrics."""
+        out = dict(self.counters)
+        if self.host is not None:
+            out["host_blocks"] = len(self.host.blocks)
+            out["host_bytes_used"] = (self.host.slab.shape[0] - len(self.host.free)) * self.host.slab.shape[1]
+        if self.disk is not None:
+            out["disk_blocks"] = len(self.disk.files)
+            out["disk_bytes_used"] = self.disk.bytes
+            out["disk_writable"] = self.disk.writable
+        return out

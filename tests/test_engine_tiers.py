@@ -1,0 +1,157 @@
+"""The engine with tiers below its pool (engine/kv_tiers.py): host memory and
+disk, checked against transformers on tiny Gemma-3 (window 8) and tiny
+Jamba: outputs with hits served from the tiers equal transformers', the disk
+tier survives a restart, and a corrupt, truncated or foreign file or an
+unwritable directory is a miss, never wrong KV, never an error."""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import pytest
+
+from hybridkv import Engine, SamplingParams
+from oracle import check_tokens, load_reference, model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "jamba"])
+def family_model(request, tmp_path_factory):
+    path = model_dir(tmp_path_factory, request.param)
+    return request.param, path, load_reference(path)
+
+
+def small_engine(path, **kw):
+    # A pool for about two of these requests: every new document evicts the last.
+    probe = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256)
+    pages = 2 * probe.layout.pages_per_request(60, chunk=64) + 3
+    return Engine(path, kv_cache_memory=pages * probe.layout.page_size_bytes, block_size=4, progress=False,
+                  max_model_len=256, max_num_batched_tokens=64, **kw)
+
+
+def documents(n, length=44):
+    return [[(11 * d + 5 * j) % 190 + 7 for j in range(length)] for d in range(n)]
+
+
+def revisit(engine, reference, docs):
+    """Each document once, then each again with a new question: returns the
+    second round's cached tokens, every output checked by transformers."""
+    for doc in docs:
+        out = engine.generate([doc], GREEDY, use_tqdm=False)[0]
+        check_tokens(reference, doc, out.outputs[0].token_ids)
+    cached = []
+    for doc in docs:
+        prompt = doc + [3, 4]
+        out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+        check_tokens(reference, prompt, out.outputs[0].token_ids)
+        cached.append(out.metrics.num_cached_tokens)
+    return cached
+
+
+def test_hybrid_host_tier_serves_evicted_prefixes_with_transformers_outputs(family_model):
+    family, path, reference = family_model
+    docs = documents(6)
+    without = revisit(small_engine(path), reference, docs)
+    engine = small_engine(path, kv_host_cache_memory="4MiB")
+    with_host = revisit(engine, reference, docs)
+    assert sum(with_host) > sum(without) and min(with_host) >= 40, (with_host, without)
+    assert sum(engine.stats["kv_tier_loads_by_group"]["host"]) > 0
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_hybrid_disk_tier_survives_a_restart(family_model, tmp_path):
+    family, path, reference = family_model
+    doc = documents(1, length=60)[0]
+    first = small_engine(path, kv_disk_cache=str(tmp_path))
+    first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()  # what the pool still caches goes to disk
+    del first
+    second = small_engine(path, kv_disk_cache=str(tmp_path))
+    prompt = doc + [9, 9]
+    out = second.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens >= 56, out.metrics
+    assert sum(second.stats["kv_tier_loads_by_group"]["disk"]) > 0
+    check_tokens(reference, prompt, out.outputs[0].token_ids)
+
+
+def test_hybrid_disk_tier_with_host_tier_and_eviction_keeps_outputs(family_model, tmp_path):
+    family, path, reference = family_model
+    engine = small_engine(path, kv_host_cache_memory="64KiB", kv_disk_cache=str(tmp_path))
+    cached = revisit(engine, reference, documents(6))
+    assert sum(engine.stats["kv_tier_loads_by_group"].get("disk", [0])) > 0, engine.stats
+    assert min(cached) >= 40, cached
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
+def test_a_damaged_disk_block_is_a_miss_and_is_removed(family_model, tmp_path, damage):
+    family, path, reference = family_model
+    doc = documents(1, length=60)[0]
+    first = small_engine(path, kv_disk_cache=str(tmp_path))
+    first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()
+    files = sorted(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
+    assert files
+    for name in files:
+        data = bytearray(open(name, "rb").read())
+        if damage == "corrupt":
+            data[len(data) // 2] ^= 0xFF
+        elif damage == "truncated":
+            data = data[:len(data) // 2]
+        else:  # another model's identity in the header
+            data[20] ^= 0xFF
+        open(name, "wb").write(bytes(data))
+    second = small_engine(path, kv_disk_cache=str(tmp_path))
+    prompt = doc + [9, 9]
+    out = second.generate([prompt], GREEDY, use_tqdm=False)[0]
+    check_tokens(reference, prompt, out.outputs[0].token_ids)
+    assert out.metrics.num_cached_tokens == 0
+    # A damaged file is found out when a hit reads it, and removed then.
+    left = set(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
+    assert set(files) - left, "a damaged file that was read stays on disk"
+
+
+def test_another_layout_never_reads_the_disk_tier(family_model, tmp_path):
+    family, path, reference = family_model
+    doc = documents(1, length=60)[0]
+    first = small_engine(path, kv_disk_cache=str(tmp_path))
+    first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()
+    other = Engine(path, kv_cache_memory="8MiB", block_size=8, progress=False, max_model_len=256,
+                   kv_disk_cache=str(tmp_path))
+    out = other.generate([doc + [9, 9]], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens == 0
+
+
+def test_an_unwritable_disk_tier_warns_and_serving_goes_on(family_model, tmp_path):
+    family, path, reference = family_model
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the tier wants a directory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = small_engine(path, kv_disk_cache=str(blocker))
+        cached = revisit(engine, reference, documents(4))
+    assert any("stops storing" in str(w.message) for w in caught)
+    assert engine.stats["kv_tier_disk_writable"] is False
+    assert len(cached) == 4
+
+
+def test_a_write_cut_short_by_a_killed_process_is_never_read(family_model, tmp_path):
+    # A process killed between writing a block's temporary file and renaming
+    # it leaves the temporary file: the next start removes it unread.
+    family, path, reference = family_model
+    doc = documents(1, length=60)[0]
+    first = small_engine(path, kv_disk_cache=str(tmp_path))
+    first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()
+    files = sorted(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
+    half = files[0] + ".4242.tmp"
+    with open(files[0], "rb") as f:
+        open(half, "wb").write(f.read()[:100])
+    second = small_engine(path, kv_disk_cache=str(tmp_path))
+    assert not os.path.exists(half)
+    out = second.generate([doc + [9, 9]], GREEDY, use_tqdm=False)[0]
+    check_tokens(reference, doc + [9, 9], out.outputs[0].token_ids)
+    assert out.metrics.num_cached_tokens >= 56
