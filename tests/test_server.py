@@ -484,3 +484,25 @@ def test_speculative_server_streams_the_same_text_and_counts_drafts(ref_engine):
         assert m["hybridkv_spec_decode_draft_tokens_total"] == engine.stats["spec_draft_tokens"] > 0
         assert m["hybridkv_spec_decode_accepted_tokens_total"] == engine.stats["spec_accepted_tokens"]
         assert_every_block_free(server)
+
+
+def test_a_restarted_server_with_a_disk_tier_hits_the_system_prompt_on_its_first_request(tmp_path):
+    # Stopping the server writes what the pool caches to the disk tier; a new
+    # server over the same directory serves the prefix from disk at once.
+    system = "You are a careful assistant. Answer in one short sentence. " * 6
+    texts, cached = [], []
+    for run in range(2):
+        engine = Engine(tiny_model_dir(MODEL), kv_cache_memory="64MiB", progress=False,
+                        kv_disk_cache=str(tmp_path))
+        app = build_app(engine, model_name=MODEL, api_key=KEY)
+        with running(app) as url:
+            server = SimpleNamespace(url=url, app=app, engine=engine)
+            with openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0) as client:
+                out = client.completions.create(model=MODEL, prompt=system + "Why is the sky blue?", max_tokens=6,
+                                                temperature=0)
+            texts.append(out.choices[0].text)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+            m = metrics(server)
+    assert cached[0] == 0 and cached[1] >= 32, cached
+    assert texts[0] == texts[1]
+    assert sum(v for k, v in m.items() if k[0] == "hybridkv_kv_tier_loaded_blocks_total") > 0

@@ -84,7 +84,33 @@ class ServerMetrics:
                       s["spec_draft_tokens"])
         yield counter("hybridkv_spec_decode_accepted_tokens", "Draft tokens the model agreed with (speculative "
                       "decoding)", s["spec_accepted_tokens"])
+        yield from self._tiers(s)
         yield counter("hybridkv_requests_aborted", "Requests aborted because their client went away",
                       s["aborted"])
         yield counter("hybridkv_requests_rejected", "Requests refused with 503: the waiting queue was full",
                       s["rejected"])
+
+    @staticmethod
+    def _tiers(s: dict):
+        """The tiers below the pool (engine/kv_tiers.py), when the engine has any."""
+        if "kv_tier_stores" not in s:
+            return
+        loads = CounterMetricFamily("hybridkv_kv_tier_loaded_blocks",
+                                    "Hit blocks loaded into the pool from a tier, per tier and group",
+                                    labels=["tier", "group", "kind"])
+        for tier, per_group in s["kv_tier_loads_by_group"].items():
+            for i, kind in enumerate(s["group_kinds"]):
+                loads.add_metric([tier, str(i), kind], per_group[i])
+        yield loads
+        for name, doc in (("stores", "Blocks the pool evicted that the tiers kept"),
+                          ("store_bytes", "Bytes copied from the pool into the tiers"),
+                          ("loads", "Blocks read back from the tiers"),
+                          ("load_bytes", "Bytes read back from the tiers"),
+                          ("evictions", "Blocks no tier holds any more (budgets, damaged files)")):
+            yield CounterMetricFamily(f"hybridkv_kv_tier_{name}", doc, value=s[f"kv_tier_{name}"])
+        for tier in ("host", "disk"):
+            if f"kv_tier_{tier}_blocks" in s:
+                yield GaugeMetricFamily(f"hybridkv_kv_tier_{tier}_blocks", f"Blocks held in the {tier} tier",
+                                        value=s[f"kv_tier_{tier}_blocks"])
+                yield GaugeMetricFamily(f"hybridkv_kv_tier_{tier}_bytes", f"Bytes used in the {tier} tier",
+                                        value=s[f"kv_tier_{tier}_bytes_used"])
