@@ -11,7 +11,8 @@ came from, and throughput; then a restart: a new engine over the disk tier's
 directory against a cold one, first request's TTFT.
 
     python benchmarks/kv_tiers.py                   # real Gemma-3 270M (the gemma extra)
-    python benchmarks/kv_tiers.py --tiny            # a tiny random Gemma-3 (seconds; CI)
+    python benchmarks/kv_tiers.py --tiny            # a tiny random Gemma-3 (seconds)
+    python benchmarks/kv_tiers.py --quick           # the same, fewer and shorter documents (CI)
     python benchmarks/kv_tiers.py --model tiny-jamba --tiny   # Mamba checkpoints
 """
 
@@ -71,7 +72,10 @@ def main() -> None:
     parser.add_argument("--pool-documents", type=float, default=4, help="documents the device pool holds")
     parser.add_argument("--revisits", type=int, default=48)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
+    parser.add_argument("--quick", action="store_true", help="--tiny with a few short documents (CI)")
     args = parser.parse_args()
+    if args.quick:
+        args.tiny, args.documents, args.length, args.revisits = True, 12, 120, 12
 
     import torch
 

@@ -102,3 +102,12 @@ def test_speculative_quick(tmp_path):
             assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
             assert row["hybridkv+ngram"]["tokens_per_s"] > 0
     assert any(row["hybridkv+ngram"]["drafts"] > 0 for rows in data["models"].values() for row in rows.values())
+
+
+def test_kv_tiers_quick(tmp_path):
+    text, data = run("kv_tiers", tmp_path)
+    assert "mean TTFT ms" in text and "after a restart" in text
+    assert data["working_set_bytes"] > 2 * data["pool_bytes"]
+    for name in ("host", "disk", "host+disk"):  # every tier serves hits the pool alone lost
+        assert data["configs"][name]["cached_fraction"] > data["configs"]["none"]["cached_fraction"]
+    assert data["restart"]["cached_tokens"] > 0
