@@ -36,6 +36,16 @@ def documents(n, length=44):
     return [[(11 * d + 5 * j) % 190 + 7 for j in range(length)] for d in range(n)]
 
 
+def served_and_stopped(path, directory) -> list[int]:
+    """An engine over a disk tier serves a 60-token document and stops
+    (close(): what the pool still caches goes to disk); returns the document."""
+    doc = documents(1, length=60)[0]
+    first = small_engine(path, kv_disk_cache=str(directory))
+    first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()
+    return doc
+
+
 def revisit(engine, reference, docs):
     """Each document once, then each again with a new question: returns the
     second round's cached tokens, every output checked by transformers."""
@@ -64,11 +74,7 @@ def test_hybrid_host_tier_serves_evicted_prefixes_with_transformers_outputs(fami
 
 def test_hybrid_disk_tier_survives_a_restart(family_model, tmp_path):
     family, path, reference = family_model
-    doc = documents(1, length=60)[0]
-    first = small_engine(path, kv_disk_cache=str(tmp_path))
-    first.generate([doc], GREEDY, use_tqdm=False)
-    first.close()  # what the pool still caches goes to disk
-    del first
+    doc = served_and_stopped(path, tmp_path)
     second = small_engine(path, kv_disk_cache=str(tmp_path))
     prompt = doc + [9, 9]
     out = second.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -88,10 +94,7 @@ def test_hybrid_disk_tier_with_host_tier_and_eviction_keeps_outputs(family_model
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
 def test_a_damaged_disk_block_is_a_miss_and_is_removed(family_model, tmp_path, damage):
     family, path, reference = family_model
-    doc = documents(1, length=60)[0]
-    first = small_engine(path, kv_disk_cache=str(tmp_path))
-    first.generate([doc], GREEDY, use_tqdm=False)
-    first.close()
+    doc = served_and_stopped(path, tmp_path)
     files = sorted(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
     assert files
     for name in files:
@@ -115,10 +118,7 @@ def test_a_damaged_disk_block_is_a_miss_and_is_removed(family_model, tmp_path, d
 
 def test_another_layout_never_reads_the_disk_tier(family_model, tmp_path):
     family, path, reference = family_model
-    doc = documents(1, length=60)[0]
-    first = small_engine(path, kv_disk_cache=str(tmp_path))
-    first.generate([doc], GREEDY, use_tqdm=False)
-    first.close()
+    doc = served_and_stopped(path, tmp_path)
     other = Engine(path, kv_cache_memory="8MiB", block_size=8, progress=False, max_model_len=256,
                    kv_disk_cache=str(tmp_path))
     out = other.generate([doc + [9, 9]], GREEDY, use_tqdm=False)[0]
@@ -142,10 +142,7 @@ def test_a_write_cut_short_by_a_killed_process_is_never_read(family_model, tmp_p
     # A process killed between writing a block's temporary file and renaming
     # it leaves the temporary file: the next start removes it unread.
     family, path, reference = family_model
-    doc = documents(1, length=60)[0]
-    first = small_engine(path, kv_disk_cache=str(tmp_path))
-    first.generate([doc], GREEDY, use_tqdm=False)
-    first.close()
+    doc = served_and_stopped(path, tmp_path)
     files = sorted(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
     half = files[0] + ".4242.tmp"
     with open(files[0], "rb") as f:
