@@ -493,8 +493,8 @@ for dt in ("bf16", "fp32"):
     prec = "ieee" if dt == "fp32" else "tf32"
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
-    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", slot_ptr="*i64", first_ptr="*i64", scale=0.1,
-                  softcap=0.0, max_blocks=512, **qo, **strides)
+    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
+                  scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
     for softcap, splits in ((False, 1), (True, 4), (False, 2)):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
@@ -606,9 +606,9 @@ def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
         def __getattr__(self, name):
             return getattr(ops, name)
 
-        def paged_decode_attention(self, out, q, cache, rows, table, slots, q_pos, first_key, **kw):
-            return ops.paged_decode_attention(out, q, cache, rows, table, slots, q_pos, (first_key - 1).clamp(min=0),
-                                              **kw)
+        def paged_decode_attention(self, out, q, cache, rows, table, table_rows, q_pos, first_key, **kw):
+            return ops.paged_decode_attention(out, q, cache, rows, table, table_rows, q_pos,
+                                              (first_key - 1).clamp(min=0), **kw)
 
     with pytest.raises(AssertionError, match="decode attention"):
         kernel_check.check(Broken(), device)
