@@ -87,6 +87,7 @@ class StepInputs:
               order: torch.Tensor) -> "StepInputs":
         """A fixed-shape step (see `fixed_shape`); `order` is arange(len(input_ids)),
         passed in so that a captured step reads a preallocated buffer."""
+        # Token t is sequence t's: its table row is table_rows[t], its row order[t] = t.
         return cls(input_ids, positions, table_rows, table_rows, Decodes(order, order, table_rows))
 
     @classmethod
