@@ -41,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from hybridkv.core import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
-from hybridkv.layers.step import StepInputs  # noqa: E402
+from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
 # Nominal HBM bandwidth, GB/s (vendor figures).
@@ -114,8 +114,8 @@ class PagedLayer:
         counts = np.array([n for _, n in step])
         self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
                                            np.arange(len(step)), device)
-        self.meta = {"torch": paged_attention.build(self.inputs, self.table, self.spec, bs),
-                     "triton": kernel_attention.build(self.inputs, self.table, self.spec, bs)}
+        step = attention_step(self.inputs, self.table, self.spec, bs)
+        self.meta = {"torch": paged_attention.build(step), "triton": kernel_attention.build(step)}
 
     def visible_keys(self) -> int:
         """Keys read by the step: per request, from the first key its first
@@ -169,16 +169,16 @@ def decode_rows(args, device, timer, peak):
             err_sdpa = (sdpa().squeeze(2).float() - ref.float()).abs().max().item()
             del k, v
             sweep = {}
-            meta = layer.meta["triton"]
-            rows_t, slot_rows = meta.decode
-            q_pos, first = meta.positions[rows_t], meta.first_key[rows_t]
+            step = layer.meta["triton"].step
+            rows_t, table_rows = step.inputs.decodes.tokens, step.inputs.decodes.table_rows
+            q_pos, first = step.inputs.positions[rows_t], step.first_key[rows_t]
             ops = backend.kernels()
             out2 = torch.empty_like(layer.q)
             configs = ([(16, 1, 4), (32, 2, 4)] if args.quick else
                        [(n, s, w) for n in (32, 64, 128) for s in (1, 2, 4) for w in (4, 8)])
             for block_n, splits, warps in configs:
                 def run():
-                    ops.paged_decode_attention(out2, layer.q, layer.cache, rows_t, meta.table[0], slot_rows, q_pos,
+                    ops.paged_decode_attention(out2, layer.q, layer.cache, rows_t, step.table[0], table_rows, q_pos,
                                                first, scale=scale, block_n=block_n, splits=splits, num_warps=warps)
                 run()
                 assert (out2.float() - ref.float()).abs().max().item() <= max(4 * err, 5e-2), "sweep config is wrong"

@@ -37,10 +37,10 @@ def decode_ready_engine(name: str, **kw) -> tuple[Engine, int]:
     assert size == 4  # one padded row
     runner.decode_ids[:size] = 0
     runner.decode_positions[:size] = 0
-    runner.decode_slots[:size] = runner.tables.pad_row
+    runner.decode_table_rows[:size] = runner.tables.pad_row
     runner.decode_ids[:3] = torch.tensor([s.seq.token_ids[s.start] for s in steps])
     runner.decode_positions[:3] = torch.tensor([s.start for s in steps])
-    runner.decode_slots[:3] = torch.tensor(rows)
+    runner.decode_table_rows[:3] = torch.tensor(rows)
     return engine, size
 
 

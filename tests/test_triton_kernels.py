@@ -40,7 +40,7 @@ from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
 from hybridkv.layers import triton_ops as ops  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
-from hybridkv.layers.step import StepInputs  # noqa: E402
+from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
 from oracle import model_dir  # noqa: E402
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
@@ -120,8 +120,8 @@ class AttentionCase:
     """Requests with `cached` tokens and `count` new ones in one step, their
     blocks on random pages (`width` pages per block, this layer in column
     `column`), blocks the layer has released replaced by the null page, in
-    a persistent table (`[width, slots, max_blocks]`, from key position 0)
-    at shuffled slot rows.
+    a persistent table (`[width, table rows, max_blocks]`, from key position 0)
+    at shuffled table rows.
 
     poison=True (small cases): every slot holds NaN except the keys some
     query of the step may read. poison=False (real sizes): random values
@@ -142,10 +142,10 @@ class AttentionCase:
             self.cache.normal_(generator=torch.Generator(DEVICE).manual_seed(seed))
             self.cache[0] = float("nan")
         free = rng.permutation(np.arange(1, self.cache.shape[0]))
-        self.slot_rows = rng.permutation(len(step) + 2)[:len(step)]  # rows of a table with spare slots
+        self.table_rows = rng.permutation(len(step) + 2)[:len(step)]  # rows of a table with spare rows
         table = np.zeros((width, len(step) + 2, max(blocks) + 2), dtype=np.int64)
         taken = 0
-        for (cached, count), nb, row in zip(step, blocks, self.slot_rows):
+        for (cached, count), nb, row in zip(step, blocks, self.table_rows):
             pages = free[taken:taken + nb * width].reshape(nb, width).copy()
             taken += nb * width
             live = self.spec.first_visible(cached)
@@ -160,18 +160,19 @@ class AttentionCase:
         self.q = torch.randn(tokens, q_heads, dim, generator=gen).to(DEVICE, dtype)
         counts = np.array([c for _, c in step])
         self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
-                                           self.slot_rows, DEVICE)
-        self.meta = paged_attention.build(self.inputs, self.table, self.spec, bs)
-        self.kernel_meta = kernel_attention.build(self.inputs, self.table, self.spec, bs)
+                                           self.table_rows, DEVICE)
+        step = attention_step(self.inputs, self.table, self.spec, bs)
+        self.meta = paged_attention.build(step)
+        self.kernel_meta = kernel_attention.build(step)
 
     def fixed(self):
         """The same step as a fixed-shape decode step (every sequence one
         token; no host layout): (inputs, reference meta, kernel meta)."""
         assert all(count == 1 for _, count in self.step)
-        inputs = StepInputs(self.inputs.input_ids, self.inputs.positions, self.inputs.slot_rows,
-                            self.inputs.seq_of_token)
-        return (inputs, paged_attention.build(inputs, self.table, self.spec, self.bs),
-                kernel_attention.build(inputs, self.table, self.spec, self.bs))
+        inputs = StepInputs.fixed(self.inputs.input_ids, self.inputs.positions, self.inputs.table_rows,
+                                  torch.arange(len(self.step), device=DEVICE))
+        step = attention_step(inputs, self.table, self.spec, self.bs)
+        return inputs, paged_attention.build(step), kernel_attention.build(step)
 
     def reference(self, scale, softcap, meta=None):
         """The torch reference on a NaN-free copy (it reads masked slots of
@@ -208,15 +209,15 @@ def check_attention(case, scale, softcap, splits=1, direct=True):
     table = case.table[case.column]
     positions = case.inputs.positions
     first = case.spec.first_visible(positions)
-    slots = case.slot_rows
+    table_rows = case.table_rows
     if decode:
         r = ints(rows[decode])
-        ops.paged_decode_attention(out, case.q, case.cache, r, table, ints(slots[decode]), positions[r], first[r],
-                                   scale=scale, softcap=softcap, splits=splits, block_n=16)
+        ops.paged_decode_attention(out, case.q, case.cache, r, table, ints(table_rows[decode]), positions[r],
+                                   first[r], scale=scale, softcap=softcap, splits=splits, block_n=16)
     if prefill:
         ops.paged_prefill_attention(out, case.q, case.cache, ints(rows[prefill]),
-                                    ints([case.step[i][1] for i in prefill]), table, ints(slots[prefill]), positions,
-                                    first, max_length=max(case.step[i][1] for i in prefill), scale=scale,
+                                    ints([case.step[i][1] for i in prefill]), table, ints(table_rows[prefill]),
+                                    positions, first, max_length=max(case.step[i][1] for i in prefill), scale=scale,
                                     softcap=softcap, block_m=16, block_n=32)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
@@ -298,7 +299,7 @@ def test_store_matches_the_reference_and_zeroes_the_rest_of_the_last_block():
     # The reference also zeroes the rest of a sequence's last block after its
     # new tokens when this step writes that block first (later steps find it zeroed).
     fresh = 0
-    for (cached, count), row in zip(case.step, case.slot_rows):
+    for (cached, count), row in zip(case.step, case.table_rows):
         last = cached + count - 1
         page = int(case.table[case.column, row, last // 16])
         rest = expected[page, :, last % 16 + 1:]
@@ -492,8 +493,8 @@ for dt in ("bf16", "fp32"):
     prec = "ieee" if dt == "fp32" else "tf32"
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
-    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", slot_ptr="*i64", first_ptr="*i64", scale=0.1,
-                  softcap=0.0, max_blocks=512, **qo, **strides)
+    common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
+                  scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
     for softcap, splits in ((False, 1), (True, 4), (False, 2)):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
@@ -605,9 +606,9 @@ def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
         def __getattr__(self, name):
             return getattr(ops, name)
 
-        def paged_decode_attention(self, out, q, cache, rows, table, slots, q_pos, first_key, **kw):
-            return ops.paged_decode_attention(out, q, cache, rows, table, slots, q_pos, (first_key - 1).clamp(min=0),
-                                              **kw)
+        def paged_decode_attention(self, out, q, cache, rows, table, table_rows, q_pos, first_key, **kw):
+            return ops.paged_decode_attention(out, q, cache, rows, table, table_rows, q_pos,
+                                              (first_key - 1).clamp(min=0), **kw)
 
     with pytest.raises(AssertionError, match="decode attention"):
         kernel_check.check(Broken(), device)

@@ -5,7 +5,9 @@ Who builds what (docs/engine.md has the diagram):
 * the persistent tables (tables.py) hold every running sequence's block
   table on the device, refreshed only where the manager changed them;
 * the runner writes the step's facts (`StepInputs`: tokens, positions, each
-  sequence's table row) into device tensors, once;
+  sequence's table row, the split into decodes and chunks) into device
+  tensors, once; for each attention group it adds what every backend reads
+  (`attention_step`: where the new K/V goes, each query's first key);
 * the backend chosen at start (layers/backend.py) turns them into its own
   metadata, once per KV cache group, and its ops are what the layers call.
 
@@ -30,7 +32,7 @@ from ..core.layout import KVCacheLayout
 from ..layers.backend import Backend
 from ..layers.kv_buffers import KVBuffers
 from ..layers.mamba_state import keep_accepted
-from ..layers.step import StepBatch, StepInputs
+from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
 from .scheduler import Scheduled
 from .tables import DeviceTables
@@ -65,8 +67,8 @@ class ModelRunner:
         size = self.buckets[-1]
         self.decode_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.decode_positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.decode_slots = torch.full((size,), self.tables.pad_row, dtype=torch.int64, device=device)
-        self.decode_rows = torch.arange(size, device=device)
+        self.decode_table_rows = torch.full((size,), self.tables.pad_row, dtype=torch.int64, device=device)
+        self.decode_order = torch.arange(size, device=device)  # token t is sequence t's
         for name, module in model.cache_layers().items():
             view = layout.layer_views.get(name)
             if view is None:
@@ -120,7 +122,7 @@ class ModelRunner:
             self._capture(size)
         self.decode_ids[:size] = staged[0]
         self.decode_positions[:size] = staged[1]
-        self.decode_slots[:size] = staged[2]
+        self.decode_table_rows[:size] = staged[2]
         if self.use_graphs:
             graph, logits = self.graphs[size]
             graph.replay()
@@ -131,14 +133,14 @@ class ModelRunner:
         """Forward and LM head of a decode step of `size` rows read from the
         decode buffers: no host value, no data-dependent shape (this is what
         a CUDA graph captures, and what torch.compile(fullgraph=True) takes)."""
-        inputs = StepInputs(self.decode_ids[:size], self.decode_positions[:size], self.decode_slots[:size],
-                            self.decode_rows[:size])
+        inputs = StepInputs.fixed(self.decode_ids[:size], self.decode_positions[:size],
+                                  self.decode_table_rows[:size], self.decode_order[:size])
         return self._forward(inputs, all_rows=True)
 
     def _capture(self, size: int) -> None:
         """Capture the bucket's decode step, run on padding only (the sink
         pages), so that warming up and capturing change no real state."""
-        self.decode_slots[:size] = self.tables.pad_row
+        self.decode_table_rows[:size] = self.tables.pad_row
         self.decode_positions[:size] = 0
         self.decode_ids[:size] = 0
         stream = torch.cuda.Stream(self.device)
@@ -189,8 +191,9 @@ class ModelRunner:
         self._verified = ([], [])
 
     def _forward(self, inputs: StepInputs, all_rows: bool) -> torch.Tensor:
-        """Build each group's metadata with the backend, run the model, write
-        back the Mamba states; the logits of every row, or the hidden states."""
+        """Build each group's metadata with the backend (an attention group's
+        from its `attention_step`), run the model, write back the Mamba
+        states; the logits of every row, or the hidden states."""
         batch = StepBatch(inputs, self.buffers)
         tables = self.tables
         backend = self.backend
@@ -200,8 +203,8 @@ class ModelRunner:
                 batch.mamba[g] = backend.mamba.build(inputs, self.buffers, tables.read[g], tables.write[g],
                                                      tables.zero[g])
             else:
-                batch.attention[g] = backend.attention.build(inputs, tables.attention[g], group.spec,
-                                                             group.block_size)
+                step = attention_step(inputs, tables.attention[g], group.spec, group.block_size)
+                batch.attention[g] = backend.attention.build(step)
         hidden = self.model(batch)
         self._mamba_metadata = list(batch.mamba.values())  # keep_accepted reads verified states from it
         for meta in batch.mamba.values():

@@ -2,7 +2,9 @@
 starts: the torch reference (paged_attention.py, mamba_state.TorchMamba) or
 hybridkv's Triton kernels (kernel_attention.py, mamba_state.KernelMamba,
 triton_ops.py). Models call `backend.attention.*` and `backend.mamba.*`;
-each side builds its own metadata for the step (`build`), once per group.
+each side builds its own metadata for the step (`build`), once per group,
+from what they share (step.py: `StepInputs`, and an attention group's
+`AttentionStep`).
 
     backend = choose("auto", device)
 

@@ -7,10 +7,11 @@ reference scan (mamba_ops.py) on gathered states either way.
 
 Per request the manager gives a read block (None: the zero state, read as
 the null page, which stays zero) and a write block (the same block when the
-update is in place); the runner keeps them per sequence slot in persistent
-tensors (`read`, `write` `[slots, pages per block]`, and `zero` `[slots]`
-for the kernels, which skip the read). A fixed-shape decode step reads them
-with device gathers only.
+update is in place); the runner keeps them per running sequence in
+persistent tables (`read`, `write` `[table rows, pages per block]`, and
+`zero` `[table rows]` for the kernels, which skip the read). The step's split
+into decodes and chunks comes built (`StepInputs`, step.py); a fixed-shape
+step reads the tables with device gathers only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,8 +39,8 @@ class MambaMetadata:
     buffers: KVBuffers
     states: torch.Tensor  # [R, state bytes] gathered states (rows: see the backends)
     write_pages: torch.Tensor  # [R, pages per block] where those rows go after the step
-    step_tokens: torch.Tensor  # token rows of the sequences with one token this step
-    num_steps: int
+    step_tokens: torch.Tensor | None  # token rows of the sequences with one token this step
+    num_steps: int  # how many: the layers skip the step ops at 0
     step_rows: torch.Tensor | None = None  # reference: their rows of `states`
     step_pages: tuple | None = None  # kernels: their (read, write, zero) pages in the pool
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (state row, first token row, count)
@@ -61,25 +61,29 @@ def _gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
     return buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
 
 
-def _split(inputs: StepInputs):
-    """(one-token sequences, token rows of them, prefill chunks, verified
-    chunks) from the host layout."""
-    host = inputs.host
-    steps = np.nonzero(host.counts == 1)[0]
-    chunks = host.counts > 1
+def _chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Verified]]:
+    """The step's chunks as (state row, first token row, count), `state_rows`
+    giving each chunk's row of the gathered states: prefill chunks, and the
+    verified ones, longest first (the order the scan takes them in)."""
+    chunks = [(int(r), int(host.starts[i]), int(host.counts[i])) for r, i in zip(state_rows, host.chunks)]
     if host.verifying is None:
-        return steps, host.starts[steps], np.nonzero(chunks)[0], np.zeros(0, dtype=np.int64)
-    return steps, host.starts[steps], np.nonzero(chunks & ~host.verifying)[0], np.nonzero(host.verifying)[0]
+        return chunks, []
+    verifying = host.verifying[host.chunks]
+    verified = [Verified(*c, int(i)) for c, i, v in zip(chunks, host.chunks, verifying) if v]
+    return [c for c, v in zip(chunks, verifying) if not v], sorted(verified, key=lambda v: -v.count)
 
 
-def _chunks(host, indices, rows):
-    return [(int(row), int(host.starts[i]), int(host.counts[i])) for row, i in zip(rows, indices)]
-
-
-def _verified(host, indices, rows) -> list[Verified]:
-    """Verified chunks, longest first (the order the scan takes them in)."""
-    chunks = [Verified(*c, int(i)) for c, i in zip(_chunks(host, indices, rows), indices)]
-    return sorted(chunks, key=lambda v: -v.count)
+def _metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows) -> MambaMetadata:
+    """What both backends share: the states of table rows `gathered` (their
+    read pages) and where they go, the decodes' token rows, the chunks, each
+    at its row `chunk_rows[i]` of the gathered states (host)."""
+    decodes = inputs.decodes
+    meta = MambaMetadata(buffers, _gather(buffers, read[gathered]), write[gathered],
+                         None if decodes is None else decodes.tokens,
+                         0 if decodes is None else decodes.tokens.shape[0])
+    if not inputs.fixed_shape:
+        meta.prefills, meta.verifies = _chunk_lists(inputs.host, chunk_rows)
+    return meta
 
 
 def _finish(meta: MambaMetadata) -> None:
@@ -93,18 +97,11 @@ class TorchMamba:
     """Reference: every sequence's state gathered, updated, scattered back."""
 
     def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
-        slots = inputs.slot_rows
-        states = _gather(buffers, read[slots])
-        if inputs.host is None:  # fixed shapes: token t is sequence t's only token
-            rows = torch.arange(slots.shape[0], device=slots.device)
-            return MambaMetadata(buffers, states, write[slots], rows, slots.shape[0], step_rows=rows)
-        steps, tokens, prefills, verifies = _split(inputs)
-        device = slots.device
         host = inputs.host
-        return MambaMetadata(buffers, states, write[slots], torch.from_numpy(tokens).to(device), len(steps),
-                             step_rows=torch.from_numpy(steps).to(device),
-                             prefills=_chunks(host, prefills, prefills),
-                             verifies=_verified(host, verifies, verifies))
+        meta = _metadata(inputs, buffers, read, write, inputs.table_rows, None if host is None else host.chunks)
+        if inputs.decodes is not None:
+            meta.step_rows = inputs.decodes.seqs  # a sequence's state is row i: its index in the step
+        return meta
 
     finish = staticmethod(_finish)
 
@@ -134,23 +131,14 @@ class KernelMamba:
         self.ops = ops
 
     def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
-        slots = inputs.slot_rows
-        device = slots.device
-        if inputs.host is None:
-            empty = torch.empty(0, read.shape[1] * buffers.page_size, dtype=torch.uint8, device=device)
-            return MambaMetadata(buffers, empty, write[:0], torch.arange(slots.shape[0], device=device),
-                                 slots.shape[0], step_pages=(read[slots], write[slots], zero[slots]))
-        steps, tokens, prefills, verifies = _split(inputs)
-        step_slots = slots[torch.from_numpy(steps).to(device)]
-        gathered = np.concatenate([prefills, verifies])  # the chunks run on gathered states
-        pre_slots = slots[torch.from_numpy(gathered).to(device)]
-        host = inputs.host
-        rows = np.arange(len(gathered))
-        return MambaMetadata(buffers, _gather(buffers, read[pre_slots]), write[pre_slots],
-                             torch.from_numpy(tokens).to(device), len(steps),
-                             step_pages=(read[step_slots], write[step_slots], zero[step_slots]),
-                             prefills=_chunks(host, prefills, rows[:len(prefills)]),
-                             verifies=_verified(host, verifies, rows[len(prefills):]))
+        decodes, chunks = inputs.decodes, inputs.chunks
+        # Only the chunks run on gathered states (the reference scan).
+        gathered = inputs.table_rows[:0] if chunks is None else chunks.table_rows
+        meta = _metadata(inputs, buffers, read, write, gathered, range(gathered.shape[0]))
+        if decodes is not None:
+            rows = decodes.table_rows
+            meta.step_pages = (read[rows], write[rows], zero[rows])
+        return meta
 
     finish = staticmethod(_finish)
 

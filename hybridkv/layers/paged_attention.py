@@ -6,7 +6,11 @@ A layer's cache is a view `[pages, 2, block_size, kv_heads, head_dim]` (K
 then V) of the shared pool (kv_buffers.py). A block of a group may span
 several pages; the layer reads the column of the block table that holds its
 pages (`column`). Block tables are the runner's persistent ones: `[width,
-slots, max_blocks]`, one row per sequence slot, from key position 0.
+table rows, max_blocks]`, one row per running sequence, from key position 0.
+What every backend shares (where the new K/V goes, each query's first key,
+the split into decodes and chunks) comes built in `AttentionStep` (step.py);
+this file adds what only the reference needs: tails to zero, the pages each
+decode group or prefill chunk gathers, and their masks.
 
 Which keys a query at position i reads is the layer's read rule,
 `spec.first_visible(i)` .. i (core/specs.py); nothing here knows a layer type.
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .step import StepInputs
+from .step import AttentionStep
 
 # Decode queries attended together: bigger groups mean fewer calls, smaller
 # ones less padding read when lengths differ. Split a group in two (at most
@@ -95,70 +99,86 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
-def _decode_group(inputs: StepInputs, table: torch.Tensor, spec, bs: int, rows: torch.Tensor, seqs: torch.Tensor,
-                  blocks: int) -> DecodeGroup:
-    """Query rows `rows` of sequences `seqs` (device), each reading `blocks`
-    blocks from its first visible one. Device ops only: capturable."""
-    q_pos = inputs.positions[rows]
-    first = spec.first_visible(q_pos)
+def _decode_group(step: AttentionStep, tokens: torch.Tensor, table_rows: torch.Tensor, blocks: int) -> DecodeGroup:
+    """Query rows `tokens` of the sequences in table rows `table_rows`
+    (device), each reading `blocks` blocks from its first visible one.
+    Device ops only: capturable."""
+    bs, table = step.block_size, step.table
+    q_pos = step.inputs.positions[tokens]
+    first = step.first_key[tokens]
     cols = (first // bs)[:, None] + torch.arange(blocks, device=q_pos.device)[None, :]  # [R, blocks]
     # Columns past the table (a query near the end of the context) read its
     # last block again; their key positions lie past the query: masked.
-    slots = inputs.slot_rows[seqs][:, None]
     # Blocks past the query's own are the null page: a table row may hold
     # stale ids there (pages since given to anything), never to be read.
-    pages = table[:, slots, cols.clamp(max=table.shape[2] - 1)]
+    pages = table[:, table_rows[:, None], cols.clamp(max=table.shape[2] - 1)]
     pages = torch.where(cols <= (q_pos // bs)[:, None], pages, 0)
-    key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=q_pos.device)).reshape(len(rows), blocks * bs)
+    key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=q_pos.device)).reshape(len(tokens), blocks * bs)
     mask = (key_pos >= first[:, None]) & (key_pos <= q_pos[:, None])
-    return DecodeGroup(rows, pages, mask)
+    return DecodeGroup(tokens, pages, mask)
 
 
-def build(inputs: StepInputs, table: torch.Tensor, spec, block_size: int) -> AttentionMetadata:
-    """The group's metadata for one step, from the step's facts and the
-    group's persistent table `[width, slots, max_blocks]`."""
-    bs = block_size
-    pos = inputs.positions
-    device = pos.device
-    slot_of_token = inputs.slot_rows[inputs.seq_of_token]
-    store_pages = table[:, slot_of_token, pos // bs]
-    host = inputs.host
-    # The tails to zero: in a fixed-shape step every sequence's (unconditionally,
-    # no data-dependent shape); in an eager one only those of blocks this step
-    # writes first (a block's tail, once zeroed, stays so until the block is written).
-    if host is None:  # fixed shapes: every token is its sequence's only one, in order
-        last = torch.arange(pos.shape[0], device=device)
-    else:
-        last_pos = host.positions[host.starts + host.counts - 1]
-        fresh = np.nonzero(last_pos // bs * bs >= host.positions[host.starts])[0]
-        last = torch.from_numpy(host.starts[fresh] + host.counts[fresh] - 1).to(device) if fresh.size else None
-    meta = AttentionMetadata(spec, store_pages, pos % bs, None, None)
-    if last is not None:
-        tail = (pos[last] % bs)[:, None] + torch.arange(1, bs, device=device)
-        meta.tail_pages = store_pages[:, last, None].expand(-1, -1, bs - 1)
-        meta.tail_slots = tail.clamp(max=bs - 1)
-    if host is None:
-        meta.decodes.append(_decode_group(inputs, table, spec, bs, last, last, read_bound(spec, bs, table.shape[2])))
-        return meta
-    decode = np.nonzero(host.counts == 1)[0]
-    if decode.size:
-        q = host.positions[host.starts[decode]]
-        needed = q // bs - spec.first_visible(q) // bs + 1
-        for part in decode_groups(needed):
-            seqs = decode[part]
-            meta.decodes.append(_decode_group(
-                inputs, table, spec, bs, torch.from_numpy(host.starts[seqs]).to(device),
-                torch.from_numpy(seqs).to(device), int(needed[part].max())))
-    for i in np.nonzero(host.counts > 1)[0]:
+def _decode_groups(step: AttentionStep) -> list[DecodeGroup]:
+    """The decodes in one group over the bound every position keeps at
+    fixed shapes; eagerly, in groups of similar lengths (`decode_groups`)."""
+    decodes, host, bs = step.inputs.decodes, step.inputs.host, step.block_size
+    if decodes is None:
+        return []
+    if step.inputs.fixed_shape:
+        bound = read_bound(step.spec, bs, step.table.shape[2])
+        return [_decode_group(step, decodes.tokens, decodes.table_rows, bound)]
+    q = host.positions[host.starts[host.decodes]]
+    needed = q // bs - step.spec.first_visible(q) // bs + 1
+    groups = []
+    for part in decode_groups(needed):
+        index = torch.from_numpy(part).to(decodes.tokens.device)
+        groups.append(_decode_group(step, decodes.tokens[index], decodes.table_rows[index], int(needed[part].max())))
+    return groups
+
+
+def _prefill_segments(step: AttentionStep) -> list[PrefillSegment]:
+    host, spec, bs = step.inputs.host, step.spec, step.block_size
+    if step.inputs.chunks is None:
+        return []
+    device = step.first_key.device
+    segments = []
+    for i in host.chunks:
         start, count = int(host.starts[i]), int(host.counts[i])
         q0 = int(host.positions[start])
         lo, hi = spec.first_visible(q0) // bs, (q0 + count - 1) // bs
-        pages = table[:, int(host.slot_rows[i]), lo:hi + 1]
+        pages = step.table[:, int(host.table_rows[i]), lo:hi + 1]
         q_pos = torch.arange(q0, q0 + count, device=device)[:, None]
         k_pos = torch.arange(lo * bs, (hi + 1) * bs, device=device)[None, :]
         mask = (k_pos >= spec.first_visible(q_pos)) & (k_pos <= q_pos)
-        meta.prefills.append(PrefillSegment(start, count, pages, mask, q0, lo * bs))
-    return meta
+        segments.append(PrefillSegment(start, count, pages, mask, q0, lo * bs))
+    return segments
+
+
+def _tails(step: AttentionStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(pages, slots) of the slots after each sequence's last new token in
+    its block, to zero: in a fixed-shape step every sequence's
+    (unconditionally, no data-dependent shape); in an eager one only those
+    of blocks this step writes first (a block's tail, once zeroed, stays so
+    until the block is written)."""
+    inputs, bs = step.inputs, step.block_size
+    device = inputs.positions.device
+    if inputs.fixed_shape:
+        last = inputs.decodes.tokens
+    else:
+        host = inputs.host
+        ends = host.starts + host.counts - 1
+        fresh = np.nonzero(host.positions[ends] // bs * bs >= host.positions[host.starts])[0]
+        if not fresh.size:
+            return None, None
+        last = torch.from_numpy(ends[fresh]).to(device)
+    tail = (inputs.positions[last] % bs)[:, None] + torch.arange(1, bs, device=device)
+    return step.store_pages[:, last, None].expand(-1, -1, bs - 1), tail.clamp(max=bs - 1)
+
+
+def build(step: AttentionStep) -> AttentionMetadata:
+    """The group's metadata for one step, from what every backend shares."""
+    return AttentionMetadata(step.spec, step.store_pages, step.store_offsets, *_tails(step), _decode_groups(step),
+                             _prefill_segments(step))
 
 
 def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:

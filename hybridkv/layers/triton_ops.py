@@ -20,10 +20,10 @@ Conventions shared by the kernels:
 * A query reads the keys from `first_key` (the first position its layer's
   read rule lets it see: `spec.first_visible`, core/specs.py, computed by the
   caller) to its own position; the kernels know no layer types. Block
-  tables start at key position 0, one row per sequence slot (a persistent
-  table), and a request names its row (`slot_rows`). A key outside the
-  range is never loaded, so the null page (page 0), which stands in the
-  table for blocks a layer has released, is never read.
+  tables start at key position 0, one row per running sequence (a
+  persistent table), and a request names its row (`table_rows`). A key
+  outside the range is never loaded, so the null page (page 0), which
+  stands in the table for blocks a layer has released, is never read.
 * Scores and sums are float32 whatever the cache dtype: 16-bit values are
   converted after the load (triton's interpreter cannot do bf16 arithmetic,
   and on a GPU the float32 accumulation is what the reference does too).
@@ -138,7 +138,7 @@ def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: t
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, slot_ptr, qpos_ptr, first_ptr,
+def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_rows_ptr, qpos_ptr, first_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr,
                          scale, softcap, max_blocks,
                          s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
@@ -181,7 +181,7 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, slot_pt
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    table_row = table_ptr + tl.load(slot_ptr + r).to(tl.int64) * s_tr
+    table_row = table_ptr + tl.load(table_rows_ptr + r).to(tl.int64) * s_tr
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
@@ -227,7 +227,7 @@ def _combine_splits_kernel(out_ptr, rows_ptr, part_acc_ptr, part_m_ptr, part_l_p
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-                           tables: torch.Tensor, slot_rows: torch.Tensor, query_pos: torch.Tensor,
+                           tables: torch.Tensor, table_rows: torch.Tensor, query_pos: torch.Tensor,
                            first_key: torch.Tensor, *, scale: float, softcap: float | None = None,
                            splits: int = 1, block_n: int = 64, num_warps: int | None = None,
                            num_stages: int | None = None) -> None:
@@ -235,7 +235,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
 
     q, out: `[tokens, q_heads, head_dim]`; request i's query is row
     `rows[i]`, at position `query_pos[i]`, and reads keys `first_key[i]` ..
-    `query_pos[i]`; its blocks are row `slot_rows[i]` of `tables` (`[slots,
+    `query_pos[i]`; its blocks are row `table_rows[i]` of `tables` (`[rows,
     blocks]` int64, this layer's column, from key position 0). Entries
     outside the range may be anything, the null page included: they are not
     read. Writes `out[rows]`.
@@ -265,7 +265,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
     else:
         part_acc = part_m = part_l = out  # unused
     _paged_decode_kernel[(requests, kv_heads, splits)](
-        q, out, cache, rows, tables, slot_rows, query_pos, first_key, part_acc, part_m, part_l,
+        q, out, cache, rows, tables, table_rows, query_pos, first_key, part_acc, part_m, part_l,
         float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
         HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
@@ -278,7 +278,8 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
 
 
 @triton.jit
-def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, slot_ptr, pos_ptr, first_ptr,
+def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, table_rows_ptr, pos_ptr,
+                          first_ptr,
                           scale, softcap, max_blocks,
                           s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                           s_cp, s_ckv, s_cs, s_ch, s_cd,
@@ -312,7 +313,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        table_row = table_ptr + tl.load(slot_ptr + seg).to(tl.int64) * s_tr
+        table_row = table_ptr + tl.load(table_rows_ptr + seg).to(tl.int64) * s_tr
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
@@ -328,7 +329,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
 
 
 def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, starts: torch.Tensor,
-                            lengths: torch.Tensor, tables: torch.Tensor, slot_rows: torch.Tensor,
+                            lengths: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor,
                             positions: torch.Tensor, first_key: torch.Tensor, *, max_length: int, scale: float,
                             softcap: float | None = None, block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None) -> None:
@@ -336,7 +337,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     also after cached tokens; a mixed batch's decodes are segments of one).
 
     Segment i is rows `starts[i] .. starts[i] + lengths[i] - 1` of q/out; its
-    blocks are row `slot_rows[i]` of `tables` (`[slots, blocks]`, from key
+    blocks are row `table_rows[i]` of `tables` (`[rows, blocks]`, from key
     position 0). Query row t sits at `positions[t]` and reads keys
     `first_key[t]` .. `positions[t]`. `max_length` (a Python int, no device
     sync) sizes the grid. block_m queries and block_n keys per tile (powers
@@ -358,7 +359,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     q_heads = q.shape[1]
     grid = (segments, triton.cdiv(max_length, block_m), q_heads)
     _paged_prefill_kernel[grid](
-        q, out, cache, starts, lengths, tables, slot_rows, positions, first_key,
+        q, out, cache, starts, lengths, tables, table_rows, positions, first_key,
         float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
         HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
