@@ -31,7 +31,7 @@ def decode_ready_engine(name: str, **kw) -> tuple[Engine, int]:
     steps = engine.scheduler.schedule()
     assert len(steps) == 3 and all(s.count == 1 for s in steps)
     runner = engine.runner
-    rows = [runner.tables.slot(s.seq.seq_id) for s in steps]
+    rows = [runner.tables.row(s.seq.seq_id) for s in steps]
     runner.tables.flush()
     size = runner.bucket(len(steps))
     assert size == 4  # one padded row

@@ -152,7 +152,7 @@ def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
     state; an attention group the blocks covering what the next queries
     read (at most span - 1 earlier keys) and the `chunk` tokens being
     computed, a range that may straddle one more block boundary."""
-    if group.kind == "mamba":
+    if group.recurrent:
         return 1  # one live recurrent state
     bs = group.block_size
     all_blocks = -(-num_tokens // bs)

@@ -99,7 +99,7 @@ class ModelRunner:
         steps that complete their known tokens, in order."""
         for pairs in self.kv.take_copies().values():
             self.buffers.copy_pages(pairs)
-        rows = [self.tables.slot(s.seq.seq_id) for s in steps]
+        rows = [self.tables.row(s.seq.seq_id) for s in steps]
         self.tables.flush()
         if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
             return self._decode(steps, rows)
@@ -199,7 +199,7 @@ class ModelRunner:
         backend = self.backend
         for group in self.layout.groups:
             g = group.index
-            if group.kind == "mamba":
+            if group.recurrent:
                 batch.mamba[g] = backend.mamba.build(inputs, self.buffers, tables.read[g], tables.write[g],
                                                      tables.zero[g])
             else:

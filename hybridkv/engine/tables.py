@@ -1,19 +1,19 @@
-"""Persistent block tables on the device: one row per running sequence
-(a slot), kept from step to step and updated only where the manager changed
+"""Persistent page tables on the device: one row per running sequence,
+kept from step to step and updated only where the manager changed
 them.
 
-* attention group g: `attention[g]` `[width, slots + 1, max_blocks]`, page
+* attention group g: `attention[g]` `[width, rows + 1, max_blocks]`, page
   ids of each block from key position 0 (one plane per page column of a
   multi-page block);
-* Mamba group g: `read[g]`, `write[g]` `[slots + 1, width]` (the pages of
+* Mamba group g: `read[g]`, `write[g]` `[rows + 1, width]` (the pages of
   the block holding the state, and of the block the next state goes to) and
-  `zero[g]` `[slots + 1]` (no state yet: start from zeros).
+  `zero[g]` `[rows + 1]` (no state yet: start from zeros).
 
 The last row is the padding row of fixed-shape decode steps: it writes to
 the KV buffers' sink pages, where no real table reads (and reads the zero
 state from the null page).
 
-A slot's row is refreshed when the manager's `table_version` of its
+A sequence's row is refreshed when the manager's `table_version` of its
 sequence changed: the new table is compared with a host copy of the row and
 only the entries that differ are written to the device (`pages_written`
 counts them: a decode step at 8K tokens writes what one at 1K writes).
@@ -29,13 +29,13 @@ from ..core.layout import KVCacheLayout
 
 
 class DeviceTables:
-    def __init__(self, layout: KVCacheLayout, kv: KVCacheManager, max_slots: int, max_model_len: int,
+    def __init__(self, layout: KVCacheLayout, kv: KVCacheManager, max_rows: int, max_model_len: int,
                  device: torch.device, sink_page):
         self.layout = layout
         self.kv = kv
         self.device = torch.device(device)
-        self.pad_row = max_slots
-        rows = max_slots + 1
+        self.pad_row = max_rows
+        rows = max_rows + 1
         self.max_blocks = -(-max_model_len // layout.block_size) + 1
         # Host copies in the device tensors' layout. On the CPU they are the
         # same memory (a refresh writes once); on a GPU the changed entries are
@@ -60,23 +60,23 @@ class DeviceTables:
         self.write = {g: self._device(a) for g, a in self._host_write.items()}
         self.zero = {g: self._device(a) for g, a in self._host_zero.items()}
         self._pending: dict[int, list] = {}  # group -> [(row, columns, values)] not yet on the device
-        self._slot: dict[str, int] = {}
+        self._row: dict[str, int] = {}
         self._version = [0] * rows
-        self._free = list(range(max_slots - 1, -1, -1))
+        self._free = list(range(max_rows - 1, -1, -1))
         self.pages_written = 0  # table entries written, ever
 
     def _device(self, host: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(host)
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
-    def slot(self, seq_id: str) -> int:
+    def row(self, seq_id: str) -> int:
         """The sequence's row, assigned on first use and refreshed if its
         tables changed since the last step (`flush` sends the changes)."""
-        row = self._slot.get(seq_id)
+        row = self._row.get(seq_id)
         if row is None:
             if not self._free:
-                raise RuntimeError("more running sequences than table slots (max_num_seqs)")
-            row = self._slot[seq_id] = self._free.pop()
+                raise RuntimeError("more running sequences than table rows (max_num_seqs)")
+            row = self._row[seq_id] = self._free.pop()
             self._version[row] = 0
         version = self.kv.table_version(seq_id)
         if version != self._version[row]:
@@ -86,7 +86,7 @@ class DeviceTables:
 
     def release(self, seq_id: str) -> None:
         """The sequence left the running set (finished, preempted, aborted)."""
-        row = self._slot.pop(seq_id, None)
+        row = self._row.pop(seq_id, None)
         if row is not None:
             self._free.append(row)
 

@@ -1,7 +1,7 @@
 """A quick self-test of the Triton kernels on the device they are about to
 run on, against dense torch computations written straight from the rules.
 
-`backend.use_triton` runs it once per device before "auto" hands any real
+`backend.verified` runs it once per device before "auto" hands any real
 work to the kernels: if a kernel disagrees (a compiler or driver quirk the
 CPU interpreter cannot show), the engine warns and keeps the torch
 reference, rather than serving wrong tokens. It takes a few small launches.

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kv_buffers import TORCH_DTYPES, KVBuffers
+from .dtypes import TORCH_DTYPES
+from .kv_buffers import KVBuffers
 from .mamba_ops import causal_conv_step, selective_scan_step
 from .step import StepInputs
 
