@@ -265,13 +265,14 @@ class ShadowTier:
 
 
 def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8,
-                    speculative: bool = False, tier_blocks: int | None = None) -> dict:
+                    speculative: bool = False, tier_blocks: int | None = None, after_op=None) -> dict:
     """A seeded random mix of every manager operation, with heavy prefix
     sharing (a few system prompts, chat turns that extend earlier sequences,
     forks), checked by the shadow runner. `speculative`: decode steps also
     verify 1-4 draft tokens with lookahead slots and accept a random number
     of them. `tier_blocks`: a ShadowTier of that many blocks below the
-    pool, which also loses one fetch in ten. Returns event counts."""
+    pool, which also loses one fetch in ten. `after_op(op)`: called after
+    every operation. Returns event counts."""
     import collections
 
     shadow = ShadowRunner(kv)
@@ -359,6 +360,8 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
         if op % check_every == 0:
             shadow.check_all()
             counts["checks"] += 1
+        if after_op is not None:
+            after_op(op)
     shadow.apply_copies()
     counts["copies"] = shadow.copies
     for rid in live:

@@ -111,3 +111,9 @@ def test_kv_tiers_quick(tmp_path):
     for name in ("host", "disk", "host+disk"):  # every tier serves hits the pool alone lost
         assert data["configs"][name]["cached_fraction"] > data["configs"]["none"]["cached_fraction"]
     assert data["restart"]["cached_tokens"] > 0
+
+
+def test_prefix_index_quick(tmp_path):
+    text, data = run("prefix_index", tmp_path)
+    assert "us/best" in text
+    assert data["keys_indexed"] > 0 and data["us_per_best"] > 0 and data["bytes_per_block"] > 0

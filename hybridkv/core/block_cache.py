@@ -69,6 +69,10 @@ class BlockCache:
         # A tier below the pool (core/tiers.py): `spill(group, key, block)`
         # keeps the content of a block about to be reused. None: no tier.
         self.spill = None
+        # KV events (core/events.py): None when off, else a list of
+        # ("stored", group, keys, parent, tokens), ("removed", group, key)
+        # and ("cleared",) in order, for KVCacheManager.take_events.
+        self.events: list | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -151,7 +155,7 @@ class BlockCache:
 
     # -- keys ------------------------------------------------------------------
     def store(self, group: int, blocks: Sequence[int], keys: Sequence, tokens: Sequence | None = None,
-              keep_copies: bool = False) -> int:
+              keep_copies: bool = False, parent=None) -> int:
         """Register computed blocks under their keys in `group`'s map
         (null blocks and blocks that hold a key already are skipped).
         `tokens`: per block, its token ids, kept when the hash is not
@@ -159,7 +163,8 @@ class BlockCache:
         the entry, and with `keep_copies` the new block is remembered as a
         copy of it (an attention block other requests may keep reading; a
         Mamba state moves on, so it is not kept). Returns how many blocks
-        became entries."""
+        became entries. `parent`: the key before `keys[0]` in its chain (for
+        events)."""
         cached, key_of, key_group = self.cached[group], self.key, self.key_group
         if (tokens is None and len(blocks) >= _BULK_STORE and NULL not in blocks
                 and not any(itemgetter(*blocks)(key_of)) and cached.keys().isdisjoint(keys)):
@@ -168,8 +173,11 @@ class BlockCache:
                 key_of[block] = key
                 key_group[block] = group
             self.version += 1
+            if self.events is not None:
+                self.events.append(("stored", group, list(keys), parent, None))
             return len(blocks)
         entries = 0
+        added = [] if self.events is not None else None  # (index, key) of new entries, for events
         for i, block in enumerate(blocks):
             if not block or key_of[block] is not None:
                 continue
@@ -178,6 +186,8 @@ class BlockCache:
             if key not in cached:
                 cached[key] = block
                 entries += 1
+                if added is not None:
+                    added.append(i)
             elif keep_copies and (own is None or self.tokens[cached[key]] == own):
                 # (With an untrusted hash, equal keys may hold other
                 # tokens: a collision is not a copy.)
@@ -190,7 +200,21 @@ class BlockCache:
                 self.tokens[block] = own
         if entries:
             self.version += 1
+            if added:
+                self._stored_runs(group, keys, added, parent, tokens)
         return entries
+
+    def _stored_runs(self, group: int, keys: Sequence, added: list[int], parent, tokens) -> None:
+        """Events for the new entries among `keys` (their indices, in
+        order): one per run of consecutive ones, each with its parent."""
+        start = 0
+        for n in range(1, len(added) + 1):
+            if n == len(added) or added[n] != added[n - 1] + 1:
+                first, last = added[start], added[n - 1]
+                run_parent = keys[first - 1] if first else parent
+                run_tokens = [t for i in range(first, last + 1) for t in tokens[i]] if tokens is not None else None
+                self.events.append(("stored", group, list(keys[first:last + 1]), run_parent, run_tokens))
+                start = n
 
     def evict(self, block: int, reason: str) -> None:
         """The block's content is no longer findable by its key (a free
@@ -212,6 +236,8 @@ class BlockCache:
             del self.cached[group][key]
             self.version += 1
             self.evictions[reason][group] += 1
+            if self.events is not None:
+                self.events.append(("removed", group, key))
         elif self.cached[group][key] != block:
             del others[block]  # a copy goes; the entry stays
             if not others:
@@ -239,6 +265,8 @@ class BlockCache:
             table.clear()
             self.copies[g].clear()
         self.version += 1
+        if self.events is not None:
+            self.events.append(("cleared",))
         return dropped
 
     @property

@@ -257,7 +257,8 @@ class Coordinator:
         mine = dict(req.lookup.loaded or {})
         for (position, tier_ref), block in zip(loads, blocks):
             self.tier.load(self.block_cache.pages(block, manager.width), fetched[tier_ref])
-            self.block_cache.store(g, [block], [tier_ref.key])
+            j = req.keys.index(tier_ref.key)  # (a rare path: a tier hit)
+            self.block_cache.store(g, [block], [tier_ref.key], parent=req.keys[j - 1] if j else req.root)
             manager.place_loaded(req, position, block)
             self.tier_loads.setdefault(tier_ref.tier, [0] * groups)[g] += 1
             mine.setdefault(tier_ref.tier, [0] * groups)[g] += 1
@@ -351,7 +352,7 @@ class HybridCoordinator(Coordinator):
     def find_hit(self, req):
         if not self.caching:
             return 0
-        return _fixed_point(self._lookup_order, self.scan(req)[1], self.hit_limit(req)) * self.block_size
+        return fixed_point(self._lookup_order, self.scan(req)[1], self.hit_limit(req)) * self.block_size
 
     def explain(self, req, hit):
         bs = self.block_size
@@ -367,11 +368,11 @@ class HybridCoordinator(Coordinator):
                 without.append(hit)
             else:
                 others = [m for m in self._lookup_order if m.index != g]
-                without.append(_fixed_point(others, masks, bound) * bs)
+                without.append(fixed_point(others, masks, bound) * bs)
         return [a * bs for a in alone], without
 
 
-def _fixed_point(managers, masks: list[bytes], candidate: int) -> int:
+def fixed_point(managers, masks: list[bytes], candidate: int) -> int:
     """The longest hit (blocks, at most `candidate`) every manager serves.
     Round robin: once the others have all accepted the candidate the last
     manager lowered it to, it is the answer (that manager's own answer is

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .block_cache import EVICTION_REASONS
 from .checkpoints import CheckpointPolicy, get_policy
 from .coordinator import make_coordinator
+from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .hashing import BlockHasher, token_bytes_of
 from .layout import KVCacheLayout
 from .request import CacheRequest, HitMemo
@@ -173,6 +174,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_function="sha256",
         checkpoint_policy: str | CheckpointPolicy = "hybridkv",
+        enable_kv_events: bool = False,
     ):
         if not isinstance(layout, KVCacheLayout):
             raise ValueError(f"KVCacheManager needs a KVCacheLayout (from plan_layout), got {type(layout).__name__}")
@@ -183,6 +185,8 @@ class KVCacheManager:
         self.coordinator = make_coordinator(layout, self.enable_prefix_caching, self.hasher,
                                             get_policy(checkpoint_policy))
         self.block_cache = self.coordinator.block_cache
+        if enable_kv_events:
+            self.block_cache.events = []
         self._requests: dict[str, CacheRequest] = {}
         self._num_started = 0
         self._queried_tokens = 0
@@ -542,6 +546,29 @@ class KVCacheManager:
                           tuple(m.kind for m in managers), tuple(self._capped_tokens),
                           {r: tuple(cache.evictions[r]) for r in EVICTION_REASONS},
                           {t: tuple(n) for t, n in self.coordinator.tier_loads.items()})
+
+    def take_events(self) -> list:
+        """What happened to the set of keys the pool can serve since the last
+        call, in order (core/events.py); needs enable_kv_events=True."""
+        raw = self.block_cache.events
+        if raw is None:
+            raise ValueError("KV events are off: make the manager with enable_kv_events=True")
+        self.block_cache.events = []
+        managers = self.coordinator.managers
+        out = []
+        for event in raw:
+            if event[0] == "stored":
+                _, g, keys, parent, tokens = event
+                out.append(BlockStored(keys, parent, tokens, self.block_size, g, managers[g].kind))
+            elif event[0] == "removed":
+                _, g, key = event
+                if out and type(out[-1]) is BlockRemoved and out[-1].group_idx == g:
+                    out[-1].block_hashes.append(key)  # one event per run of removals in a group
+                else:
+                    out.append(BlockRemoved([key], g))
+            else:
+                out.append(AllBlocksCleared())
+        return out
 
     def attach_tier(self, tier) -> None:
         """Put a store below the pool (core/tiers.py: host memory, disk):

@@ -254,7 +254,9 @@ class AttentionManager(GroupManager):
                     tokens = [tuple(req.tokens[j * bs:(j + 1) * bs]) for j in range(start, full)]
                 # keep_copies: where another request stored this content
                 # first, ours stays findable after its block goes.
-                self.block_cache.store(g, table[start:full], req.keys[start:full], tokens, keep_copies=True)
+                parent = req.keys[start - 1] if start else req.root
+                self.block_cache.store(g, table[start:full], req.keys[start:full], tokens, keep_copies=True,
+                                       parent=parent)
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]

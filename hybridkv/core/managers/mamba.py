@@ -99,7 +99,8 @@ class MambaManager(GroupManager):
         n = req.num_computed
         if self.caching and self.planner.is_checkpoint(req, n):
             tokens = [tuple(req.tokens[:n])] if self.verify else None
-            if self.block_cache.store(g, [write], [req.keys[n // self.block_size - 1]], tokens):
+            j = n // self.block_size - 1
+            if self.block_cache.store(g, [write], [req.keys[j]], tokens, parent=req.keys[j - 1] if j else req.root):
                 if self.planner.is_rolling(req, n):
                     self._supersede(req, write)
                 if n == req.probation_at:
