@@ -70,9 +70,9 @@ def test_a_key_leaves_the_map_only_through_evict_and_moves_to_a_live_copy():
     assert cache.store(0, [b], ["k"], keep_copies=True) == 0  # b: a copy of a's content
     version = cache.version
     cache.release(a)
-    cache.evict(a, "lru")
+    cache.evict([a], "lru")
     assert cache.cached[0] == {"k": b} and cache.version > version  # the key moved to the copy
-    cache.evict(b, "superseded")
+    cache.evict([b], "superseded")
     assert cache.cached[0] == {} and cache.evictions["superseded"] == [1]
     cache.release(b)
     cache.check_invariants({})

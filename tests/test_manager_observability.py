@@ -148,7 +148,7 @@ def test_explain_hit_hybrid_window_group_alone_serves_past_evicted_early_blocks(
     kv.coordinator.extend_keys(req["probe"], 6)
     for g in range(2):
         block = kv.block_cache.cached[g][req["probe"].keys[0]]
-        kv.block_cache.evict(block, "superseded")
+        kv.block_cache.evict([block], "superseded")
     why = kv.explain_hit("probe")
     by_kind = {g.kind: g for g in why.groups}
     assert by_kind["sliding_window"].alone_tokens == 96

@@ -4,15 +4,16 @@ builders can import it into their own scheduler."""
 
 from .block_cache import BlockCache
 from .page_allocator import NULL, PageAllocator
+from .request import NO_FAST_PATH, FastPath
 from .checkpoints import POLICIES, CheckpointPolicy
 from .hashing import BlockHasher
-from .coordinator import Coordinator, FastPath, HybridCoordinator, UnitaryCoordinator, make_coordinator
+from .coordinator import Coordinator, HybridCoordinator, UnitaryCoordinator, make_coordinator
 from .kv_cache_manager import CacheStats, GroupHit, HitExplanation, KVCacheManager, UnknownRequestError
 from .layout import KVCacheGroup, KVCacheLayout, LayerView, parse_memory, plan_layout
 from .specs import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
-    "NULL", "BlockCache", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator", "FastPath",
+    "NULL", "BlockCache", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator", "FastPath", "NO_FAST_PATH",
     "FullAttentionSpec", "GroupHit", "HitExplanation", "HybridCoordinator", "KVCacheGroup", "KVCacheLayout",
     "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "PageAllocator", "SlidingWindowSpec", "UnitaryCoordinator",
     "UnknownRequestError", "make_coordinator", "parse_memory", "plan_layout",

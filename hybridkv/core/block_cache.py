@@ -95,7 +95,7 @@ class BlockCache:
         need = 0
         for width, count in needs:
             need += width * count
-        if need > self.num_free_pages:
+        if need > self.allocator.num_spare_pages + self._free_pages:
             raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
         out = self.allocator.take(needs, self._reclaim)
         ref = self.ref
@@ -109,14 +109,20 @@ class BlockCache:
         losing its key (evicted) if it had one."""
         free, widths, key = self._free, self.allocator.widths, self.key
         out = []
+        keyed = []
+        on_probation = []
         got = 0
         while got < pages:
             block, probation = free.popitem(last=False)
             if key[block] is not None:
-                self.evict(block, "probation" if probation else "lru")
+                (on_probation if probation else keyed).append(block)
             got += widths[block]
             out.append(block)
         self._free_pages -= got
+        if keyed:
+            self.evict(keyed, "lru")
+        if on_probation:
+            self.evict(on_probation, "probation")
         return out
 
     def touch(self, block: int) -> None:
@@ -216,39 +222,43 @@ class BlockCache:
                 self.events.append(("stored", group, list(keys[first:last + 1]), run_parent, run_tokens))
                 start = n
 
-    def evict(self, block: int, reason: str) -> None:
-        """The block's content is no longer findable by its key (a free
+    def evict(self, blocks: Sequence[int], reason: str) -> None:
+        """The blocks' contents are no longer findable by their keys (a free
         block that stays in the queue moves to its head: it holds nothing
-        worth keeping). If a copy of the content lives on, the key moves
-        to it."""
-        key = self.key[block]
-        if key is None:
-            return
-        group = self.key_group[block]
-        self.key[block] = None
-        if self.tokens[block] is not None:
-            self.tokens[block] = None
-        copies = self.copies[group]
-        others = copies.get(key) if copies else None
-        if others is None:  # the usual case: one block per key
-            if self.spill is not None and reason in _SPILLED:
-                self.spill(group, key, block)
-            del self.cached[group][key]
-            self.version += 1
-            self.evictions[reason][group] += 1
-            if self.events is not None:
-                self.events.append(("removed", group, key))
-        elif self.cached[group][key] != block:
-            del others[block]  # a copy goes; the entry stays
-            if not others:
-                del copies[key]
-        else:  # the entry goes, a copy lives on: the key moves to it
-            self.cached[group][key] = others.popitem()[0]
-            self.version += 1
-            if not others:
-                del copies[key]
-        if not self.ref[block] and block in self._free:
-            self._free.move_to_end(block, last=False)
+        worth keeping). Where a copy of a content lives on, its key moves
+        to the copy. Blocks without a key are left as they are."""
+        key_of, key_group, tokens, ref, free = self.key, self.key_group, self.tokens, self.ref, self._free
+        counts = self.evictions[reason]
+        spill = self.spill if reason in _SPILLED else None
+        events = self.events
+        for block in blocks:
+            key = key_of[block]
+            if key is None:
+                continue
+            group = key_group[block]
+            key_of[block] = None
+            if tokens[block] is not None:
+                tokens[block] = None
+            copies = self.copies[group]
+            others = copies.get(key) if copies else None
+            if others is None:  # the usual case: one block per key
+                if spill is not None:
+                    spill(group, key, block)
+                del self.cached[group][key]
+                counts[group] += 1
+                if events is not None:
+                    events.append(("removed", group, key))
+            elif self.cached[group][key] != block:
+                del others[block]  # a copy goes; the entry stays
+                if not others:
+                    del copies[key]
+            else:  # the entry goes, a copy lives on: the key moves to it
+                self.cached[group][key] = others.popitem()[0]
+                if not others:
+                    del copies[key]
+            if not ref[block] and block in free:
+                free.move_to_end(block, last=False)
+        self.version += 1
 
     def reset(self) -> int:
         """Forget every key (blocks in use stay with their requests).

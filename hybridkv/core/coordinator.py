@@ -23,37 +23,17 @@ A started request's steps mostly need nothing from the groups: the
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from .block_cache import BlockCache
 from .checkpoints import CheckpointPlanner, CheckpointPolicy
 from .hashing import BlockHasher
 from .layout import KVCacheLayout
 from .managers import make_manager
 from .page_allocator import NULL
-from .request import CacheRequest, Lookup, ScanMemo
+from .request import NO_FAST_PATH, CacheRequest, FastPath, Lookup, ScanMemo
 from .specs import NEVER
 
 # Groups whose hits are sparsest go first, so the candidate drops fastest.
 _LOOKUP_ORDER = {"mamba": 0, "full": 1, "chunked_local": 2, "sliding_window": 3}
-
-
-class FastPath(NamedTuple):
-    """How far a started request's steps need nothing from the groups.
-    `_refresh` computes it after every slow path, the only code that changes
-    a request's blocks, so it holds until the next one:
-    * allocating tokens up to `room` (counted from position 0) needs no
-      page, no copy and no new state block: they land in blocks the request
-      holds alone (GroupManager.room);
-    * marking tokens computed while num_computed stays below `quiet_until`
-      completes no block a group caches, moves no block out of a window or
-      chunk and hands over no state block (GroupManager.next_event).
-    Appending tokens changes no block, so it leaves the bounds valid.
-    `req.fast` is None where the slow path must run: before the first
-    allocation, after a fork (a shared partly filled block is copied on
-    write), and while lookahead slots wait to be dropped."""
-    room: int
-    quiet_until: int
 
 
 class Coordinator:
@@ -160,7 +140,7 @@ class Coordinator:
         dropped the key: look the hit up again)."""
         fetched: dict = {}
         hit_blocks = hit // self.block_size
-        if self.tier is None or not hit_blocks:
+        if not hit_blocks:
             return fetched
         for manager, found in zip(self.managers, self.scan(req)[0]):
             for ref in manager.hit_blocks(found, hit_blocks):
@@ -178,7 +158,7 @@ class Coordinator:
         """A started request's next tokens: a comparison within the fast path."""
         target = req.num_computed + num_new_tokens
         fast = req.fast
-        if fast is not None and target <= fast.room:
+        if target <= fast.room:
             if target > req.num_allocated:
                 req.num_allocated = target
             return True
@@ -193,7 +173,7 @@ class Coordinator:
             manager.allocate(req, target, copies)
         if target > req.num_allocated:
             req.num_allocated = target
-        self._refresh(req, self._events_follow_allocation or fast is None)
+        self._refresh(req, self._events_follow_allocation or fast is NO_FAST_PATH)
         return True
 
     def start(self, req: CacheRequest, num_new_tokens: int, hit: int, fetched: dict | None = None) -> bool:
@@ -205,10 +185,11 @@ class Coordinator:
         hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
         found = None
-        loads: list[list] = [[] for _ in managers]  # per group: (position, TierRef)
+        loads = None  # per group: (position, TierRef) of the hit blocks a tier serves
         if hit_blocks:
             found = [m.hit_blocks(f, hit_blocks) for m, f in zip(managers, self.scan(req)[0])]
             if self.tier is not None:
+                loads = [[] for _ in managers]
                 for g, blocks in enumerate(found):
                     for position, block in enumerate(blocks):
                         if block and type(block) is not int:
@@ -220,7 +201,7 @@ class Coordinator:
         ref, widths = self.block_cache.ref, self.block_cache.allocator.widths
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
-            count = manager.blocks_for_start(req, target, blocks) + len(loads[g])
+            count = manager.blocks_for_start(req, target, blocks) + (len(loads[g]) if loads else 0)
             counts.append((manager.width, count))
             pages += count * manager.width
             for block in blocks:
@@ -241,7 +222,7 @@ class Coordinator:
         # One call for all groups: reused blocks go to the group of their
         # width, so fewer are taken apart (BlockCache.allocate).
         for manager, blocks in zip(managers, self.block_cache.allocate(counts)):
-            taken = len(loads[manager.index])
+            taken = len(loads[manager.index]) if loads else 0
             if taken:
                 self._load(req, manager, loads[manager.index], blocks[:taken], fetched)
             manager.start(req, blocks[taken:])
@@ -293,8 +274,7 @@ class Coordinator:
     def mark_computed(self, req: CacheRequest, num_tokens: int) -> None:
         n = req.num_computed + num_tokens
         req.num_computed = n
-        fast = req.fast
-        if fast is not None and n < fast.quiet_until:
+        if n < req.fast.quiet_until:
             return
         if self.caching:
             self.extend_keys(req, n // self.block_size)
@@ -320,7 +300,7 @@ class Coordinator:
             manager.fork(parent, child)
         # Both now share the partly filled block: the next step of either
         # takes the slow path (copy on write).
-        parent.fast = child.fast = None
+        parent.fast = child.fast = NO_FAST_PATH
 
     def take_copies(self) -> dict[int, list[tuple[int, int]]]:
         """Page copies (src, dst) per group that the runner must make before

@@ -19,7 +19,7 @@ from .coordinator import make_coordinator
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .hashing import BlockHasher, token_bytes_of
 from .layout import KVCacheLayout
-from .request import CacheRequest, HitMemo
+from .request import NO_FAST_PATH, CacheRequest, HitMemo
 
 
 class UnknownRequestError(ValueError, KeyError):
@@ -239,11 +239,15 @@ class KVCacheManager:
         memo = req.hit_memo
         if memo is not None and memo.version == self.block_cache.version and memo.num_tokens == len(req.tokens):
             return memo.hit
+        coordinator = self.coordinator
         while True:
-            hit = self.coordinator.find_hit(req)
+            hit = coordinator.find_hit(req)
+            if coordinator.tier is None:
+                fetched = None
+                break
             # The content of the blocks a tier serves is read now, so that a
             # hit this call reports is one the allocation can take.
-            fetched = self.coordinator.fetch_from_tier(req, hit)
+            fetched = coordinator.fetch_from_tier(req, hit)
             if fetched is not None:
                 break  # (None: the tier lost a block and dropped its key; look again)
         req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None, fetched)
@@ -303,7 +307,7 @@ class KVCacheManager:
             ok = self.coordinator.start(req, total, hit, req.hit_memo.fetched)
         if ok and num_lookahead:
             req.lookahead = num_lookahead
-            req.fast = None  # mark_computed takes the slow path, which drops the rejected slots
+            req.fast = NO_FAST_PATH  # mark_computed takes the slow path, which drops the rejected slots
         if ok and hit is not None:
             self._num_started += 1
             self._queried_tokens += len(req.tokens)
@@ -359,22 +363,27 @@ class KVCacheManager:
         """`allocate_slots` for each request in order; stops at the first that
         does not fit and returns how many got their slots."""
         num_new_tokens = _count(num_new_tokens, "num_new_tokens")
-        lookahead = _count(num_lookahead, "num_lookahead")
+        if _count(num_lookahead, "num_lookahead"):
+            for i, request_id in enumerate(request_ids):
+                if not self.allocate_slots(request_id, num_new_tokens, num_lookahead):
+                    return i
+            return len(request_ids)
         requests, grow = self._requests, self.coordinator.grow
         for i, request_id in enumerate(request_ids):
             req = requests.get(request_id)
-            if req is not None and req.started and not lookahead:
+            if req is not None:
                 target = req.num_computed + num_new_tokens
                 if target <= len(req.tokens):
-                    fast = req.fast  # Coordinator.grow's first test, inline: this loop runs per request per step
-                    if fast is not None and target <= fast.room:
+                    # Coordinator.grow's first test, inline: this loop runs per request per step.
+                    if target <= req.fast.room:
                         if target > req.num_allocated:
                             req.num_allocated = target
                         continue
-                    if grow(req, num_new_tokens):
-                        continue
-                    return i
-            if not self.allocate_slots(request_id, num_new_tokens, lookahead):
+                    if req.started:
+                        if grow(req, num_new_tokens):
+                            continue
+                        return i
+            if not self.allocate_slots(request_id, num_new_tokens):
                 return i
         return len(request_ids)
 
@@ -384,15 +393,16 @@ class KVCacheManager:
         requests, mark = self._requests, self.coordinator.mark_computed
         for request_id in request_ids:
             req = requests.get(request_id)
-            if req is not None and not req.lookahead and num_tokens:
+            if req is not None:
                 n = req.num_computed + num_tokens
                 if n <= req.num_allocated:
-                    fast = req.fast  # Coordinator.mark_computed's first test, inline, as above
-                    if fast is not None and n < fast.quiet_until:
+                    # Coordinator.mark_computed's first test, inline, as above.
+                    if n < req.fast.quiet_until:
                         req.num_computed = n
-                    else:
+                        continue
+                    if num_tokens and not req.lookahead:
                         mark(req, num_tokens)
-                    continue
+                        continue
             self.mark_computed(request_id, num_tokens)
 
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:

@@ -58,6 +58,8 @@ class PageAllocator:
         `reclaim(pages)` gives free blocks of at least that many pages in
         all; it is called at most once, for what the spare pages lack. The
         caller has checked that enough pages are free."""
+        if len(needs) == 1 and needs[0][0] * needs[0][1] <= self.num_spare_pages:
+            return [self._cut(*needs[0])]  # (a step's new block, while spare pages last)
         want: dict[int, int] = {}
         need = 0
         for width, count in needs:
@@ -66,15 +68,34 @@ class PageAllocator:
                 need += width * count
         reused: dict[int, list[int]] = {}
         if need > self.num_spare_pages:
+            # A reclaimed block goes whole to a width still wanted; any
+            # other is taken apart into spare pages.
+            widths, runs, spare = self.widths, self.runs, self._spare
             for block in reclaim(need - self.num_spare_pages):
-                self._reuse_or_take_apart(block, want, reused)
+                width = widths[block]
+                if want.get(width):
+                    want[width] -= 1
+                    reused.setdefault(width, []).append(block)
+                    continue
+                if runs[block] is None:
+                    spare.append(range(block, block + width))
+                else:
+                    spare.extend(runs[block])
+                    runs[block] = None
+                self.num_spare_pages += width
+        if len(needs) == 1:  # one group's blocks (a step's): nothing to share out
+            width, count = needs[0]
+            if not count:
+                return [[]]
+            blocks = self._cut(width, want[width]) if want[width] else []
+            if reused:
+                blocks += reused[width]
+            return [blocks]
         got: dict[int, list[int]] = {}
         for width, count in want.items():
             blocks = got[width] = self._cut(width, count) if count else []
             if reused:
                 blocks += reused.get(width, ())
-        if len(needs) == 1:  # (one group's blocks: nothing to share out)
-            return [got[needs[0][0]] if needs[0][1] else []]
         out = []
         taken: dict[int, int] = {}
         for width, count in needs:
@@ -83,28 +104,14 @@ class PageAllocator:
             taken[width] = at + count
         return out
 
-    def _reuse_or_take_apart(self, block: int, want: dict[int, int], reused: dict[int, list[int]]) -> None:
-        """A reclaimed block goes whole to a width still wanted; any other
-        becomes spare pages."""
-        width = self.widths[block]
-        if want.get(width):
-            want[width] -= 1
-            reused.setdefault(width, []).append(block)
-            return
-        runs = self.runs[block]
-        if runs is None:
-            self._spare.append(range(block, block + width))
-        else:
-            self._spare.extend(runs)
-            self.runs[block] = None
-        self.num_spare_pages += width
-
     def _cut(self, width: int, count: int) -> list[int]:
         """`count` blocks of `width` pages from the left of the spare runs.
         A block inside a run is a run; one that straddles runs is pieced."""
+        out: list[int] = []
+        if not count:
+            return out
         spare, widths = self._spare, self.widths
         self.num_spare_pages -= width * count
-        out: list[int] = []
         pieces: list[range] = []  # runs of a block begun in an earlier run
         pieced = 0
         while count:

@@ -39,6 +39,28 @@ class Lookup(NamedTuple):
     loaded: dict | None = None  # tier -> per group, hit blocks loaded from it (None: all from the pool)
 
 
+class FastPath(NamedTuple):
+    """How far a started request's steps need nothing from the groups.
+    `Coordinator._refresh` computes it after every slow path, the only code that changes
+    a request's blocks, so it holds until the next one:
+    * allocating tokens up to `room` (counted from position 0) needs no
+      page, no copy and no new state block: they land in blocks the request
+      holds alone (GroupManager.room);
+    * marking tokens computed while num_computed stays below `quiet_until`
+      completes no block a group caches, moves no block out of a window or
+      chunk and hands over no state block (GroupManager.next_event).
+    Appending tokens changes no block, so it leaves the bounds valid.
+    `NO_FAST_PATH` (no room, never quiet: every call takes the slow path)
+    is the value where the slow path must run: before the first
+    allocation, after a fork (a shared partly filled block is copied on
+    write), and while lookahead slots wait to be dropped."""
+    room: int
+    quiet_until: int
+
+
+NO_FAST_PATH = FastPath(room=-1, quiet_until=-1)
+
+
 @dataclass(slots=True, eq=False)
 class CacheRequest:
     """Token ids, progress and, per group, the blocks a request holds.
@@ -74,7 +96,7 @@ class CacheRequest:
     hit_memo: HitMemo | None = None
     scan: ScanMemo | None = None
     lookup: Lookup | None = None
-    fast: object = None  # the coordinator's FastPath, or None: take the slow path
+    fast: FastPath = NO_FAST_PATH  # how far steps skip the groups (set by the coordinator)
     table_version: int = 0  # renewed whenever a block table or a Mamba state block changes
 
     def __post_init__(self):

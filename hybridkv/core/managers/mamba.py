@@ -126,7 +126,7 @@ class MambaManager(GroupManager):
             # next turn; the older one would just push useful blocks out.
             # (The key check: the block id may since hold other content.)
             if self.block_cache.ref[block] == 0 and self.block_cache.key[block] == key:
-                self.block_cache.evict(block, "superseded")
+                self.block_cache.evict([block], "superseded")
 
     def free(self, req):
         read, write = req.tables[self.index]
