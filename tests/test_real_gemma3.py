@@ -161,3 +161,19 @@ def test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens(gguf_path, 
     assert stats["spec_accepted_tokens"] > 20 and stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]
     assert stats["steps"] < 3 * 40  # fewer steps than tokens
     assert spec.kv.num_free_pages == spec.kv.num_total_pages
+
+
+def test_hybrid_real_gemma3_disk_tier_hit_after_a_restart_matches_transformers(gguf_path, engine, reference, tmp_path):
+    # A prompt past the window (so the window group's hit reads only its last
+    # window): served, the engine stopped, a new one over the same directory
+    # takes the prefix from disk, and its tokens equal transformers'.
+    first, second = token_ids(engine, [long_prompt(q) for q in LONG_QUESTIONS])
+    before = Engine(gguf_path, kv_cache_memory="256MiB", progress=False, kv_disk_cache=str(tmp_path))
+    generate(before, [first])
+    before.close()
+    del before
+    after = Engine(gguf_path, kv_cache_memory="256MiB", progress=False, kv_disk_cache=str(tmp_path))
+    got, outs = generate(after, [second])
+    assert outs[0].metrics.num_cached_tokens > WINDOW + 128
+    assert sum(after.stats["kv_tier_loads_by_group"]["disk"]) > 0
+    assert got[0] == reference(second)
