@@ -224,21 +224,23 @@ class Coordinator:
         for manager, blocks in zip(managers, self.block_cache.allocate(counts)):
             taken = len(loads[manager.index]) if loads else 0
             if taken:
-                self._load(req, manager, loads[manager.index], blocks[:taken], fetched)
+                self._load(req, manager, loads[manager.index], blocks[:taken], fetched, hit_blocks)
             manager.start(req, blocks[taken:])
         req.num_allocated = target
         self._refresh(req)
         return True
 
-    def _load(self, req: CacheRequest, manager, loads: list, blocks: list[int], fetched: dict) -> None:
+    def _load(self, req: CacheRequest, manager, loads: list, blocks: list[int], fetched: dict,
+              hit_blocks: int) -> None:
         """Tier blocks of a hit into fresh pool blocks: their content, their
         key (they are cached content again), their place in the request."""
         g = manager.index
         groups = len(self.managers)
         mine = dict(req.lookup.loaded or {})
+        chain = {key: j for j, key in enumerate(req.keys[:hit_blocks])}  # key -> its position, for parents
         for (position, tier_ref), block in zip(loads, blocks):
             self.tier.load(self.block_cache.pages(block, manager.width), fetched[tier_ref])
-            j = req.keys.index(tier_ref.key)  # (a rare path: a tier hit)
+            j = chain[tier_ref.key]
             self.block_cache.store(g, [block], [tier_ref.key], parent=req.keys[j - 1] if j else req.root)
             manager.place_loaded(req, position, block)
             self.tier_loads.setdefault(tier_ref.tier, [0] * groups)[g] += 1

@@ -83,24 +83,13 @@ class PageAllocator:
                     spare.extend(runs[block])
                     runs[block] = None
                 self.num_spare_pages += width
-        if len(needs) == 1:  # one group's blocks (a step's): nothing to share out
-            width, count = needs[0]
-            if not count:
-                return [[]]
-            blocks = self._cut(width, want[width]) if want[width] else []
-            if reused:
-                blocks += reused[width]
-            return [blocks]
-        got: dict[int, list[int]] = {}
-        for width, count in want.items():
-            blocks = got[width] = self._cut(width, count) if count else []
-            if reused:
-                blocks += reused.get(width, ())
+        # (`want` now counts what the reused blocks did not cover.)
+        got = {width: self._cut(width, count) + reused.get(width, []) for width, count in want.items()}
         out = []
         taken: dict[int, int] = {}
         for width, count in needs:
             at = taken.get(width, 0)
-            out.append(got[width][at:at + count] if count else [])
+            out.append(got[width][at:at + count] if count else [])  # (a width asked for no block may be missing from got)
             taken[width] = at + count
         return out
 
