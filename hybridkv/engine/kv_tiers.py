@@ -152,9 +152,10 @@ class DiskTier:
 
     def write(self, group: int, key: bytes, content: torch.Tensor) -> list:
         """Store a block atomically; returns the items removed for room."""
-        if not self.writable or (group, key) in self.files:
-            if (group, key) in self.files:
-                self.files.move_to_end((group, key))
+        if (group, key) in self.files:
+            self.files.move_to_end((group, key))
+            return []
+        if not self.writable:
             return []
         body = _HEADER.pack(_MAGIC, FORMAT_VERSION, group, content.shape[0], self.page_size, self.identity,
                             len(key)) + key + content.numpy().tobytes()
@@ -258,35 +259,29 @@ class TieredStore:
             if (group, key) in self.host:
                 self.host.touch((group, key))
                 return
-            self.index[group][key] = TierRef(group, key, "host")
             for item, pushed in self.host.add((group, key), content):
                 self._to_disk(item, pushed)
+            self._reindex((group, key))
         else:
             self._to_disk((group, key), content)
 
     def _to_disk(self, item, content: torch.Tensor) -> None:
         """A block leaving host memory (or, with none, the pool) goes to disk
-        if there is one; a key no tier holds any more leaves the index."""
-        group, key = item
-        stored = False
+        if there is one."""
         if self.disk is not None:
-            for old in self.disk.write(group, key, content):
+            for old in self.disk.write(*item, content):
                 self._reindex(old)
-            stored = item in self.disk.files
-        if stored:
-            self.index[group][key] = TierRef(group, key, "disk")
-        else:
-            self._reindex(item)
+        self._reindex(item)
 
     def _reindex(self, item) -> None:
-        """The index entry of `item` after a tier dropped or moved it: the
-        tier that still holds it, or none (the key leaves the index)."""
+        """The index entry of `item` after a tier took, dropped or moved it:
+        the tier that holds it, or none (the key leaves the index)."""
         group, key = item
-        if (self.host is not None and item in self.host) or (self.disk is not None and item in self.disk.files):
-            self.index[group][key] = TierRef(group, key, "host" if self.host is not None and item in self.host
-                                             else "disk")
-            return
-        if self.index[group].pop(key, None) is not None:
+        if self.host is not None and item in self.host:
+            self.index[group][key] = TierRef(group, key, "host")
+        elif self.disk is not None and item in self.disk.files:
+            self.index[group][key] = TierRef(group, key, "disk")
+        elif self.index[group].pop(key, None) is not None:
             self.counters["evictions"] += 1
             self.changed()
 
@@ -326,12 +321,8 @@ class TieredStore:
             g = manager.index
             for key, block in list(cache.cached[g].items()):
                 if (g, key) not in self.disk.files:
-                    content = self.pool[list(cache.pages(block, manager.width))].cpu()
-                    for old in self.disk.write(g, key, content):
-                        self._reindex(old)
-                    if (g, key) in self.disk.files:
-                        self.index[g].setdefault(key, TierRef(g, key, "disk"))
-                        written += 1
+                    self._to_disk((g, key), self.pool[list(cache.pages(block, manager.width))].cpu())
+                    written += (g, key) in self.disk.files
         return written
 
     def describe(self) -> dict:
