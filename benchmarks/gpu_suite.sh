@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_suite.sh OUTDIR             # an H100/H200: about 8 minutes
 #   bash benchmarks/gpu_suite.sh OUTDIR --dry-run   # anywhere: every case built small, on the CPU
 #
+# It runs $PYTHON (default: python3), so a caller picks the interpreter that
+# has torch: PYTHON=/path/to/venv/bin/python bash benchmarks/gpu_suite.sh OUT
+#
 #   env.txt             the device, driver, library versions
 #   kernel_tests.txt    tests/test_triton_kernels.py compiled on the GPU, real sizes included
 #   kernels.txt/.json   benchmarks/kernels.py: paged decode attention at 64 x 8K and 32K (bf16)
@@ -24,6 +27,7 @@
 set -u
 OUT=${1:?usage: gpu_suite.sh OUTDIR [--dry-run]}
 DRY=${2:-}
+PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
@@ -43,26 +47,26 @@ part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
 {
     date -u
     nvidia-smi 2>&1 || echo "no nvidia-smi"
-    python3 -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, \
+    "$PYTHON" -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, \
 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); \
 print('triton', triton.__version__, 'transformers', transformers.__version__)"
 } >"$OUT/env.txt" 2>&1
 
 if [ "$DRY" = "--dry-run" ]; then
     export TRITON_INTERPRET=1
-    part kernel_tests 600 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+    part kernel_tests 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
         -k "store or fixed_shape or backend_is_chosen or self_test"
-    part kernels 600 python3 benchmarks/kernels.py --quick --out "$OUT/kernels.json"
-    part engine 900 python3 benchmarks/engine_throughput.py --dry-run --graphs both --only throughput \
+    part kernels 600 "$PYTHON" benchmarks/kernels.py --quick --out "$OUT/kernels.json"
+    part engine 900 "$PYTHON" benchmarks/engine_throughput.py --dry-run --graphs both --only throughput \
         --out "$OUT/engine.json"
-    part oracle 600 python3 -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
+    part oracle 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
         -k "batch_of_different_lengths and fixed-decode"
 else
-    part kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-    part kernels 150 python3 benchmarks/kernels.py --out "$OUT/kernels.json"
-    part engine 300 python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --graphs both \
+    part kernel_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+    part kernels 150 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json"
+    part engine 300 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --graphs both \
         --only throughput --repeat 1 --num-prompts 64 --new-tokens 64 --out "$OUT/engine.json"
-    part oracle 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py --device cuda \
+    part oracle 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py --device cuda \
         --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton"
 fi
 echo "gpu_suite: $failed part(s) failed; logs in $OUT"

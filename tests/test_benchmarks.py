@@ -84,7 +84,7 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:]
     engine = json.loads((out / "engine.json").read_text())
     assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
