@@ -87,3 +87,16 @@ def test_best_ranks_replicas_by_their_hybrid_hit():
     assert index.best(prompt) == [(24, "long"), (8, "short")]
     index.remove_source("long")
     assert index.best(prompt) == [(8, "short")]
+
+
+def test_engine_hands_over_its_managers_events():
+    from hybridkv import Engine, SamplingParams
+    from hybridkv.core.events import BlockStored
+    from hybridkv.tiny_models import tiny_model_dir
+
+    engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", enable_kv_events=True, progress=False)
+    engine.generate([list(range(3, 60))], SamplingParams(max_tokens=2), use_tqdm=False)
+    events = engine.take_kv_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored and {e.group_idx for e in stored} == set(range(len(engine.layout.groups)))
+    assert engine.take_kv_events() == []

@@ -56,7 +56,7 @@ class Engine:
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
                  prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
-                 kv_disk_cache_memory: int | str = "16GiB"):
+                 kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False):
         """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
         "triton" (layers/backend.py), chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
@@ -72,7 +72,10 @@ class Engine:
         (a directory) keeps what host memory evicts, or with no host tier
         what the pool evicts, in files, up to `kv_disk_cache_memory` bytes,
         and survives a restart (`close()` writes what the pool still
-        caches there too)."""
+        caches there too).
+        `enable_kv_events`: the manager records what its cache can serve
+        as it changes (core/events.py); `take_kv_events()` hands it over,
+        for a publisher or a router's prefix index."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -105,7 +108,7 @@ class Engine:
         specs = specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype))
         self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
-                                 checkpoint_policy=checkpoint_policy)
+                                 checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
@@ -479,6 +482,11 @@ class Engine:
                 if out.finished:
                     finished[out.request_id] = out
         return finished
+
+    def take_kv_events(self) -> list:
+        """The manager's KV events since the last call, in order (needs
+        enable_kv_events=True)."""
+        return self.kv.take_events()
 
     @property
     def stats(self) -> dict:
