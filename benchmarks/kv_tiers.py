@@ -123,6 +123,7 @@ def main() -> None:
                "length": args.length, "revisits": args.revisits, "model": "tiny" if args.tiny else "gemma-3-270m",
                "configs": {}}
     base = statistics.mean(times["none"])
+    block_bytes = [g.pages_per_block * layout.page_size_bytes for g in layout.groups]
     print(f"\n{'tier':<10} {'mean TTFT ms':>13} {'p90 ms':>8} {'vs none':>8} {'cached':>7} {'tok/s (prefill)':>16}  "
           f"loaded blocks per tier (per group)")
     for name in names:
@@ -133,9 +134,27 @@ def main() -> None:
         row = {"mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
                "cached_fraction": cached[name] / prompt_tokens, "prompt_tok_per_s": prompt_tokens / sum(t),
                "loads_by_group": loads}
+        if name != "none":
+            row["stored_bytes_by_group"] = stats["kv_tier_store_bytes_by_group"]
+            # What a tier that keeps every block of every group would have
+            # stored for the same evictions: a block of each group at every
+            # position the attention groups spilled.
+            positions = max(b // block_bytes[g] for g, b in enumerate(row["stored_bytes_by_group"])
+                            if not layout.groups[g].recurrent)
+            row["store_everything_bytes"] = positions * sum(block_bytes)
+            row["stored_bytes_per_cached_token"] = sum(row["stored_bytes_by_group"]) / max(1, cached[name])
+            row["store_everything_bytes_per_cached_token"] = row["store_everything_bytes"] / max(1, cached[name])
         results["configs"][name] = row
         print(f"{name:<10} {1e3 * mean:>13.1f} {1e3 * p90:>8.1f} {base / mean:>7.2f}x {row['cached_fraction']:>6.0%} "
               f"{row['prompt_tok_per_s']:>16.0f}  {loads}")
+    print(f"\n{'tier':<10} {'stored MiB by group':>28} {'B stored per cached token':>26} "
+          f"{'store-everything tier':>22}")
+    kinds = "/".join(g.kind for g in layout.groups)
+    for name in names[1:]:
+        row = results["configs"][name]
+        by_group = "/".join(f"{b / 2**20:.2f}" for b in row["stored_bytes_by_group"])
+        print(f"{name:<10} {by_group + ' (' + kinds + ')':>28} {row['stored_bytes_per_cached_token']:>26.0f} "
+              f"{row['store_everything_bytes_per_cached_token']:>22.0f}")
     # A restart: the disk tier's engine stops (writing what its pool caches),
     # new ones start over the same directory; each one's first request
     # against a cold engine's first request (three pairs, the order

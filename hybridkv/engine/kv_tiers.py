@@ -157,22 +157,30 @@ class DiskTier:
             return []
         if not self.writable:
             return []
-        body = _HEADER.pack(_MAGIC, FORMAT_VERSION, group, content.shape[0], self.page_size, self.identity,
-                            len(key)) + key + content.numpy().tobytes()
-        data = body + _TRAILER.pack(zlib.crc32(body))
+        head = _HEADER.pack(_MAGIC, FORMAT_VERSION, group, content.shape[0], self.page_size, self.identity,
+                            len(key)) + key
+        pages = memoryview(content.numpy()).cast("B")  # written from the tensor's memory, not copied
+        crc = _TRAILER.pack(zlib.crc32(pages, zlib.crc32(head)))
+        size = len(head) + len(pages) + len(crc)
         removed = []
-        while self.files and self.bytes + len(data) > self.budget:
+        while self.files and self.bytes + size > self.budget:
             old = next(iter(self.files))
             self.remove(old)
             removed.append(old)
-        if len(data) > self.budget:
+        if size > self.budget:
             return removed
         path = self._path(group, key)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # the group's first block, or its directory was removed under us
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
+                f.write(head)
+                f.write(pages)
+                f.write(crc)
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -181,8 +189,8 @@ class DiskTier:
                 pass
             self._stop_writing(e)
             return removed
-        self.files[(group, key)] = len(data)
-        self.bytes += len(data)
+        self.files[(group, key)] = size
+        self.bytes += size
         return removed
 
     def read(self, group: int, key: bytes) -> torch.Tensor | None:
@@ -245,6 +253,7 @@ class TieredStore:
         self.index: list[dict] = [{} for _ in layout.groups]
         self.changed = lambda: None  # set by the manager
         self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
+        self.store_bytes_by_group = [0] * len(layout.groups)  # what each layer type costs the tiers
         if self.disk is not None:
             for group, key in self.disk.files:
                 if group < len(self.index):
@@ -255,6 +264,7 @@ class TieredStore:
         content = self.pool[list(pages)].cpu()
         self.counters["stores"] += 1
         self.counters["store_bytes"] += content.numel()
+        self.store_bytes_by_group[group] += content.numel()
         if self.host is not None:
             if (group, key) in self.host:
                 self.host.touch((group, key))
@@ -328,6 +338,7 @@ class TieredStore:
     def describe(self) -> dict:
         """Sizes and counters, for stats and metrics."""
         out = dict(self.counters)
+        out["store_bytes_by_group"] = list(self.store_bytes_by_group)
         if self.host is not None:
             out["host_blocks"] = len(self.host.blocks)
             out["host_bytes_used"] = (self.host.slab.shape[0] - len(self.host.free)) * self.host.slab.shape[1]

@@ -102,6 +102,11 @@ class ServerMetrics:
             for i, kind in enumerate(s["group_kinds"]):
                 loads.add_metric([tier, str(i), kind], per_group[i])
         yield loads
+        stored = CounterMetricFamily("hybridkv_kv_tier_group_store_bytes",
+                                     "Bytes copied from the pool into the tiers, per group", labels=["group", "kind"])
+        for i, kind in enumerate(s["group_kinds"]):
+            stored.add_metric([str(i), kind], s["kv_tier_store_bytes_by_group"][i])
+        yield stored
         for name, doc in (("stores", "Blocks the pool evicted that the tiers kept"),
                           ("store_bytes", "Bytes copied from the pool into the tiers"),
                           ("loads", "Blocks read back from the tiers"),
