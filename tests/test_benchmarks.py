@@ -117,3 +117,18 @@ def test_prefix_index_quick(tmp_path):
     text, data = run("prefix_index", tmp_path)
     assert "us/best" in text
     assert data["keys_indexed"] > 0 and data["us_per_best"] > 0 and data["bytes_per_block"] > 0
+
+
+def test_tier_storage_quick(tmp_path):
+    text, data = run("tier_storage", tmp_path)
+    assert "write us/block" in text
+    files = data["stores"]["files"]
+    assert files["write_us"] > 0 and files["read_us"] > 0
+
+
+def test_kv_tiers_counts_what_each_group_stored(tmp_path):
+    text, data = run("kv_tiers", tmp_path, "--model", "tiny-jamba")
+    assert "store-everything tier" in text
+    host = data["configs"]["host"]
+    # Mamba keeps checkpoint states, not a state per block.
+    assert host["stored_bytes_per_cached_token"] < host["store_everything_bytes_per_cached_token"]
