@@ -91,6 +91,22 @@ def test_hybrid_disk_tier_with_host_tier_and_eviction_keeps_outputs(family_model
     assert min(cached) >= 40, cached
 
 
+def test_hybrid_tiers_under_preemption_keep_transformers_outputs(family_model, tmp_path):
+    # Eight requests that share documents in a pool for about two: requests
+    # are preempted and resumed, and resumed ones hit blocks the tiers took.
+    family, path, reference = family_model
+    docs = documents(4)
+    prompts = [docs[i % 4] + [3 + i, 4] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = small_engine(path, kv_host_cache_memory="64KiB", kv_disk_cache=str(tmp_path))
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.stats["preemptions"] > 0
+    assert sum(sum(n) for n in engine.stats["kv_tier_loads_by_group"].values()) > 0, engine.stats
+    for prompt, out in zip(prompts, outs):
+        check_tokens(reference, prompt, out.outputs[0].token_ids)
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
 def test_a_damaged_disk_block_is_a_miss_and_is_removed(family_model, tmp_path, damage):
     family, path, reference = family_model
