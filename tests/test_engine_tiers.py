@@ -80,6 +80,7 @@ def test_hybrid_disk_tier_survives_a_restart(family_model, tmp_path):
     out = second.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.metrics.num_cached_tokens >= 56, out.metrics
     assert sum(second.stats["kv_tier_loads_by_group"]["disk"]) > 0
+    assert second.stats["kv_tier_load_seconds"] > 0  # the wait for disk hits is counted
     check_tokens(reference, prompt, out.outputs[0].token_ids)
 
 

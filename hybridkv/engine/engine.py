@@ -125,6 +125,7 @@ class Engine:
         self.num_steps = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # and those the model agreed with
+        self.last_step_tier_load_seconds = 0.0  # the last step's wait for tier hits
 
     def _attach_tiers(self, host_memory, disk_dir, disk_memory) -> TieredStore | None:
         if host_memory is None and disk_dir is None:
@@ -250,7 +251,10 @@ class Engine:
     # -- the step loop -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of the requests it advanced."""
-        steps = self.scheduler.schedule()
+        loading = self.tiers.load_seconds if self.tiers is not None else 0.0
+        steps = self.scheduler.schedule()  # admissions load their tier hits here
+        if self.tiers is not None:
+            self.last_step_tier_load_seconds = self.tiers.load_seconds - loading
         if not steps:
             return []
         now = time.perf_counter()
@@ -507,4 +511,6 @@ class Engine:
             "kv_pages_in_use_by_group": self.kv.pages_in_use_by_group(),
             "kv_tier_loads_by_group": {t: list(n) for t, n in (cache.tier_loads or {}).items()},
             **({f"kv_tier_{k}": v for k, v in self.tiers.describe().items()} if self.tiers is not None else {}),
+            **({"kv_tier_last_step_load_seconds": self.last_step_tier_load_seconds} if self.tiers is not None
+               else {}),
         }

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 import warnings
 import zlib
 from collections import OrderedDict
@@ -254,6 +255,7 @@ class TieredStore:
         self.changed = lambda: None  # set by the manager
         self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
         self.store_bytes_by_group = [0] * len(layout.groups)  # what each layer type costs the tiers
+        self.load_seconds = 0.0  # reading hits back and copying them into the pool
         if self.disk is not None:
             for group, key in self.disk.files:
                 if group < len(self.index):
@@ -296,6 +298,13 @@ class TieredStore:
             self.changed()
 
     def fetch(self, ref: TierRef):
+        started = time.perf_counter()
+        try:
+            return self._fetch(ref)
+        finally:
+            self.load_seconds += time.perf_counter() - started
+
+    def _fetch(self, ref: TierRef):
         item = (ref.group, ref.key)
         content = self.host.get(item) if self.host is not None else None
         if content is None and self.disk is not None:
@@ -308,7 +317,9 @@ class TieredStore:
         return content
 
     def load(self, pages, content: torch.Tensor) -> None:
+        started = time.perf_counter()
         self.pool[list(pages)] = content.to(self.pool.device, non_blocking=True)
+        self.load_seconds += time.perf_counter() - started
 
     def clear(self) -> None:
         if self.host is not None:
@@ -339,6 +350,7 @@ class TieredStore:
         """Sizes and counters, for stats and metrics."""
         out = dict(self.counters)
         out["store_bytes_by_group"] = list(self.store_bytes_by_group)
+        out["load_seconds"] = self.load_seconds
         if self.host is not None:
             out["host_blocks"] = len(self.host.blocks)
             out["host_bytes_used"] = (self.host.slab.shape[0] - len(self.host.free)) * self.host.slab.shape[1]

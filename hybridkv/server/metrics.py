@@ -111,7 +111,8 @@ class ServerMetrics:
                           ("store_bytes", "Bytes copied from the pool into the tiers"),
                           ("loads", "Blocks read back from the tiers"),
                           ("load_bytes", "Bytes read back from the tiers"),
-                          ("evictions", "Blocks no tier holds any more (budgets, damaged files)")):
+                          ("evictions", "Blocks no tier holds any more (budgets, damaged files)"),
+                          ("load_seconds", "Seconds spent reading tier hits and copying them into the pool")):
             yield CounterMetricFamily(f"hybridkv_kv_tier_{name}", doc, value=s[f"kv_tier_{name}"])
         for tier in ("host", "disk"):
             if f"kv_tier_{tier}_blocks" in s:
