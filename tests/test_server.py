@@ -507,4 +507,3 @@ def test_a_restarted_server_with_a_disk_tier_hits_the_system_prompt_on_its_first
     assert texts[0] == texts[1]
     assert sum(v for k, v in m.items() if k[0] == "hybridkv_kv_tier_loaded_blocks_total") > 0
     assert m["hybridkv_kv_tier_load_seconds_total"] > 0
-    assert sum(v for k, v in m.items() if k[0] == "hybridkv_kv_tier_group_store_bytes_total") > 0
