@@ -71,11 +71,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=320, help="tokens per document")
     parser.add_argument("--pool-documents", type=float, default=4, help="documents the device pool holds")
     parser.add_argument("--revisits", type=int, default=48)
+    parser.add_argument("--restart-length", type=int, default=1024, help="tokens of the prompt asked after a restart")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
     parser.add_argument("--quick", action="store_true", help="--tiny with a few short documents (CI)")
     args = parser.parse_args()
     if args.quick:
-        args.tiny, args.documents, args.length, args.revisits = True, 12, 120, 12
+        args.tiny, args.documents, args.length, args.revisits, args.restart_length = True, 12, 120, 12, 120
 
     import torch
 
@@ -161,7 +162,15 @@ def main() -> None:
     # alternating: a fresh engine's first step also pays its warm-up).
     engines["disk"].close()
     del engines
-    prompt = docs[0] + [7, 7]
+    # The restarted server's prompt: a long system prompt (--restart-length
+    # tokens) served once before the stop, then asked again.
+    prompt = documents(Engine(path, kv_cache_memory="64MiB", progress=False), 1, args.restart_length)[0]
+    pool_bytes = max(pool_bytes, (layout.pages_per_request(len(prompt) + 16, chunk=1024) + 2) * layout.page_size_bytes)
+    before = Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **configs["disk"])
+    ttft(before, prompt)
+    before.close()
+    del before
+    prompt = prompt + [7, 7]
     warm, cold, hits = [], [], []
     for pair in range(3):
         for kind in (("warm", "cold") if pair % 2 == 0 else ("cold", "warm")):
