@@ -62,6 +62,7 @@ class RequestStream:
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
+        self.headers: dict[str, str] = {}  # response headers a backend adds (none here)
 
     def __aiter__(self):
         return self
