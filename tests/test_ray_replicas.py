@@ -205,6 +205,9 @@ def test_jamba_prompt_goes_where_its_checkpoint_is(cluster, plain):
     answered, text, cached = complete(cluster, "tiny-jamba", probe)
     assert (answered, cached) == (a, 64)
     assert text == greedy(plain("tiny-jamba"), probe, 4)
+    for _ in range(3):  # more probes, so that chance (round robin) does not pass this test
+        answered, _, cached = complete(cluster, "tiny-jamba", p + middle + tokens(rng, 16), max_tokens=1)
+        assert answered == a and cached >= 64
     # What B holds, replayed on a plain engine: a token-prefix router sees
     # 96 tokens there (more than A's 64), the hybrid rule sees no hit.
     rng = random.Random(3)
@@ -230,6 +233,9 @@ def test_gemma_prompt_avoids_the_replica_whose_window_tail_was_evicted(cluster, 
     answered, text, cached = complete(cluster, "tiny-gemma3", probe)
     assert (answered, cached) == (a, 64)
     assert text == greedy(plain("tiny-gemma3"), probe, 4)
+    for _ in range(3):  # more probes, so that chance (round robin) does not pass this test
+        answered, _, cached = complete(cluster, "tiny-gemma3", p + middle + tokens(rng, 16), max_tokens=1)
+        assert answered == a and cached >= 64
     rng = random.Random(4)
     p_, middle_ = tokens(rng, 64), tokens(rng, 32)
     tokens(rng, 8)
@@ -273,10 +279,17 @@ def test_metrics_per_replica(cluster):
 
 # -- a replica killed mid-load (last: it changes the replica set) ------------------
 def test_killed_replica_is_replaced_and_no_request_is_lost(cluster, plain):
+    """Kill the replica a stream is on, with requests in flight on both:
+    every non-streamed request is answered right (those on the dead replica
+    are retried on the other), the stream ends with an error a client can act
+    on, and Ray Serve brings the replica count back."""
     engine = plain("tiny-gemma3")
     rng = random.Random(6)
     prompts = [tokens(rng, 24) for _ in range(16)]
     expected = [greedy(engine, p, 24) for p in prompts]
+    long_prompt = tokens(rng, 24)
+    long_expected = greedy(engine, long_prompt, 64)
+    retried_before = _retried(cluster)
     results: dict[int, tuple] = {}
 
     def send(i):
@@ -285,17 +298,50 @@ def test_killed_replica_is_replaced_and_no_request_is_lost(cluster, plain):
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # requests are in flight on both replicas
+    busy = Busy(cluster, "tiny-gemma3", long_prompt, max_tokens=64)
+    lines = busy.response.iter_lines()
+    first = next(line for line in lines if line.startswith("data: {"))  # it is generating
     victim = next(n for n in ray.util.list_named_actors(all_namespaces=True)
-                  if "tiny-gemma3#EngineReplica" in n["name"])
+                  if n["name"].endswith(f"tiny-gemma3#EngineReplica#{busy.replica}"))
+    before = _engine_replicas("tiny-gemma3")
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    events = [first] + [line for line in lines if line.startswith("data: ")]
+    busy.close()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "replica_failed" and "retry" in error["message"]
+    streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2])
+    assert long_expected.startswith(streamed)  # what did arrive is right
     for t in threads:
         t.join(120)
     assert [results[i][1] for i in range(len(prompts))] == expected  # every one answered, and right
-    _wait_running("tiny-gemma3")  # Ray Serve started a replacement
-    replicas = set()
-    for p, want in zip(prompts[:6], expected[:6]):
-        replica, text, _ = complete(cluster, "tiny-gemma3", p, max_tokens=24)
-        assert text == want
-        replicas.add(replica)
-    assert victim["name"].rsplit("#", 1)[-1] not in replicas
+    assert _retried(cluster) > retried_before  # some were on the dead replica
+    new = _wait_replaced("tiny-gemma3", before)  # Ray Serve started a replacement
+    fresh = [tokens(rng, 24) for _ in range(6)]
+    answers = [complete(cluster, "tiny-gemma3", p, max_tokens=8) for p in fresh]
+    assert [text for _, text, _ in answers] == [greedy(engine, p, 8) for p in fresh]
+    assert new in {replica for replica, _, _ in answers} and busy.replica not in {r for r, _, _ in answers}
+
+
+def _engine_replicas(app: str) -> set[str]:
+    return {n["name"].rsplit("#", 1)[-1] for n in ray.util.list_named_actors(all_namespaces=True)
+            if f"{app}#EngineReplica#" in n["name"]}
+
+
+def _wait_replaced(app: str, before: set[str], timeout: float = 120) -> str:
+    """The id of the replica Ray Serve started in place of a dead one (of
+    the replicas `before`), once it runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = _engine_replicas(app)
+        if len(ids) == 2 and len(ids - before) == 1:
+            _wait_running(app)
+            time.sleep(SETTLE_S)  # the routers hear of it
+            return (ids - before).pop()
+        time.sleep(0.2)
+    raise TimeoutError(f"no replacement among the replicas of {app}: {ids}, before {before}")
+
+
+def _retried(client) -> float:
+    text = client.get("/tiny-gemma3/metrics").text
+    return float(next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total")).split()[-1])

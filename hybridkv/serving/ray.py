@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+from prometheus_client import Counter
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -139,10 +140,13 @@ class ReplicaCall:
                 self._retry_or_fail(e)
 
     def _retry_or_fail(self, error: Exception) -> None:
-        if self.attempts > self.replicas.retries:
-            raise APIError(503, f"the engine replica serving this request failed ({type(error).__name__}) and "
-                           f"{self.attempts} attempts were made; retry the request", "server_error",
-                           code="replica_failed") from None
+        """Called with the replica's failure; returns if another attempt may be made."""
+        if self.attempts <= self.replicas.retries:
+            self.replicas.retried.inc()
+            return
+        raise APIError(503, f"the engine replica serving this request failed ({type(error).__name__}) and "
+                       f"{self.attempts} attempts were made; retry the request", "server_error",
+                       code="replica_failed") from None
 
     async def _attempt(self) -> None:
         self.attempts += 1
@@ -202,6 +206,9 @@ class ReplicaSet:
         self.tokenizer = tokenizer
         self.retries = retries
         self.server_metrics = ServerMetrics()
+        self.retried = Counter("hybridkv_requests_retried", "Requests sent again to another replica because the "
+                               "one serving them failed before any of their output reached the client",
+                               registry=self.server_metrics.registry)
         self.max_model_len = None
         self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
 
