@@ -29,6 +29,7 @@ a PrefixIndex.
 from __future__ import annotations
 
 import uuid
+from collections import deque
 
 from ..core.events import AllBlocksCleared, BlockStored
 from ..core.prefix_index import PrefixIndex
@@ -116,3 +117,43 @@ class IndexFeed:
         if self.index is None:
             return {}
         return {replica: hit for hit, replica in self.index.best(token_ids, cache_salt)}
+
+
+class RecentRoutes:
+    """What a router sent where in the last `horizon_s` seconds, per block
+    key: the reports say what a replica cached one period late, so a
+    request that follows one it shares a prefix with, within that period,
+    would find no hit anywhere and go wherever. A router counts the blocks a
+    replica is about to cache (those of the prompts it just sent there) as
+    held there until the reports have caught up.
+
+    An estimate, by blocks only: the hit rule of the hybrid groups (a window
+    tail, a Mamba checkpoint) is the reports' to judge; a request routed by
+    it to a replica that then misses costs one prefill, as with a router that
+    knows nothing."""
+
+    def __init__(self, horizon_s: float):
+        self.horizon_s = horizon_s
+        self._until: dict = {}  # (key, replica) -> until when it counts
+        self._expiry: deque = deque()  # ((key, replica), until), oldest first
+
+    def add(self, replica, keys, now: float) -> None:
+        until = now + self.horizon_s
+        for key in keys:
+            self._until[(key, replica)] = until
+            self._expiry.append(((key, replica), until))
+
+    def hits(self, replicas, keys, block_size: int, now: float) -> dict:
+        """Replica -> tokens of the leading blocks of `keys` recently sent there."""
+        while self._expiry and self._expiry[0][1] <= now:
+            entry, until = self._expiry.popleft()
+            if self._until.get(entry) == until:
+                del self._until[entry]
+        out = {}
+        for replica in replicas:
+            run = 0
+            while run < len(keys) and self._until.get((keys[run], replica), 0) > now:
+                run += 1
+            if run:
+                out[replica] = run * block_size
+        return out

@@ -4,7 +4,9 @@ the longest hybrid prefix hit, balanced against queue length.
 Ray Serve runs one router per deployment in each process that holds a
 handle to it (here the OpenAI ingress replicas). Each router keeps its own
 PrefixIndex, fed by the replicas' KV event reports that arrive with their
-routing stats (serving/event_feed.py says how, and how stale), and ranks
+routing stats (serving/event_feed.py says how, and how stale), adds the
+blocks of the prompts it sent in the last few report periods
+(RecentRoutes: what the reports will say once they catch up), and ranks
 the candidates by RoutingRule's cost (core/routing.py): the prompt tokens
 a replica would still have to compute, plus a price per request queued
 there. Queue lengths are Ray's own (the router's cache of each replica's
@@ -20,11 +22,12 @@ without them (a replica's `describe`) is routed by queue length alone.
 from __future__ import annotations
 
 import importlib
+import time
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..core.routing import RoutingRule
-from .event_feed import IndexFeed
+from .event_feed import IndexFeed, RecentRoutes
 
 # (application, deployment) -> {replica id: its engine counters}, as the routers of this
 # process last saw them: the ingress's /metrics reads it (the ingress and its
@@ -40,10 +43,15 @@ def replica_stats() -> dict:
     return importlib.import_module(__name__).REPLICA_STATS
 
 
-class HybridPrefixRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, queued_request_tokens: int = 256, **_ignored):
+class HybridPrefixRouter(RequestRouter):
+    # Not FIFOMixin: it hands the replica chosen for one request to whichever
+    # request is first in line, and the choice here is for this request's
+    # prompt. The base class gives each request the replica chosen for it.
+
+    def initialize_state(self, queued_request_tokens: int = 256, recent_horizon_s: float = 2.0, **_ignored):
         self.rule = RoutingRule(queued_request_tokens)
         self.feed = IndexFeed()
+        self.recent = RecentRoutes(recent_horizon_s)
         self.num_routed = 0
         self.num_routed_to_hit = 0
 
@@ -78,6 +86,10 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
             queues[r.replica_id.unique_id] = queue or 0
         names = [r.replica_id.unique_id for r in candidate_replicas]
         hits = self.feed.hits(token_ids, kwargs.get("cache_salt")) if token_ids else {}
+        keys = self._keys(pending_request)
+        if keys:
+            recent = self.recent.hits(names, keys, self.feed.index.block_size, time.monotonic())
+            hits = {n: max(hits.get(n, 0), recent.get(n, 0)) for n in names}
         costs = self.rule.costs(len(token_ids or ()), names, hits, queues)
         first = self.rule.choose(len(token_ids or ()), names, hits, queues)
         by_name = dict(zip(names, candidate_replicas))
@@ -86,3 +98,15 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
             self.num_routed += 1
             self.num_routed_to_hit += hits.get(first, 0) > 0
         return [[by_name[n]] for n in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        keys = self._keys(pending_request)
+        if keys:
+            self.recent.add(replica_id.unique_id, keys, time.monotonic())
+
+    def _keys(self, pending_request: PendingRequest | None) -> list:
+        """The request's block keys, once the index knows the layout."""
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        if not kwargs.get("token_ids") or self.feed.index is None:
+            return []
+        return self.feed.index.block_keys(kwargs["token_ids"], kwargs.get("cache_salt"))[0]
