@@ -26,7 +26,7 @@ from ray import serve  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.engine import Engine, SamplingParams  # noqa: E402
 from hybridkv.server.protocol import render_chat  # noqa: E402
-from hybridkv.serving.event_feed import EventReporter, IndexFeed, snapshot_events  # noqa: E402
+from hybridkv.serving.event_feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
 from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
 
@@ -162,6 +162,15 @@ def test_feed_follows_the_replica_and_recovers_from_a_gap():
             assert got == want and gappy.synced("r")
         before = want
     assert sum(want) > 0 and every.num_gaps == 0
+
+
+def test_recent_routes_count_until_the_reports_catch_up():
+    recent = RecentRoutes(horizon_s=10.0)
+    recent.add("a", ["k1", "k2", "k3"], now=0.0, reports=4)
+    assert recent.hits({"a": 4, "b": 4}, ["k1", "k2", "x"], 16, now=1.0) == {"a": 32}
+    assert recent.hits({"a": 5}, ["k1", "k2", "k3", "k4"], 16, now=1.0) == {"a": 48}  # one report: maybe made before
+    assert recent.hits({"a": 6}, ["k1"], 16, now=1.0) == {}  # two reports: they say it now
+    assert recent.hits({"a": 4}, ["k1"], 16, now=10.5) == {}  # no reports for the horizon: forgotten
 
 
 # -- routing ---------------------------------------------------------------------

@@ -79,6 +79,7 @@ class IndexFeed:
         self._seen: dict = {}  # replica -> (epoch, seq) of the last report taken
         self._synced: set = set()  # replicas whose index entry is exact up to their last report
         self.num_gaps = 0
+        self.reports: dict = {}  # replica -> reports taken from it
 
     def offer(self, replica, report: dict | None) -> None:
         """The latest report of `replica` (the same one may come many times)."""
@@ -89,6 +90,7 @@ class IndexFeed:
         if last == mark:
             return
         self._seen[replica] = mark
+        self.reports[replica] = self.reports.get(replica, 0) + 1
         if report["snapshot"]:
             if self.index is None:
                 self.index = PrefixIndex(report["layout"])
@@ -120,12 +122,15 @@ class IndexFeed:
 
 
 class RecentRoutes:
-    """What a router sent where in the last `horizon_s` seconds, per block
-    key: the reports say what a replica cached one period late, so a
-    request that follows one it shares a prefix with, within that period,
-    would find no hit anywhere and go wherever. A router counts the blocks a
-    replica is about to cache (those of the prompts it just sent there) as
-    held there until the reports have caught up.
+    """The blocks of the prompts a router sent to each replica that the
+    replica's reports do not cover yet. The reports say what a replica cached
+    one period late, so a request that follows another it shares a prefix
+    with, within that period, would find no hit anywhere and go wherever. A
+    router counts the blocks a replica is about to cache (those of the
+    prompts it just sent there) as held there until two more reports of
+    that replica have come (the second one was made after the prompt was
+    computed, unless the prefill took longer than a period), or
+    `horizon_s` passed without them.
 
     An estimate, by blocks only: the hit rule of the hybrid groups (a window
     tail, a Mamba checkpoint) is the reports' to judge; a request routed by
@@ -134,25 +139,29 @@ class RecentRoutes:
 
     def __init__(self, horizon_s: float):
         self.horizon_s = horizon_s
-        self._until: dict = {}  # (key, replica) -> until when it counts
+        self._entry: dict = {}  # (key, replica) -> (until when, the replica's report count when routed)
         self._expiry: deque = deque()  # ((key, replica), until), oldest first
 
-    def add(self, replica, keys, now: float) -> None:
+    def add(self, replica, keys, now: float, reports: int) -> None:
         until = now + self.horizon_s
         for key in keys:
-            self._until[(key, replica)] = until
+            self._entry[(key, replica)] = (until, reports)
             self._expiry.append(((key, replica), until))
 
-    def hits(self, replicas, keys, block_size: int, now: float) -> dict:
-        """Replica -> tokens of the leading blocks of `keys` recently sent there."""
+    def hits(self, reports: dict, keys, block_size: int, now: float) -> dict:
+        """Replica -> tokens of the leading blocks of `keys` recently sent
+        there; `reports`: replica -> reports taken from it so far."""
         while self._expiry and self._expiry[0][1] <= now:
             entry, until = self._expiry.popleft()
-            if self._until.get(entry) == until:
-                del self._until[entry]
+            if self._entry.get(entry, (None,))[0] == until:
+                del self._entry[entry]
         out = {}
-        for replica in replicas:
+        for replica, taken in reports.items():
             run = 0
-            while run < len(keys) and self._until.get((keys[run], replica), 0) > now:
+            while run < len(keys):
+                entry = self._entry.get((keys[run], replica))
+                if entry is None or entry[0] <= now or taken > entry[1] + 1:
+                    break
                 run += 1
             if run:
                 out[replica] = run * block_size

@@ -263,7 +263,7 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
     if router == "hybrid":
         router_config = RequestRouterConfig(request_router_class=HybridPrefixRouter,
                                             request_router_kwargs={"queued_request_tokens": queued_request_tokens,
-                                                                   "recent_horizon_s": 2 * stats_period_s + 1.0},
+                                                                   "recent_horizon_s": 5 * stats_period_s + 1.0},
                                             request_routing_stats_period_s=stats_period_s)
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,

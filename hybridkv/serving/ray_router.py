@@ -48,7 +48,7 @@ class HybridPrefixRouter(RequestRouter):
     # request is first in line, and the choice here is for this request's
     # prompt. The base class gives each request the replica chosen for it.
 
-    def initialize_state(self, queued_request_tokens: int = 256, recent_horizon_s: float = 2.0, **_ignored):
+    def initialize_state(self, queued_request_tokens: int = 256, recent_horizon_s: float = 5.0, **_ignored):
         self.rule = RoutingRule(queued_request_tokens)
         self.feed = IndexFeed()
         self.recent = RecentRoutes(recent_horizon_s)
@@ -88,7 +88,8 @@ class HybridPrefixRouter(RequestRouter):
         hits = self.feed.hits(token_ids, kwargs.get("cache_salt")) if token_ids else {}
         keys = self._keys(pending_request)
         if keys:
-            recent = self.recent.hits(names, keys, self.feed.index.block_size, time.monotonic())
+            reports = {n: self.feed.reports.get(n, 0) for n in names}
+            recent = self.recent.hits(reports, keys, self.feed.index.block_size, time.monotonic())
             hits = {n: max(hits.get(n, 0), recent.get(n, 0)) for n in names}
         costs = self.rule.costs(len(token_ids or ()), names, hits, queues)
         first = self.rule.choose(len(token_ids or ()), names, hits, queues)
@@ -102,7 +103,8 @@ class HybridPrefixRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         keys = self._keys(pending_request)
         if keys:
-            self.recent.add(replica_id.unique_id, keys, time.monotonic())
+            replica = replica_id.unique_id
+            self.recent.add(replica, keys, time.monotonic(), self.feed.reports.get(replica, 0))
 
     def _keys(self, pending_request: PendingRequest | None) -> list:
         """The request's block keys, once the index knows the layout."""
