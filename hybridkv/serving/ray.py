@@ -294,18 +294,20 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
     application on Ray Serve's HTTP proxy at host:port, until interrupted."""
     replica_cpus = options.get("replica_cpus", 1.0)
     start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
-              name=APP_NAME, route_prefix="/")
-    print(f"hybridkv: {num_replicas} engine replicas of {model_name} on Ray Serve at http://{host}:{port}/v1",
-          flush=True)
     try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
+                  name=APP_NAME, route_prefix="/")
+        print(f"hybridkv: {num_replicas} engine replicas of {model_name} on Ray Serve at http://{host}:{port}/v1",
+              flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, also while the replicas start
         pass
     finally:
-        serve.delete(APP_NAME)
-        if not address:
-            serve.shutdown()
-            ray.shutdown()
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            if not address:
+                serve.shutdown()
+                ray.shutdown()
