@@ -92,7 +92,8 @@ def complete(client, app, prompt, max_tokens=4, **extra):
                     json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
     assert r.status_code == 200, r.text
     body = r.json()
-    return r.headers[REPLICA_HEADER], body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return r.headers[REPLICA_HEADER], body["choices"][0]["text"], cached
 
 
 def greedy(engine, prompt_ids, max_tokens):
@@ -203,28 +204,41 @@ def _busy_scenario(client, app, rng):
         raise
 
 
+def _probes_go_to(client, app, plain, a, p, middle, rng) -> list[int]:
+    """A probe (P, the middle, a new question) goes to A and hits P there, and
+    so do three more (so that chance, as with round robin, does not pass)."""
+    probe = p + middle + tokens(rng, 16)
+    answered, text, cached = complete(client, app, probe)
+    assert (answered, cached) == (a, 64)
+    assert text == greedy(plain(app), probe, 4)
+    for _ in range(3):
+        answered, _, cached = complete(client, app, p + middle + tokens(rng, 16), max_tokens=1)
+        assert answered == a and cached >= 64
+    return probe
+
+
+def _replay_b(app, seed, *more) -> Engine:
+    """What B was sent in the scenario of `seed` (Q, then prompts of `more`:
+    (length, tokens generated)), replayed on a plain engine."""
+    rng = random.Random(seed)
+    p, middle = tokens(rng, 64), tokens(rng, 32)
+    tokens(rng, 8)  # the busy request's question, on A
+    replay = Engine(tiny_model_dir(app), enable_kv_events=True, **OPTIONS[app])
+    greedy(replay, p + middle + tokens(rng, 17), 1)
+    for length, max_tokens in more:
+        greedy(replay, tokens(rng, length), max_tokens)
+    return replay
+
+
 def test_jamba_prompt_goes_where_its_checkpoint_is(cluster, plain):
     """B holds the probe's full-attention blocks further than A but no Mamba
     checkpoint inside them; A holds the checkpoint at P's end: A wins."""
-    rng = random.Random(3)
-    a, b, p, middle, busy = _busy_scenario(cluster, "tiny-jamba", rng)
+    a, b, p, middle, busy = _busy_scenario(cluster, "tiny-jamba", random.Random(3))
     busy.close()
     time.sleep(SETTLE_S)
-    probe = p + middle + tokens(rng, 16)
-    answered, text, cached = complete(cluster, "tiny-jamba", probe)
-    assert (answered, cached) == (a, 64)
-    assert text == greedy(plain("tiny-jamba"), probe, 4)
-    for _ in range(3):  # more probes, so that chance (round robin) does not pass this test
-        answered, _, cached = complete(cluster, "tiny-jamba", p + middle + tokens(rng, 16), max_tokens=1)
-        assert answered == a and cached >= 64
-    # What B holds, replayed on a plain engine: a token-prefix router sees
-    # 96 tokens there (more than A's 64), the hybrid rule sees no hit.
-    rng = random.Random(3)
-    p_, middle_ = tokens(rng, 64), tokens(rng, 32)
-    tokens(rng, 8)
-    replay = Engine(tiny_model_dir("tiny-jamba"), enable_kv_events=True, **OPTIONS["tiny-jamba"])
-    greedy(replay, p_ + middle_ + tokens(rng, 17), 1)
-    assert full_attention_run(replay, probe) == (96, 0)
+    probe = _probes_go_to(cluster, "tiny-jamba", plain, a, p, middle, random.Random(30))
+    # On B a token-prefix router sees 96 tokens (more than A's 64), the hybrid rule no hit.
+    assert full_attention_run(_replay_b("tiny-jamba", 3), probe) == (96, 0)
 
 
 def test_gemma_prompt_avoids_the_replica_whose_window_tail_was_evicted(cluster, plain):
@@ -233,26 +247,12 @@ def test_gemma_prompt_avoids_the_replica_whose_window_tail_was_evicted(cluster, 
     rng = random.Random(4)
     a, b, p, middle, busy = _busy_scenario(cluster, "tiny-gemma3", rng)
     try:
-        w = tokens(rng, 100)
-        assert complete(cluster, "tiny-gemma3", w, max_tokens=40)[0] == b  # A is still busy
+        assert complete(cluster, "tiny-gemma3", tokens(rng, 100), max_tokens=40)[0] == b  # A is still busy
     finally:
         busy.close()
     time.sleep(SETTLE_S)
-    probe = p + middle + tokens(rng, 16)
-    answered, text, cached = complete(cluster, "tiny-gemma3", probe)
-    assert (answered, cached) == (a, 64)
-    assert text == greedy(plain("tiny-gemma3"), probe, 4)
-    for _ in range(3):  # more probes, so that chance (round robin) does not pass this test
-        answered, _, cached = complete(cluster, "tiny-gemma3", p + middle + tokens(rng, 16), max_tokens=1)
-        assert answered == a and cached >= 64
-    rng = random.Random(4)
-    p_, middle_ = tokens(rng, 64), tokens(rng, 32)
-    tokens(rng, 8)
-    q = p_ + middle_ + tokens(rng, 17)
-    replay = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
-    greedy(replay, q, 1)
-    greedy(replay, tokens(rng, 100), 40)
-    assert full_attention_run(replay, probe) == (96, 0)
+    probe = _probes_go_to(cluster, "tiny-gemma3", plain, a, p, middle, random.Random(40))
+    assert full_attention_run(_replay_b("tiny-gemma3", 4, (100, 40)), probe) == (96, 0)
 
 
 # -- the API, metrics ----------------------------------------------------------------
@@ -353,4 +353,5 @@ def _wait_replaced(app: str, before: set[str], timeout: float = 120) -> str:
 
 def _retried(client) -> float:
     text = client.get("/tiny-gemma3/metrics").text
-    return float(next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total")).split()[-1])
+    line = next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total"))
+    return float(line.split()[-1])
