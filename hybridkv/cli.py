@@ -40,6 +40,8 @@ def _demo(args) -> int:
 
 
 def _serve(args) -> int:
+    if args.replicas is not None or args.address is not None:
+        return _serve_replicas(args)
     try:
         from .server import serve
     except ImportError as e:
@@ -52,12 +54,42 @@ def _serve(args) -> int:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
     serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
-          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-          speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-          kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-          kv_disk_cache_memory=args.kv_disk_cache_memory)
+          **_engine_options(args))
+    return 0
+
+
+def _engine_options(args) -> dict:
+    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+                speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
+                kv_disk_cache_memory=args.kv_disk_cache_memory)
+
+
+def _serve_replicas(args) -> int:
+    """`--replicas N`: N engines on Ray Serve (hybridkv/serving/ray.py)."""
+    try:
+        from .serving.ray import serve_replicas
+    except ImportError as e:
+        print(f"hybridkv serve: error: {e}; --replicas needs the ray and server extras: "
+              f"pip install 'hybridkv[server,ray]'", file=sys.stderr)
+        return 2
+    replicas = 1 if args.replicas is None else args.replicas
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if args.kv_disk_cache:
+        raise ValueError("--kv-disk-cache is one directory per engine: it cannot be shared by --replicas")
+    model = args.model or args.model_option
+    if model is None:
+        from .tiny_models import tiny_model_dir
+
+        model, name = tiny_model_dir("tiny-gemma3"), "tiny-gemma3"
+    else:
+        name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+    serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
+                   host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+                   engine_options=_engine_options(args))
     return 0
 
 
@@ -113,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    serve.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="N engine replicas on Ray Serve, routed by prefix hit (docs/server.md; needs .[ray])")
+    serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",
+                       help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)
     return parser
 

@@ -5,16 +5,16 @@
     text_stream.py  token ids -> streamed text (stop strings held back)
     protocol.py     request bodies, OpenAI's error shape, the chat template
     metrics.py      Prometheus metrics
-    app.py          the FastAPI app (build_app)
+    app.py          the FastAPI app (build_app over one engine, create_app over any backend)
 """
 
 from __future__ import annotations
 
 import os
 
-from .app import build_app
+from .app import build_app, create_app
 
-__all__ = ["build_app", "serve"]
+__all__ = ["build_app", "create_app", "serve"]
 
 DEFAULT_MODEL = "tiny-gemma3"
 

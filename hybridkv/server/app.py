@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's completions, chat completions and models
-endpoints, plus /health and /metrics, over one EngineLoop.
+endpoints, plus /health and /metrics, over a backend: one EngineLoop here
+(LocalEngine), or engine replicas on Ray Serve (hybridkv/serving/ray.py).
 
 Handlers run on the event loop and never touch the engine: they parse, hand
 the request to the engine loop, and turn its updates into OpenAI responses or
@@ -73,26 +74,65 @@ def _error_type(status: int) -> str:
         status, "server_error" if status >= 500 else "invalid_request_error")
 
 
+class LocalEngine:
+    """The app's backend for one engine in this process: an EngineLoop
+    (its thread owns the engine) and the Prometheus metrics of that engine.
+
+    A backend is what `create_app` needs: `max_model_len`, `alive`,
+    `start()` and `stop()` (the app's lifespan), `submit(...)` (a stream of
+    `Update`s, or ValueError / Overloaded / EngineFailed / APIError) and
+    `metrics()` (Prometheus text). hybridkv/serving/ray.py has the other one:
+    engine replicas on Ray Serve."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 512):
+        self.engine = engine
+        self.server_metrics = ServerMetrics()
+        self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, ttft_histogram=self.server_metrics.ttft)
+        self.max_model_len = engine.max_model_len
+
+    @property
+    def alive(self) -> bool:
+        return self.engine_loop.alive
+
+    async def start(self) -> None:
+        self.engine_loop.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.engine_loop.shutdown)
+        # The engine thread has stopped: keep what the pool caches on the disk tier.
+        await asyncio.to_thread(self.engine.close)
+
+    async def submit(self, prompt, params, request_id, *, stream: bool = False, **options) -> RequestStream:
+        return await self.engine_loop.submit(prompt, params, request_id, **options)
+
+    async def metrics(self) -> bytes:
+        snapshot = await self.engine_loop.call(self.engine_loop.snapshot)
+        return self.server_metrics.render(snapshot)
+
+
 def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 512) -> FastAPI:
     """An OpenAI-compatible app over `engine`. The engine thread starts and
     stops with the app's lifespan; the app owns the engine from then on."""
-    metrics = ServerMetrics()
-    engine_loop = EngineLoop(engine, max_waiting=max_waiting, ttft_histogram=metrics.ttft)
+    backend = LocalEngine(engine, max_waiting)
+    app = create_app(backend, model_name=model_name, api_key=api_key)
+    app.state.engine_loop = backend.engine_loop
+    app.state.metrics = backend.server_metrics
+    return app
+
+
+def create_app(backend, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over a backend (see LocalEngine)."""
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine_loop.start()
+        await backend.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(engine_loop.shutdown)
-            # The engine thread has stopped: keep what the pool caches on the disk tier.
-            await asyncio.to_thread(engine.close)
+            await backend.stop()
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
-    app.state.engine_loop = engine_loop
-    app.state.metrics = metrics
 
     # -- errors in OpenAI's shape --------------------------------------------
     @app.exception_handler(APIError)
@@ -124,7 +164,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
 
     async def submit(prompt, params, request_id, **options) -> RequestStream:
         try:
-            return await engine_loop.submit(prompt, params, request_id, **options)
+            return await backend.submit(prompt, params, request_id, **options)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except Overloaded as e:
@@ -135,19 +175,18 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
     # -- endpoints -----------------------------------------------------------
     @app.get("/health")
     async def health():
-        if not engine_loop.alive:
+        if not backend.alive:
             raise APIError(503, "the engine loop is not running", "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
-        snapshot = await engine_loop.call(engine_loop.snapshot)
-        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+        return Response(await backend.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "hybridkv", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "hybridkv", "max_model_len": backend.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
@@ -156,7 +195,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt)
+        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt, stream=req.stream)
         shape = _Completion(request_id, int(time.time()), model_name)
         return await respond(request, req, stream, shape)
 
@@ -169,21 +208,22 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
         params = req.sampling_params(1 if limit is None else limit)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt,
-                              max_tokens_to_context=limit is None)
+                              max_tokens_to_context=limit is None, stream=req.stream)
         shape = _Chat(request_id, int(time.time()), model_name)
         return await respond(request, req, stream, shape)
 
     async def respond(request: Request, req, stream: RequestStream, shape: _Completion):
         if req.stream:
             return StreamingResponse(events(stream, shape, req.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **stream.headers})
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
         reasons: dict[int, str | None] = {}
         last = await until_done(request, stream, texts, reasons)
         if last is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return {**shape.head, "choices": [shape.choice(i, "".join(texts[i]), reasons.get(i)) for i in texts],
+        body = {**shape.head, "choices": [shape.choice(i, "".join(texts[i]), reasons.get(i)) for i in texts],
                 "usage": _usage(last)}
+        return JSONResponse(body, headers=stream.headers)
 
     return app
 
@@ -243,6 +283,8 @@ async def events(stream: RequestStream, shape: _Completion, include_usage: bool)
             yield _sse({**shape.head, "object": shape.chunk_kind, "choices": [], "usage": _usage(last)})
     except EngineFailed as e:
         yield _sse(APIError(500, str(e), "server_error").body())
+    except APIError as e:  # a backend's own error (a Ray replica that died mid-stream)
+        yield _sse(e.body())
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

@@ -62,6 +62,7 @@ class RequestStream:
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
+        self.headers: dict[str, str] = {}  # response headers a backend adds (none here)
 
     def __aiter__(self):
         return self
@@ -237,16 +238,7 @@ class EngineLoop:
         """Text is tokenized here, on the one thread that uses the tokenizer
         (the engine would tokenize it the same way; the server needs the
         length first)."""
-        tokenizer = self.engine.tokenizer
-        if callable(prompt):
-            return prompt(tokenizer)
-        if not isinstance(prompt, str):
-            return prompt  # the engine checks token ids
-        if tokenizer is None:
-            raise ValueError("this model folder has no tokenizer: give prompts as lists of token ids")
-        if not prompt:
-            raise ValueError("empty prompt: a request needs at least one token")
-        return list(tokenizer.encode(prompt))
+        return prompt_token_ids(self.engine.tokenizer, prompt)
 
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:
@@ -314,6 +306,20 @@ class EngineLoop:
 
 
 _NOTHING = object()
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int] | Callable) -> list[int]:
+    """A request's prompt as token ids: text encoded, `fn(tokenizer)` (a chat
+    template) called, token ids passed through (the engine checks them)."""
+    if callable(prompt):
+        return prompt(tokenizer)
+    if not isinstance(prompt, str):
+        return prompt
+    if tokenizer is None:
+        raise ValueError("this model folder has no tokenizer: give prompts as lists of token ids")
+    if not prompt:
+        raise ValueError("empty prompt: a request needs at least one token")
+    return list(tokenizer.encode(prompt))
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -20,18 +20,37 @@ class ServerMetrics:
         self.ttft = Histogram("hybridkv_time_to_first_token_seconds",
                               "Seconds from a request's arrival at the engine to its first token",
                               buckets=TTFT_BUCKETS, registry=self.registry)
-        self._snapshot: dict = {}
+        self._snapshots: dict = {}  # replica label (None: one engine, no label) -> engine snapshot
         self.registry.register(self)
 
     def render(self, snapshot: dict) -> bytes:
         """The exposition text for one engine snapshot (EngineLoop.snapshot)."""
-        self._snapshot = snapshot
+        self._snapshots = {None: snapshot} if snapshot else {}
+        return generate_latest(self.registry)
+
+    def render_replicas(self, snapshots: dict) -> bytes:
+        """The exposition text for several engines, `{replica id: snapshot}`:
+        every engine metric once per replica, with a `replica` label."""
+        self._snapshots = {str(r): s for r, s in snapshots.items() if s}
         return generate_latest(self.registry)
 
     def collect(self):
-        s = self._snapshot
-        if not s:
+        if list(self._snapshots) == [None]:
+            yield from self._families(self._snapshots[None])
             return
+        merged: dict = {}  # family name -> the family, samples of every replica
+        for replica, snapshot in self._snapshots.items():
+            for family in self._families(snapshot):
+                into = merged.setdefault(family.name, family)
+                labeled = [sample._replace(labels={"replica": replica, **sample.labels})
+                           for sample in family.samples]
+                if into is family:
+                    family.samples = labeled
+                else:
+                    into.samples.extend(labeled)
+        yield from merged.values()
+
+    def _families(self, s: dict):
 
         def gauge(name, doc, value):
             return GaugeMetricFamily(name, doc, value=value)

@@ -1,0 +1,313 @@
+"""N engine replicas as a Ray Serve application behind the same OpenAI API
+as `hybridkv serve` (needs the `ray` and `server` extras).
+
+    OpenAIIngress   FastAPI (hybridkv.server.create_app): parses, applies the
+                    chat template, tokenizes, and calls the engine replicas
+                    with token ids through a deployment handle
+    EngineReplica   one Engine (KV events on) behind an EngineLoop; streams
+                    Updates; reports its KV events and counters to the routers
+    HybridPrefixRouter (ray_router.py) picks the replica for each call
+
+The ingress tokenizes so that the router, which runs inside the ingress's
+process, sees token ids and can compute each replica's hit.
+
+A replica that dies (killed, out of memory, its node lost) is restarted by
+Ray Serve. A request that was on it is retried on another replica when
+nothing of it has reached the client yet: every non-streamed request, and a
+streamed one before its first token. A stream that already sent text ends
+with an error event (HTTP 503 type, code `replica_failed`): the client
+retries it. `retries` bounds the attempts per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+from prometheus_client import Counter
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+
+from ..engine import Engine
+from ..modeling.loader import load_tokenizer, resolve_model_dir
+from ..server.app import create_app
+from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update, prompt_token_ids
+from ..server.metrics import ServerMetrics
+from ..server.protocol import APIError
+from .event_feed import EventReporter
+from .ray_router import HybridPrefixRouter, replica_stats
+
+APP_NAME = "hybridkv"
+REPLICA_HEADER = "x-hybridkv-replica"
+# What a caller sees when the replica it was talking to went away.
+_REPLICA_GONE = (RayActorError, ActorUnavailableError)
+
+
+@dataclass
+class Refused:
+    """A replica's answer to a request it could not take (or finish)."""
+    kind: str  # "bad_request", "overloaded", "engine_failed"
+    message: str
+
+    def error(self) -> Exception:
+        return {"bad_request": ValueError, "overloaded": Overloaded}.get(self.kind, EngineFailed)(self.message)
+
+
+class EngineReplica:
+    """One engine. Ray Serve calls `record_routing_stats` every stats period
+    (its answer reaches the routers) and `check_health` (a failed engine is
+    replaced)."""
+
+    async def __init__(self, model_dir: str, engine_options: dict, max_waiting: int = 512,
+                       snapshot_every: int = 20):
+        self.engine = Engine(model_dir, enable_kv_events=True, **engine_options)
+        self.loop = EngineLoop(self.engine, max_waiting=max_waiting)
+        self.loop.start()  # on Serve's user event loop, where every method below runs
+        self.reporter = EventReporter(snapshot_every)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def describe(self) -> dict:
+        return {"replica": self.replica_id, "max_model_len": self.engine.max_model_len}
+
+    async def generate(self, *, token_ids: list[int], params, request_id: str, cache_salt: str | None = None,
+                       max_tokens_to_context: bool = False):
+        """First `{"replica": id}` (or a Refused), then the request's Updates."""
+        try:
+            stream = await self.loop.submit(token_ids, params, request_id, cache_salt=cache_salt,
+                                            max_tokens_to_context=max_tokens_to_context)
+        except ValueError as e:
+            yield Refused("bad_request", str(e))
+            return
+        except Overloaded as e:
+            yield Refused("overloaded", str(e))
+            return
+        except EngineFailed as e:
+            yield Refused("engine_failed", str(e))
+            return
+        yield {"replica": self.replica_id}
+        try:
+            async for update in stream:
+                yield update
+        except EngineFailed as e:
+            yield Refused("engine_failed", str(e))
+        finally:
+            stream.abort()  # the caller went away (Serve cancels this generator) or it finished: a no-op
+
+    async def record_routing_stats(self) -> dict:
+        def report(engine):
+            return {"kv_events": self.reporter.report(engine.kv), "engine": self.loop.snapshot(engine)}
+
+        return await self.loop.call(report)
+
+    async def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError(f"the engine loop is not running: {self.loop.error}")
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+            self.engine.close()
+
+
+class ReplicaCall:
+    """One request on the replicas: an async iterator of Updates with
+    `abort()` and `headers`, as create_app expects of a backend's stream.
+    Retries on another replica while nothing has reached the client."""
+
+    def __init__(self, replicas: "ReplicaSet", kwargs: dict, buffered: bool):
+        self.replicas = replicas
+        self.kwargs = kwargs
+        self.buffered = buffered  # collect the whole answer before handing any of it out
+        self.headers: dict[str, str] = {}
+        self.attempts = 0
+        self._gen = None
+        self._buffer: list[Update] = []
+        self._handed_out = False
+        self._started = time.monotonic()
+        self._ttft_seen = False
+
+    async def open(self) -> "ReplicaCall":
+        while True:
+            try:
+                await self._attempt()
+                return self
+            except _REPLICA_GONE as e:
+                self._retry_or_fail(e)
+
+    def _retry_or_fail(self, error: Exception) -> None:
+        """Called with the replica's failure; returns if another attempt may be made."""
+        if self.attempts <= self.replicas.retries:
+            self.replicas.retried.inc()
+            return
+        raise APIError(503, f"the engine replica serving this request failed ({type(error).__name__}) and "
+                       f"{self.attempts} attempts were made; retry the request", "server_error",
+                       code="replica_failed") from None
+
+    async def _attempt(self) -> None:
+        self.attempts += 1
+        self._gen = self.replicas.handle.options(stream=True).generate.remote(**self.kwargs)
+        first = await self._gen.__anext__()
+        if isinstance(first, Refused):
+            raise first.error()
+        self.headers = {REPLICA_HEADER: first["replica"]}
+        if self.buffered:
+            self._buffer = []
+            async for item in self._gen:
+                if isinstance(item, Refused):
+                    raise item.error()
+                self._see(item)
+                self._buffer.append(item)
+            self._buffer.reverse()  # popped from the end
+
+    def _see(self, update: Update) -> None:
+        if not self._ttft_seen and any(d.text for d in update.deltas):
+            self._ttft_seen = True
+            self.replicas.server_metrics.ttft.observe(time.monotonic() - self._started)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.buffered:
+            if not self._buffer:
+                raise StopAsyncIteration
+            return self._buffer.pop()
+        while True:
+            try:
+                item = await self._gen.__anext__()
+                break
+            except _REPLICA_GONE as e:
+                if self._handed_out:
+                    raise APIError(503, "the engine replica serving this stream failed after it began; retry the "
+                                   "request", "server_error", code="replica_failed") from None
+                self._retry_or_fail(e)
+                await self.open()
+        if isinstance(item, Refused):
+            raise item.error()
+        self._handed_out = True
+        self._see(item)
+        return item
+
+    def abort(self) -> None:
+        if self._gen is not None:
+            self._gen.cancel()  # the replica's generator is cancelled, and its request aborted
+
+
+class ReplicaSet:
+    """create_app's backend over the engine deployment's handle."""
+
+    def __init__(self, handle, tokenizer, retries: int):
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.retries = retries
+        self.server_metrics = ServerMetrics()
+        self.retried = Counter("hybridkv_requests_retried", "Requests sent again to another replica because the "
+                               "one serving them failed before any of their output reached the client",
+                               registry=self.server_metrics.registry)
+        self.max_model_len = None
+        self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
+
+    async def start(self) -> None:
+        # One call through the handle: it starts this process's router, so
+        # replica stats flow before the first request.
+        self.max_model_len = (await self.handle.describe.remote())["max_model_len"]
+
+    async def stop(self) -> None:
+        pass
+
+    async def submit(self, prompt, params, request_id: str, *, stream: bool = False, cache_salt=None,
+                     max_tokens_to_context: bool = False) -> ReplicaCall:
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
+        if not token_ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt,
+                      max_tokens_to_context=max_tokens_to_context)
+        return await ReplicaCall(self, kwargs, buffered=not stream).open()
+
+    async def metrics(self) -> bytes:
+        deployment = self.handle.deployment_id
+        stats = replica_stats().get((deployment.app_name, deployment.name), {})
+        return self.server_metrics.render_replicas(stats)
+
+
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
+                       retries: int = 2):
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
+        self.backend = ReplicaSet(engine_handle, tokenizer, retries)
+        self.model_name, self.api_key = model_name, api_key
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key)
+
+
+def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2, engine_options: dict | None = None,
+                      api_key: str | None = None, router: str = "hybrid", queued_request_tokens: int = 256,
+                      stats_period_s: float = 1.0, snapshot_every: int = 20, replica_cpus: float = 1.0,
+                      max_ongoing_requests: int = 256, max_waiting: int = 512, health_check_period_s: float = 5.0,
+                      retries: int = 2):
+    """The Ray Serve application: `serve.run(build_application(...))`.
+    `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
+    power-of-two-choices, for comparison)."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if router not in ("hybrid", "default"):
+        raise ValueError(f"router must be 'hybrid' or 'default', got {router!r}")
+    router_config = RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
+    if router == "hybrid":
+        router_config = RequestRouterConfig(request_router_class=HybridPrefixRouter,
+                                            request_router_kwargs={"queued_request_tokens": queued_request_tokens,
+                                                                   "recent_horizon_s": 5 * stats_period_s + 1.0},
+                                            request_routing_stats_period_s=stats_period_s)
+    engines = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica_cpus}, request_router_config=router_config,
+        health_check_period_s=health_check_period_s, health_check_timeout_s=max(30.0, health_check_period_s))
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engines.bind(model_dir, engine_options or {}, max_waiting, snapshot_every), model_dir,
+                        model_name, api_key, retries)
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """Join the cluster at `address`, or start a local Ray. Workers import
+    hybridkv as this process does (its PYTHONPATH goes with them)."""
+    if ray.is_initialized():
+        return
+    env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    runtime_env = {"env_vars": env} if env else None
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+    else:
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=log_to_driver)
+
+
+def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, address: str | None = None,
+                   host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+    """What `hybridkv serve --replicas N` does: start (or join) Ray, run the
+    application on Ray Serve's HTTP proxy at host:port, until interrupted."""
+    replica_cpus = options.get("replica_cpus", 1.0)
+    start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
+                  name=APP_NAME, route_prefix="/")
+        print(f"hybridkv: {num_replicas} engine replicas of {model_name} on Ray Serve at http://{host}:{port}/v1",
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:  # Ctrl-C, also while the replicas start
+        pass
+    finally:
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            if not address:
+                serve.shutdown()
+                ray.shutdown()

@@ -1,0 +1,357 @@
+"""Engine replicas on Ray Serve (hybridkv/serving/ray.py): each request goes
+to the replica with the longest hybrid hit, outputs equal one plain
+Engine's, a killed replica is replaced and no request is lost.
+
+One local Ray and two applications (tiny Gemma-3, tiny Jamba; two replicas
+each) serve every test of the module. Which replica answered comes back in
+the x-hybridkv-replica header.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+
+from ray import serve  # noqa: E402
+
+from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
+from hybridkv.engine import Engine, SamplingParams  # noqa: E402
+from hybridkv.server.protocol import render_chat  # noqa: E402
+from hybridkv.serving.event_feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
+from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray  # noqa: E402
+from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
+
+# Gemma-3's pool is small on purpose: 61 pages, so a second long prompt on a
+# replica evicts the sliding-window blocks the first one released early.
+OPTIONS = {"tiny-gemma3": dict(kv_cache_memory="248KiB", max_num_seqs=4, max_num_batched_tokens=256),
+           "tiny-jamba": dict(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=256)}
+STATS_PERIOD_S = 0.2
+SETTLE_S = 1.0  # a few report periods: long enough for the routers to hear of what the replicas cached
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    start_ray(num_cpus=6, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for name in OPTIONS:
+        app = build_application(tiny_model_dir(name), model_name=name, num_replicas=2, engine_options=OPTIONS[name],
+                                stats_period_s=STATS_PERIOD_S, snapshot_every=5, health_check_period_s=1.0)
+        serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
+    for name in OPTIONS:
+        _wait_running(name)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    yield client
+    client.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _wait_running(app: str, replicas: int = 2, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            engines = status.deployments["EngineReplica"]
+            if engines.replica_states.get("RUNNING", 0) == replicas and len(engines.replica_states) == 1:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{app} did not get {replicas} running engine replicas: {serve.status()}")
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """One plain engine per model: the oracle."""
+    engines = {}
+
+    def get(name):
+        if name not in engines:
+            engines[name] = Engine(tiny_model_dir(name), **OPTIONS[name])
+        return engines[name]
+
+    return get
+
+
+def complete(client, app, prompt, max_tokens=4, **extra):
+    r = client.post(f"/{app}/v1/completions",
+                    json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return r.headers[REPLICA_HEADER], body["choices"][0]["text"], cached
+
+
+def greedy(engine, prompt_ids, max_tokens):
+    out = engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return out[0].outputs[0].text
+
+
+def tokens(rng, n):
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+class Busy:
+    """A streamed request kept open (so its replica counts one more queued
+    request) until closed; closing aborts it."""
+
+    def __init__(self, client, app, prompt, max_tokens):
+        self._cm = client.stream("POST", f"/{app}/v1/completions", json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True})
+        self.response = self._cm.__enter__()
+        assert self.response.status_code == 200
+        self.replica = self.response.headers[REPLICA_HEADER]
+
+    def close(self):
+        self._cm.__exit__(None, None, None)
+
+
+def full_attention_run(engine, probe) -> int:
+    """What a token-prefix router computes for `engine`: the longest run of
+    the probe's full-attention blocks held there (its events fed to an index)."""
+    index = PrefixIndex(engine.layout)
+    index.apply("r", engine.take_kv_events())
+    full = next(i for i, g in enumerate(engine.layout.groups) if g.kind == "full")
+    keys, _ = index.block_keys(probe)
+    run = 0
+    while run < len(keys) and index._held[full].get(keys[run]):
+        run += 1
+    return run * engine.layout.block_size, index.hit_tokens("r", probe)
+
+
+# -- the event feed (no Ray) ---------------------------------------------------
+def test_feed_follows_the_replica_and_recovers_from_a_gap():
+    """A router fed every report knows each hit the replica would give; one
+    that missed a report notices at the next delta, forgets the replica, and
+    knows it exactly again from the next snapshot."""
+    engine = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
+    reporter = EventReporter(snapshot_every=3)  # reports 1, 3 and 6 are snapshots
+    every, gappy = IndexFeed(), IndexFeed()
+    rng = random.Random(1)
+    prompts = [tokens(rng, 40) for _ in range(6)]
+    before = None
+    for i, prompt in enumerate(prompts):
+        greedy(engine, prompt + tokens(rng, 24), 2)
+        report = reporter.report(engine.kv)
+        every.offer("r", report)
+        if i != 3:  # gappy misses report 4
+            gappy.offer("r", report)
+        truth = PrefixIndex(engine.layout)  # the replica's state now, read whole
+        truth.apply("r", snapshot_events(engine.kv))
+        want = [truth.hit_tokens("r", p + [7]) for p in prompts]
+        assert [every.hits(p + [7]).get("r", 0) for p in prompts] == want
+        got = [gappy.hits(p + [7]).get("r", 0) for p in prompts]
+        if i == 3:
+            assert got == before  # stale by one report: it has not seen report 4 yet
+        elif i == 4:
+            assert got == [0] * len(prompts) and not gappy.synced("r") and gappy.num_gaps == 1  # 5 follows 3
+        else:
+            assert got == want and gappy.synced("r")
+        before = want
+    assert sum(want) > 0 and every.num_gaps == 0
+
+
+def test_recent_routes_count_until_the_reports_catch_up():
+    recent = RecentRoutes(horizon_s=10.0)
+    recent.add("a", ["k1", "k2", "k3"], now=0.0, reports=4)
+    assert recent.hits({"a": 4, "b": 4}, ["k1", "k2", "x"], 16, now=1.0) == {"a": 32}
+    assert recent.hits({"a": 5}, ["k1", "k2", "k3", "k4"], 16, now=1.0) == {"a": 48}  # one report: maybe made before
+    assert recent.hits({"a": 6}, ["k1"], 16, now=1.0) == {}  # two reports: they say it now
+    assert recent.hits({"a": 4}, ["k1"], 16, now=10.5) == {}  # no reports for the horizon: forgotten
+
+
+# -- routing ---------------------------------------------------------------------
+def test_a_request_goes_to_the_replica_holding_its_prefix(cluster, plain):
+    rng = random.Random(2)
+    prefixes = [tokens(rng, 64) for _ in range(4)]
+    held = [complete(cluster, "tiny-gemma3", p + [5], max_tokens=1)[0] for p in prefixes]
+    time.sleep(SETTLE_S)
+    for prefix, replica in zip(prefixes, held):
+        prompt = prefix + tokens(rng, 10)
+        answered, text, cached = complete(cluster, "tiny-gemma3", prompt)
+        assert (answered, cached) == (replica, 64)
+        assert text == greedy(plain("tiny-gemma3"), prompt, 4)
+
+
+def _busy_scenario(client, app, rng):
+    """P on replica A; a long request sharing P keeps A busy while Q (P and
+    more) goes to B. Returns (A, B, P, the shared middle)."""
+    p, middle = tokens(rng, 64), tokens(rng, 32)
+    a = complete(client, app, p + [5], max_tokens=1)[0]
+    time.sleep(SETTLE_S)
+    busy = Busy(client, app, p + tokens(rng, 8), max_tokens=64)
+    try:
+        assert busy.replica == a
+        b, _, cached = complete(client, app, p + middle + tokens(rng, 17), max_tokens=1)
+        assert b != a and cached == 0  # A is one request busier: a 64-token hit does not pay for that
+        return a, b, p, middle, busy
+    except BaseException:
+        busy.close()
+        raise
+
+
+def _probes_go_to(client, app, plain, a, p, middle, rng) -> list[int]:
+    """A probe (P, the middle, a new question) goes to A and hits P there, and
+    so do three more (so that chance, as with round robin, does not pass)."""
+    probe = p + middle + tokens(rng, 16)
+    answered, text, cached = complete(client, app, probe)
+    assert (answered, cached) == (a, 64)
+    assert text == greedy(plain(app), probe, 4)
+    for _ in range(3):
+        answered, _, cached = complete(client, app, p + middle + tokens(rng, 16), max_tokens=1)
+        assert answered == a and cached >= 64
+    return probe
+
+
+def _replay_b(app, seed, *more) -> Engine:
+    """What B was sent in the scenario of `seed` (Q, then prompts of `more`:
+    (length, tokens generated)), replayed on a plain engine."""
+    rng = random.Random(seed)
+    p, middle = tokens(rng, 64), tokens(rng, 32)
+    tokens(rng, 8)  # the busy request's question, on A
+    replay = Engine(tiny_model_dir(app), enable_kv_events=True, **OPTIONS[app])
+    greedy(replay, p + middle + tokens(rng, 17), 1)
+    for length, max_tokens in more:
+        greedy(replay, tokens(rng, length), max_tokens)
+    return replay
+
+
+def test_jamba_prompt_goes_where_its_checkpoint_is(cluster, plain):
+    """B holds the probe's full-attention blocks further than A but no Mamba
+    checkpoint inside them; A holds the checkpoint at P's end: A wins."""
+    a, b, p, middle, busy = _busy_scenario(cluster, "tiny-jamba", random.Random(3))
+    busy.close()
+    time.sleep(SETTLE_S)
+    probe = _probes_go_to(cluster, "tiny-jamba", plain, a, p, middle, random.Random(30))
+    # On B a token-prefix router sees 96 tokens (more than A's 64), the hybrid rule no hit.
+    assert full_attention_run(_replay_b("tiny-jamba", 3), probe) == (96, 0)
+
+
+def test_gemma_prompt_avoids_the_replica_whose_window_tail_was_evicted(cluster, plain):
+    """B held the probe's full-attention blocks further than A, but a later
+    prompt evicted the sliding-window blocks a hit there needs: A wins."""
+    rng = random.Random(4)
+    a, b, p, middle, busy = _busy_scenario(cluster, "tiny-gemma3", rng)
+    try:
+        assert complete(cluster, "tiny-gemma3", tokens(rng, 100), max_tokens=40)[0] == b  # A is still busy
+    finally:
+        busy.close()
+    time.sleep(SETTLE_S)
+    probe = _probes_go_to(cluster, "tiny-gemma3", plain, a, p, middle, random.Random(40))
+    assert full_attention_run(_replay_b("tiny-gemma3", 4, (100, 40)), probe) == (96, 0)
+
+
+# -- the API, metrics ----------------------------------------------------------------
+def test_outputs_equal_one_plain_engine(cluster, plain):
+    engine = plain("tiny-gemma3")
+    rng = random.Random(5)
+    prompt = tokens(rng, 30)
+    assert complete(cluster, "tiny-gemma3", prompt, max_tokens=8)[1] == greedy(engine, prompt, 8)
+    text = "the quick brown fox"
+    assert complete(cluster, "tiny-gemma3", text, max_tokens=8)[1] == \
+        greedy(engine, list(engine.tokenizer.encode(text)), 8)
+    messages = [{"role": "user", "content": "hello there"}]
+    r = cluster.post("/tiny-gemma3/v1/chat/completions",
+                     json={"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == greedy(engine, render_chat(engine.tokenizer, messages), 6)
+    r = cluster.post("/tiny-gemma3/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                          "ignore_eos": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy(engine, prompt, 8)
+    assert r.text.rstrip().endswith("data: [DONE]") and REPLICA_HEADER in r.headers
+    r = cluster.post("/tiny-gemma3/v1/completions", json={"prompt": prompt, "max_tokens": 8, "bogus": 1})
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+
+
+def test_metrics_per_replica(cluster):
+    time.sleep(SETTLE_S)
+    text = cluster.get("/tiny-gemma3/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("hybridkv_prefix_cache_hit_tokens_total{")]
+    assert len(hits) == 2 and all('replica="' in line for line in hits)
+    assert sum(float(line.split()[-1]) for line in hits) > 0
+
+
+# -- a replica killed mid-load (last: it changes the replica set) ------------------
+def test_killed_replica_is_replaced_and_no_request_is_lost(cluster, plain):
+    """Kill the replica a stream is on, with requests in flight on both:
+    every non-streamed request is answered right (those on the dead replica
+    are retried on the other), the stream ends with an error a client can act
+    on, and Ray Serve brings the replica count back."""
+    engine = plain("tiny-gemma3")
+    rng = random.Random(6)
+    prompts = [tokens(rng, 24) for _ in range(16)]
+    expected = [greedy(engine, p, 24) for p in prompts]
+    long_prompt = tokens(rng, 24)
+    long_expected = greedy(engine, long_prompt, 64)
+    retried_before = _retried(cluster)
+    results: dict[int, tuple] = {}
+
+    def send(i):
+        results[i] = complete(cluster, "tiny-gemma3", prompts[i], max_tokens=24)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    busy = Busy(cluster, "tiny-gemma3", long_prompt, max_tokens=64)
+    lines = busy.response.iter_lines()
+    first = next(line for line in lines if line.startswith("data: {"))  # it is generating
+    victim = next(n for n in ray.util.list_named_actors(all_namespaces=True)
+                  if n["name"].endswith(f"tiny-gemma3#EngineReplica#{busy.replica}"))
+    before = _engine_replicas("tiny-gemma3")
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    events = [first] + [line for line in lines if line.startswith("data: ")]
+    busy.close()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "replica_failed" and "retry" in error["message"]
+    streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2])
+    assert long_expected.startswith(streamed)  # what did arrive is right
+    for t in threads:
+        t.join(120)
+    assert [results[i][1] for i in range(len(prompts))] == expected  # every one answered, and right
+    assert _retried(cluster) > retried_before  # some were on the dead replica
+    new = _wait_replaced("tiny-gemma3", before)  # Ray Serve started a replacement
+    fresh = [tokens(rng, 24) for _ in range(6)]
+    answers = [complete(cluster, "tiny-gemma3", p, max_tokens=8) for p in fresh]
+    assert [text for _, text, _ in answers] == [greedy(engine, p, 8) for p in fresh]
+    assert new in {replica for replica, _, _ in answers} and busy.replica not in {r for r, _, _ in answers}
+
+
+def _engine_replicas(app: str) -> set[str]:
+    return {n["name"].rsplit("#", 1)[-1] for n in ray.util.list_named_actors(all_namespaces=True)
+            if f"{app}#EngineReplica#" in n["name"]}
+
+
+def _wait_replaced(app: str, before: set[str], timeout: float = 120) -> str:
+    """The id of the replica Ray Serve started in place of a dead one (of
+    the replicas `before`), once it runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = _engine_replicas(app)
+        if len(ids) == 2 and len(ids - before) == 1:
+            _wait_running(app)
+            time.sleep(SETTLE_S)  # the routers hear of it
+            return (ids - before).pop()
+        time.sleep(0.2)
+    raise TimeoutError(f"no replacement among the replicas of {app}: {ids}, before {before}")
+
+
+def _retried(client) -> float:
+    text = client.get("/tiny-gemma3/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total"))
+    return float(line.split()[-1])
