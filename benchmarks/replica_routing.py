@@ -15,15 +15,22 @@ estimate. Routers compared on the same arrivals:
                   group's keys, fed by the replicas' KV events; it cannot
                   see whether a window tail or a Mamba checkpoint is there),
                   then the routing rule below on that estimate;
-* hybrid          hybridkv's router: a PrefixIndex fed by every replica's
-                  `take_events()` after every step, the hit by the manager's
-                  own rule (`index.best`), then the routing rule;
+* hybrid (hit only)  hybridkv's router as first specified: a PrefixIndex
+                  fed by every replica's `take_events()` after every step,
+                  the hit by the manager's own rule (`index.best`), then the
+                  routing rule on that hit;
+* hybrid          the same, and the rule's affinity credit for the leading
+                  blocks a replica holds past its hit (the token-prefix
+                  view, as a second signal): without it a Mamba model's
+                  prompt families scatter once their checkpoints are gone
+                  (hybridkv/core/routing.py says why; the table shows it);
 * single cache    the bound: one manager with N times the pool (and N times
                   the batch and prefill rate) serving everything.
 
 The routing rule (hybridkv/core/routing.py) charges a replica the prompt
 tokens it must compute plus `queued_request_tokens` per request it has
-beyond the least busy replica (waiting or running): a replica d requests
+beyond the least busy replica (waiting or running), less 0.25 per token it
+holds past its hit where the router says so: a replica d requests
 busier than the least busy one must offer a hit more than
 d * queued_request_tokens tokens longer to win. The sweep over
 queued_request_tokens (0, 64, 256, 1024) shows what that price buys in hit
@@ -95,7 +102,7 @@ LAYOUTS = {  # label -> (config file, KV pool per replica)
     "Jamba-1.5-Mini": ("jamba-1.5-mini.json", "32GiB"),
     "Llama-3.1-8B (full only)": ("llama-3.1-8b.json", "6GiB"),
 }
-ROUTERS = ("round robin", "token prefix", "hybrid", "single cache")
+ROUTERS = ("single cache", "round robin", "token prefix", "hybrid (hit only)", "hybrid")
 SWEEP = (0, 64, 256, 1024)
 
 
@@ -285,22 +292,32 @@ class TokenPrefixRouter:
 
 
 class HybridRouter:
-    name = "hybrid"
+    """hybridkv's router: the exact hit from a PrefixIndex; with `held`, the
+    routing rule also credits the leading blocks a replica holds past that
+    hit (RoutingRule's affinity: where a family's next computation leaves
+    the checkpoint its later requests hit)."""
     exact = True  # its prediction must equal the manager's hit
     needs_events = True
 
-    def __init__(self, layout, replicas: int, rule: RoutingRule):
+    def __init__(self, layout, replicas: int, rule: RoutingRule, held: bool = True):
+        self.name = "hybrid" if held else "hybrid (hit only)"
         self.index = PrefixIndex(layout)
+        self.full = FullKeyIndex(layout) if held else None
         self.replicas = list(range(replicas))
         self.rule = rule
 
     def route(self, tokens, loads) -> tuple[int, int]:
         hits = {replica: hit for hit, replica in self.index.best(tokens)}
-        choice = self.rule.choose(len(tokens), self.replicas, hits, loads)
+        held = None
+        if self.full is not None:
+            held = self.full.leading_runs(self.index.block_keys(tokens)[0])
+        choice = self.rule.choose(len(tokens), self.replicas, hits, loads, held)
         return choice, hits.get(choice, 0)
 
     def observe(self, replica, events) -> None:
         self.index.apply(replica, events)
+        if self.full is not None:
+            self.full.apply(replica, events)
 
 
 # -- the replicas -------------------------------------------------------------
@@ -492,8 +509,8 @@ def _summary(t: Totals, fleet: list[Replica], seconds: float) -> dict:
     evicted: dict[str, int] = {}
     for replica in fleet:
         stats = replica.kv.stats
-        for per_group in stats.evictions_by_reason.values():
-            for kind, n in zip(stats.group_kinds, per_group):
+        for reason in ("lru", "probation"):  # for want of room (a superseded checkpoint is not)
+            for kind, n in zip(stats.group_kinds, stats.evictions_by_reason[reason]):
                 evicted[kind] = evicted.get(kind, 0) + n
     waits = sorted(t.wait_steps)
     return {
@@ -514,8 +531,8 @@ def make_router(name: str, layout, replicas: int, queued_request_tokens: int = 2
         return RoundRobin(replicas)
     if name == "token prefix":
         return TokenPrefixRouter(layout, replicas, rule)
-    if name == "hybrid":
-        return HybridRouter(layout, replicas, rule)
+    if name in ("hybrid", "hybrid (hit only)"):
+        return HybridRouter(layout, replicas, rule, held=name == "hybrid")
     raise ValueError(f"unknown router {name!r}")
 
 
@@ -549,7 +566,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 replicas, a short trace with short prompts")
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--requests", type=int, default=None, help="default: 150 per replica")
-    parser.add_argument("--rate", type=float, default=0.08,
+    parser.add_argument("--rate", type=float, default=0.12,
                         help="arrivals per replica per step (a step: one decode iteration)")
     parser.add_argument("--memory", default=None, help="KV pool per replica for every layout (default: per layout)")
     parser.add_argument("--max-running", type=int, default=64)
@@ -586,7 +603,7 @@ def main() -> None:
               f"{', '.join(g.kind for g in layout.groups)}")
         print(HEADER)
         rows: dict = {}
-        for name in ("single cache", "round robin", "token prefix", "hybrid"):
+        for name in ROUTERS:
             rows[name] = run_router(name, layout, single_layout, workload, args.replicas, args.max_running,
                                     args.prefill_per_step)
             print_row(name, rows[name], rows["single cache"])
@@ -614,7 +631,7 @@ def main() -> None:
           "prompt tokens; vs one: saved tokens / the single cache's; misroutes: requests whose replica's real hit "
           "was shorter than the router predicted; max/mean: requests routed to the busiest replica / the mean; "
           "wait, p95: steps from arrival to admission; us/dec.: router time per request; ms ev/st: applying "
-          "events per step; win/ckpt ev: window and Mamba keys evicted")
+          "events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
