@@ -302,22 +302,34 @@ class HybridRouter:
     def __init__(self, layout, replicas: int, rule: RoutingRule, held: bool = True):
         self.name = "hybrid" if held else "hybrid (hit only)"
         self.index = PrefixIndex(layout)
-        self.full = FullKeyIndex(layout) if held else None
+        self.full = FullKeyIndex(layout)  # the affinity signal, and the token-prefix pick to compare with
+        self.use_held = held
         self.replicas = list(range(replicas))
         self.rule = rule
+        self._shadow = RoutingRule(rule.queued_request_tokens, 0.0)  # the token-prefix router's rule
+        self._last = None
 
     def route(self, tokens, loads) -> tuple[int, int]:
         hits = {replica: hit for hit, replica in self.index.best(tokens)}
-        held = None
-        if self.full is not None:
-            held = self.full.leading_runs(self.index.block_keys(tokens)[0])
+        held = self.full.leading_runs(self.index.block_keys(tokens)[0]) if self.use_held else None
         choice = self.rule.choose(len(tokens), self.replicas, hits, loads, held)
+        self._last = (tokens, hits, held, choice)
         return choice, hits.get(choice, 0)
+
+    def token_prefix_pick(self, loads) -> tuple[int, int]:
+        """For the request just routed: the hit at the replica a token-prefix
+        router would have picked on the same state (its own rule, same queue
+        price), and the hit at ours. Exact: the index gives every replica's
+        real hit. Outside the timed decision."""
+        tokens, hits, held, choice = self._last
+        if held is None:
+            held = self.full.leading_runs(self.index.block_keys(tokens)[0])
+        pick = self._shadow.choose(len(tokens), self.replicas, held, loads)
+        return hits.get(pick, 0), hits.get(choice, 0)
 
     def observe(self, replica, events) -> None:
         self.index.apply(replica, events)
-        if self.full is not None:
-            self.full.apply(replica, events)
+        self.full.apply(replica, events)
 
 
 # -- the replicas -------------------------------------------------------------
@@ -343,6 +355,9 @@ class Totals:
     misroutes: int = 0
     misrouted_tokens: int = 0
     checked: int = 0  # predictions checked equal to the real hit (hybrid)
+    token_pick_hit: int = 0  # hybrid: hit tokens at the replicas a token-prefix router would have picked
+    token_pick_longer: int = 0  # hybrid: decisions where that pick had the longer hit
+    token_pick_shorter: int = 0  # hybrid: ... the shorter hit
     decide_s: float = 0.0
     events_s: float = 0.0
     steps: int = 0
@@ -463,6 +478,11 @@ def simulate(layout, workload: list[Arrival], router, replicas: int, max_running
             t0 = perf()
             choice, predicted = router.route(arrival.prompt, loads)
             totals.decide_s += perf() - t0
+            if router.exact:
+                theirs, ours = router.token_prefix_pick(loads)
+                totals.token_pick_hit += theirs
+                totals.token_pick_longer += theirs > ours
+                totals.token_pick_shorter += theirs < ours
             _place(fleet[choice], arrival, totals, predicted, router.exact)
             busy.add(choice)
         for i in list(busy):
@@ -518,6 +538,8 @@ def _summary(t: Totals, fleet: list[Replica], seconds: float) -> dict:
         "hit_rate": t.hit_tokens / t.prompt_tokens, "hit_rate_at_routing": t.hit_at_routing / t.prompt_tokens,
         "predicted_tokens": t.predicted_tokens, "misroutes": t.misroutes, "misroute_rate": t.misroutes / t.requests,
         "misrouted_tokens": t.misrouted_tokens, "predictions_checked": t.checked,
+        "hit_rate_at_token_prefix_pick": t.token_pick_hit / t.prompt_tokens, "token_prefix_pick_longer": t.token_pick_longer,
+        "token_prefix_pick_shorter": t.token_pick_shorter,
         "imbalance": max(routed) / (sum(routed) / len(routed)),
         "us_per_decision": 1e6 * t.decide_s / t.requests, "ms_events_per_step": 1e3 * t.events_s / max(1, t.steps),
         "mean_wait_steps": sum(waits) / len(waits), "p95_wait_steps": waits[int(0.95 * (len(waits) - 1))],
@@ -552,12 +574,13 @@ def print_row(label: str, row: dict, single: dict | None) -> None:
     vs = f"{row['hit_tokens'] / single['hit_tokens']:>8.1%}" if single and single["hit_tokens"] else f"{'':>8}"
     evicted = row["evicted_keys"]
     partial = sum(n for kind, n in evicted.items() if kind != "full")
-    print(f"{label:<22} {row['hit_rate']:>8.1%} {vs} {row['hit_tokens']:>13,} {row['misroute_rate']:>9.1%} "
+    pick = f"{row['hit_rate_at_token_prefix_pick']:>8.1%}" if row["predictions_checked"] else f"{'':>8}"
+    print(f"{label:<22} {row['hit_rate']:>8.1%} {vs} {row['hit_tokens']:>13,} {pick} {row['misroute_rate']:>9.1%} "
           f"{row['imbalance']:>9.2f} {row['mean_wait_steps']:>6.1f} {row['p95_wait_steps']:>5} "
           f"{row['us_per_decision']:>8.0f} {row['ms_events_per_step']:>8.2f} {partial:>10,} {row['seconds']:>6.0f}")
 
 
-HEADER = (f"{'router':<22} {'hit rate':>8} {'vs one':>8} {'saved tokens':>13} {'misroutes':>9} {'max/mean':>9} "
+HEADER = (f"{'router':<22} {'hit rate':>8} {'vs one':>8} {'saved tokens':>13} {'tp pick':>8} {'misroutes':>9} {'max/mean':>9} "
           f"{'wait':>6} {'p95':>5} {'us/dec.':>8} {'ms ev/st':>8} {'win/ckpt ev':>10} {'sim s':>6}")
 
 
@@ -628,7 +651,8 @@ def main() -> None:
         results["layouts"][label] = {"memory": memory, "pages": layout.num_pages, "routers": rows,
                                      "sweep": {str(k): v for k, v in sweep_rows.items()}, **verdict}
     print("\nhit rate: prompt tokens served from the cache (the hit the replica's manager gave at admission) / "
-          "prompt tokens; vs one: saved tokens / the single cache's; misroutes: requests whose replica's real hit "
+          "prompt tokens; vs one: saved tokens / the single cache's; tp pick: on the hybrid router's states, the hit "
+          "rate at the replicas a token-prefix router would have picked (at routing); misroutes: requests whose replica's real hit "
           "was shorter than the router predicted; max/mean: requests routed to the busiest replica / the mean; "
           "wait, p95: steps from arrival to admission; us/dec.: router time per request; ms ev/st: applying "
           "events per step; win/ckpt ev: window and Mamba keys evicted for want of room")

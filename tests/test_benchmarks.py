@@ -117,3 +117,14 @@ def test_prefix_index_quick(tmp_path):
     text, data = run("prefix_index", tmp_path)
     assert "us/best" in text
     assert data["keys_indexed"] > 0 and data["us_per_best"] > 0 and data["bytes_per_block"] > 0
+
+
+def test_replica_routing_quick(tmp_path):
+    text, data = run("replica_routing", tmp_path)
+    assert "misroutes" in text and "queued_request_tokens swept" in text
+    for layout in data["layouts"].values():
+        rows = layout["routers"]
+        assert set(rows) == {"single cache", "round robin", "token prefix", "hybrid (hit only)", "hybrid"}
+        assert rows["hybrid"]["predictions_checked"] == rows["hybrid"]["requests"] > 0
+        assert rows["round robin"]["hit_rate"] < rows["hybrid"]["hit_rate"]
+        assert set(layout["sweep"]) == {"0", "64", "256", "1024"}
