@@ -91,7 +91,6 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hybridkv.core import KVCacheManager, parse_memory, plan_layout  # noqa: E402
-from hybridkv.core.events import BlockRemoved, BlockStored  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.core.routing import RoutingRule  # noqa: E402
@@ -213,59 +212,38 @@ class RoundRobin:
         pass
 
 
-class FullKeyIndex:
-    """The token-prefix router's view: per key of the full-attention group,
-    the replicas holding it (a bitset), fed by the same events. A hit is the
-    run of leading blocks a replica holds, whatever its other layers hold."""
+class HeldPrefixIndex(PrefixIndex):
+    """A PrefixIndex that also gives the token-prefix view: per replica, the
+    run of leading blocks whose full-attention keys it holds, whatever its
+    other layers hold (the view of a router that treats every layer as full
+    attention). Read from the same per-group key sets the index keeps."""
 
     def __init__(self, layout):
+        super().__init__(layout)
         full = [g for g, group in enumerate(layout.groups) if group.kind == "full"]
-        # A layout with no full-attention group: such a router reads every
-        # group's keys as one, which is what it would see on the wire.
-        self.groups = set(full[:1] or range(len(layout.groups)))
-        self.block_size = layout.block_size
-        self.held: dict = {}
+        # With no full-attention group such a router sees every group's keys
+        # as one (what it would read on the wire); the first group stands in.
+        self._viewed = self._held[full[0] if full else 0]
 
-    def apply(self, replica: int, events) -> None:
-        bit = 1 << replica
-        held = self.held
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored and event.group_idx in self.groups:
-                for key in event.block_hashes:
-                    held[key] = held.get(key, 0) | bit
-            elif kind is BlockRemoved and event.group_idx in self.groups:
-                for key in event.block_hashes:
-                    rest = held.get(key, 0) & ~bit
-                    if rest:
-                        held[key] = rest
-                    else:
-                        held.pop(key, None)
-            elif kind not in (BlockStored, BlockRemoved):  # AllBlocksCleared
-                for key, holders in list(held.items()):
-                    if holders & ~bit:
-                        held[key] = holders & ~bit
-                    else:
-                        del held[key]
-
-    def leading_runs(self, keys: list) -> dict[int, int]:
+    def leading_runs(self, keys: list) -> dict:
         """Replica -> tokens of the leading blocks it holds (replicas with none left out)."""
-        runs: dict[int, int] = {}
+        runs: dict = {}
         alive = -1  # every replica, until a block is missing there
-        get = self.held.get
+        get = self._viewed.get
+        sources = self._sources
         for position, key in enumerate(keys):
             now = alive & get(key, 0)
             gone = alive & ~now if position else 0
             while gone:
                 low = gone & -gone
-                runs[low.bit_length() - 1] = position * self.block_size
+                runs[sources[low.bit_length() - 1]] = position * self.block_size
                 gone ^= low
             alive = now
             if not alive:
                 return runs
         while alive > 0:
             low = alive & -alive
-            runs[low.bit_length() - 1] = len(keys) * self.block_size
+            runs[sources[low.bit_length() - 1]] = len(keys) * self.block_size
             alive ^= low
         return runs
 
@@ -276,13 +254,12 @@ class TokenPrefixRouter:
     needs_events = True
 
     def __init__(self, layout, replicas: int, rule: RoutingRule):
-        self.index = FullKeyIndex(layout)
-        self.hasher = PrefixIndex(layout)  # only for the request's chained keys (the same hash)
+        self.index = HeldPrefixIndex(layout)  # of which it reads the full-attention keys only
         self.replicas = list(range(replicas))
         self.rule = rule
 
     def route(self, tokens, loads) -> tuple[int, int]:
-        keys, _ = self.hasher.block_keys(tokens)
+        keys, _ = self.index.block_keys(tokens)
         hits = self.index.leading_runs(keys)
         choice = self.rule.choose(len(tokens), self.replicas, hits, loads)
         return choice, hits.get(choice, 0)
@@ -301,8 +278,7 @@ class HybridRouter:
 
     def __init__(self, layout, replicas: int, rule: RoutingRule, held: bool = True):
         self.name = "hybrid" if held else "hybrid (hit only)"
-        self.index = PrefixIndex(layout)
-        self.full = FullKeyIndex(layout)  # the affinity signal, and the token-prefix pick to compare with
+        self.index = HeldPrefixIndex(layout)  # its leading runs: the affinity signal, and the token-prefix pick
         self.use_held = held
         self.replicas = list(range(replicas))
         self.rule = rule
@@ -311,7 +287,7 @@ class HybridRouter:
 
     def route(self, tokens, loads) -> tuple[int, int]:
         hits = {replica: hit for hit, replica in self.index.best(tokens)}
-        held = self.full.leading_runs(self.index.block_keys(tokens)[0]) if self.use_held else None
+        held = self.index.leading_runs(self.index.block_keys(tokens)[0]) if self.use_held else None
         choice = self.rule.choose(len(tokens), self.replicas, hits, loads, held)
         self._last = (tokens, hits, held, choice)
         return choice, hits.get(choice, 0)
@@ -323,13 +299,12 @@ class HybridRouter:
         real hit. Outside the timed decision."""
         tokens, hits, held, choice = self._last
         if held is None:
-            held = self.full.leading_runs(self.index.block_keys(tokens)[0])
+            held = self.index.leading_runs(self.index.block_keys(tokens)[0])
         pick = self._shadow.choose(len(tokens), self.replicas, held, loads)
         return hits.get(pick, 0), hits.get(choice, 0)
 
     def observe(self, replica, events) -> None:
         self.index.apply(replica, events)
-        self.full.apply(replica, events)
 
 
 # -- the replicas -------------------------------------------------------------

@@ -84,7 +84,7 @@ def test_the_single_cache_gets_at_least_the_routed_replicas_hit_on_a_checkpointe
 def test_leading_runs_are_the_blocks_each_replica_holds_from_the_start():
     layout = layout_for_requests(layer_specs(["full", "window"]), num_requests=2, num_tokens=64)
     full = next(g for g, group in enumerate(layout.groups) if group.kind == "full")
-    index = sim.FullKeyIndex(layout)
+    index = sim.HeldPrefixIndex(layout)
     rng = random.Random(0)
     keys = [f"k{i}" for i in range(12)]
     held = {r: set() for r in range(5)}
