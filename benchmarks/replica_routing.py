@@ -15,7 +15,7 @@ estimate. Routers compared on the same arrivals:
                   group's keys, fed by the replicas' KV events; it cannot
                   see whether a window tail or a Mamba checkpoint is there),
                   then the routing rule below on that estimate;
-* hybrid (hit only)  hybridkv's router as first specified: a PrefixIndex
+* hybrid (hit only)  hybridkv's router on the hit alone: a PrefixIndex
                   fed by every replica's `take_events()` after every step,
                   the hit by the manager's own rule (`index.best`), then the
                   routing rule on that hit;
@@ -25,7 +25,11 @@ estimate. Routers compared on the same arrivals:
                   prompt families scatter once their checkpoints are gone
                   (hybridkv/core/routing.py says why; the table shows it);
 * single cache    the bound: one manager with N times the pool (and N times
-                  the batch and prefill rate) serving everything.
+                  the batch and prefill rate) serving everything. Not a
+                  strict one: at N times the prefill rate it admits a
+                  family's requests that arrive together at once, before
+                  the first has stored anything, where one replica's queue
+                  would have served them in turn, the later ones hitting.
 
 The routing rule (hybridkv/core/routing.py) charges a replica the prompt
 tokens it must compute plus `queued_request_tokens` per request it has
@@ -39,6 +43,11 @@ and costs in balance.
 The hybrid router's predicted hit is checked against the chosen replica's
 real hit at the moment of routing (events applied after every step, so the
 index is current): they must be equal, and the run stops if they are not.
+On the hybrid routers' own states, the replica a token-prefix router would
+have picked is found too, and its real hit (exact, from the index) is
+reported beside ("tp pick"): the two compared decision by decision. A
+decision's time includes hashing the prompt (the hybrid router hashes it a
+second time for the leading runs its affinity credit reads).
 
 Workload (seeded; the same arrivals for every router). Sessions start as a
 Poisson process; a step is one decode iteration (about 30 ms on the GPUs
@@ -513,7 +522,8 @@ def _summary(t: Totals, fleet: list[Replica], seconds: float) -> dict:
         "hit_rate": t.hit_tokens / t.prompt_tokens, "hit_rate_at_routing": t.hit_at_routing / t.prompt_tokens,
         "predicted_tokens": t.predicted_tokens, "misroutes": t.misroutes, "misroute_rate": t.misroutes / t.requests,
         "misrouted_tokens": t.misrouted_tokens, "predictions_checked": t.checked,
-        "hit_rate_at_token_prefix_pick": t.token_pick_hit / t.prompt_tokens, "token_prefix_pick_longer": t.token_pick_longer,
+        "hit_rate_at_token_prefix_pick": t.token_pick_hit / t.prompt_tokens,
+        "token_prefix_pick_longer": t.token_pick_longer,
         "token_prefix_pick_shorter": t.token_pick_shorter,
         "imbalance": max(routed) / (sum(routed) / len(routed)),
         "us_per_decision": 1e6 * t.decide_s / t.requests, "ms_events_per_step": 1e3 * t.events_s / max(1, t.steps),
@@ -555,7 +565,8 @@ def print_row(label: str, row: dict, single: dict | None) -> None:
           f"{row['us_per_decision']:>8.0f} {row['ms_events_per_step']:>8.2f} {partial:>10,} {row['seconds']:>6.0f}")
 
 
-HEADER = (f"{'router':<22} {'hit rate':>8} {'vs one':>8} {'saved tokens':>13} {'tp pick':>8} {'misroutes':>9} {'max/mean':>9} "
+HEADER = (f"{'router':<22} {'hit rate':>8} {'vs one':>8} {'saved tokens':>13} {'tp pick':>8} {'misroutes':>9} "
+          f"{'max/mean':>9} "
           f"{'wait':>6} {'p95':>5} {'us/dec.':>8} {'ms ev/st':>8} {'win/ckpt ev':>10} {'sim s':>6}")
 
 
@@ -585,7 +596,8 @@ def main() -> None:
     prompt_tokens = sum(len(a.prompt) for a in workload)
     families = {f: sum(a.family == f for a in workload) for f, _ in shape.mix}
     print(f"{args.replicas} replicas, {num:,} requests over {workload[-1].step:,} steps, "
-          f"{prompt_tokens / num:,.0f} prompt tokens a request on average ({', '.join(f'{n:,} {f}' for f, n in families.items())}); "
+          f"{prompt_tokens / num:,.0f} prompt tokens a request on average "
+          f"({', '.join(f'{n:,} {f}' for f, n in families.items())}); "
           f"prefill {args.prefill_per_step} tokens/step, up to {args.max_running} running per replica")
     results = {"replicas": args.replicas, "requests": num, "rate": args.rate, "seed": args.seed,
                "prefill_per_step": args.prefill_per_step, "max_running": args.max_running,
@@ -627,9 +639,9 @@ def main() -> None:
                                      "sweep": {str(k): v for k, v in sweep_rows.items()}, **verdict}
     print("\nhit rate: prompt tokens served from the cache (the hit the replica's manager gave at admission) / "
           "prompt tokens; vs one: saved tokens / the single cache's; tp pick: on the hybrid router's states, the hit "
-          "rate at the replicas a token-prefix router would have picked (at routing); misroutes: requests whose replica's real hit "
-          "was shorter than the router predicted; max/mean: requests routed to the busiest replica / the mean; "
-          "wait, p95: steps from arrival to admission; us/dec.: router time per request; ms ev/st: applying "
+          "rate at the replicas a token-prefix router would have picked (at routing); misroutes: requests whose "
+          "replica's real hit was shorter than the router predicted; max/mean: requests routed to the busiest "
+          "replica / the mean; wait, p95: steps from arrival to admission; us/dec.: router time per request; ms ev/st: applying "
           "events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
