@@ -641,8 +641,8 @@ def main() -> None:
           "prompt tokens; vs one: saved tokens / the single cache's; tp pick: on the hybrid router's states, the hit "
           "rate at the replicas a token-prefix router would have picked (at routing); misroutes: requests whose "
           "replica's real hit was shorter than the router predicted; max/mean: requests routed to the busiest "
-          "replica / the mean; wait, p95: steps from arrival to admission; us/dec.: router time per request; ms ev/st: applying "
-          "events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
+          "replica / the mean; wait, p95: steps from arrival to admission; us/dec.: router time per request; "
+          "ms ev/st: applying events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
