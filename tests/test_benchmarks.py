@@ -132,3 +132,14 @@ def test_kv_tiers_counts_what_each_group_stored(tmp_path):
     host = data["configs"]["host"]
     # Mamba keeps checkpoint states, not a state per block.
     assert host["stored_bytes_per_cached_token"] < host["store_everything_bytes_per_cached_token"]
+
+
+def test_replica_routing_quick(tmp_path):
+    text, data = run("replica_routing", tmp_path)
+    assert "misroutes" in text and "queued_request_tokens swept" in text
+    for layout in data["layouts"].values():
+        rows = layout["routers"]
+        assert set(rows) == {"single cache", "round robin", "token prefix", "hybrid (hit only)", "hybrid"}
+        assert rows["hybrid"]["predictions_checked"] == rows["hybrid"]["requests"] > 0
+        assert rows["round robin"]["hit_rate"] < rows["hybrid"]["hit_rate"]
+        assert set(layout["sweep"]) == {"0", "64", "256", "1024"}

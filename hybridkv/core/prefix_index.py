@@ -39,6 +39,8 @@ class PrefixIndex:
         self._held: list[dict] = [{} for _ in layout.groups]  # per group: key -> bitset of sources
         self._bit: dict = {}  # source -> its bit
         self._sources: list = []  # bit index -> source
+        full = [g for g, group in enumerate(layout.groups) if group.kind == "full"]
+        self._viewed_group = full[0] if full else 0
 
     def _source_bit(self, source) -> int:
         bit = self._bit.get(source)
@@ -136,6 +138,33 @@ class PrefixIndex:
                     out.append((hit, source))
         out.sort(key=lambda pair: -pair[0])
         return out
+
+    def held_tokens(self, keys: list) -> dict:
+        """The token-prefix view: per source, the tokens of the request's
+        leading blocks (`keys`, from block_keys) whose full-attention keys
+        it holds, whatever its other layers hold; sources holding none are
+        left out. What a router that treats every layer as full attention
+        sees, and what RoutingRule's affinity credits. With no
+        full-attention group the first group stands in."""
+        runs: dict = {}
+        alive = -1  # every source, until a block is missing there
+        get = self._held[self._viewed_group].get
+        sources = self._sources
+        for position, key in enumerate(keys):
+            now = alive & get(key, 0)
+            gone = alive & ~now if position else 0
+            while gone:
+                low = gone & -gone
+                runs[sources[low.bit_length() - 1]] = position * self.block_size
+                gone ^= low
+            alive = now
+            if not alive:
+                return runs
+        while alive > 0:
+            low = alive & -alive
+            runs[sources[low.bit_length() - 1]] = len(keys) * self.block_size
+            alive ^= low
+        return runs
 
     @property
     def num_keys(self) -> int:

@@ -8,8 +8,8 @@ routing stats (serving/event_feed.py says how, and how stale), adds the
 blocks of the prompts it sent in the last few report periods
 (RecentRoutes: what the reports will say once they catch up), and ranks
 the candidates by RoutingRule's cost (core/routing.py): the prompt tokens
-a replica would still have to compute, plus a price per request queued
-there. Queue lengths are Ray's own (the router's cache of each replica's
+a replica would still have to compute, less a credit for the leading
+blocks it holds past its hit, plus a price per request queued there. Queue lengths are Ray's own (the router's cache of each replica's
 ongoing requests, raised as requests are sent). The ranks are single
 replicas in cost order, so if the cheapest one refuses (its queue is at
 max_ongoing_requests) the next is tried, as Ray does with any rank.
@@ -87,12 +87,18 @@ class HybridPrefixRouter(RequestRouter):
         names = [r.replica_id.unique_id for r in candidate_replicas]
         hits = self.feed.hits(token_ids, kwargs.get("cache_salt")) if token_ids else {}
         keys = self._keys(pending_request)
+        held = None
         if keys:
             reports = {n: self.feed.reports.get(n, 0) for n in names}
             recent = self.recent.hits(reports, keys, self.feed.index.block_size, time.monotonic())
             hits = {n: max(hits.get(n, 0), recent.get(n, 0)) for n in names}
-        costs = self.rule.costs(len(token_ids or ()), names, hits, queues)
-        first = self.rule.choose(len(token_ids or ()), names, hits, queues)
+            # The leading blocks a replica holds past its hit: where a
+            # family's next computation leaves the checkpoint its later
+            # requests hit (RoutingRule's affinity).
+            held = self.feed.index.held_tokens(keys)
+            held = {n: max(held.get(n, 0), hits.get(n, 0)) for n in names}
+        costs = self.rule.costs(len(token_ids or ()), names, hits, queues, held)
+        first = self.rule.choose(len(token_ids or ()), names, hits, queues, held)
         by_name = dict(zip(names, candidate_replicas))
         order = [first] + sorted((n for n in names if n != first), key=lambda n: (costs[n], queues[n]))
         if token_ids:
