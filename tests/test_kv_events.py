@@ -28,6 +28,11 @@ def test_hybrid_prefix_index_fed_by_events_equals_the_managers_hit(mix):
         events = kv.take_events()
         for e in events:
             seen[{BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}[type(e)]] += 1
+            if type(e) is BlockStored:  # a consumer can rebuild the keys from the parent and the tokens
+                rebuilt = [e.parent_block_hash]
+                kv.hasher.extend(rebuilt, None, [0] * e.block_size + e.token_ids, e.block_size,
+                                 len(e.block_hashes) + 1)
+                assert rebuilt[1:] == e.block_hashes, op
         index.apply("replica-0", events)
         for rid in list(kv._requests)[:2]:
             prompts.append(list(kv.token_ids(rid)))
@@ -67,7 +72,7 @@ def test_events_are_off_unless_asked_and_then_report_runs_with_their_parent():
     keys = kv._requests["a"].keys
     for e in stored:
         assert e.block_hashes == keys[:3] and e.parent_block_hash == kv._requests["a"].root
-        assert e.block_size == 4 and e.kind in ("full", "sliding_window") and e.token_ids is None
+        assert e.block_size == 4 and e.kind in ("full", "sliding_window") and e.token_ids == list(range(1, 13))
     assert kv.take_events() == []  # taken once
     kv.reset_prefix_cache()
     assert kv.take_events() == [AllBlocksCleared()]

@@ -161,7 +161,7 @@ class BlockCache:
 
     # -- keys ------------------------------------------------------------------
     def store(self, group: int, blocks: Sequence[int], keys: Sequence, tokens: Sequence | None = None,
-              keep_copies: bool = False, parent=None) -> int:
+              keep_copies: bool = False, parent=None, token_ids: Sequence[int] | None = None) -> int:
         """Register computed blocks under their keys in `group`'s map
         (null blocks and blocks that hold a key already are skipped).
         `tokens`: per block, its token ids, kept when the hash is not
@@ -169,8 +169,9 @@ class BlockCache:
         the entry, and with `keep_copies` the new block is remembered as a
         copy of it (an attention block other requests may keep reading; a
         Mamba state moves on, so it is not kept). Returns how many blocks
-        became entries. `parent`: the key before `keys[0]` in its chain (for
-        events)."""
+        became entries. For events only: `parent`, the key before `keys[0]`
+        in its chain, and `token_ids`, the tokens of the blocks of `keys`
+        one after the other (block_size each)."""
         cached, key_of, key_group = self.cached[group], self.key, self.key_group
         if (tokens is None and len(blocks) >= _BULK_STORE and NULL not in blocks
                 and not any(itemgetter(*blocks)(key_of)) and cached.keys().isdisjoint(keys)):
@@ -180,7 +181,7 @@ class BlockCache:
                 key_group[block] = group
             self.version += 1
             if self.events is not None:
-                self.events.append(("stored", group, list(keys), parent, None))
+                self.events.append(("stored", group, list(keys), parent, list(token_ids or ())))
             return len(blocks)
         entries = 0
         added = [] if self.events is not None else None  # (index, key) of new entries, for events
@@ -207,18 +208,20 @@ class BlockCache:
         if entries:
             self.version += 1
             if added:
-                self._stored_runs(group, keys, added, parent, tokens)
+                self._stored_runs(group, keys, added, parent, token_ids)
         return entries
 
-    def _stored_runs(self, group: int, keys: Sequence, added: list[int], parent, tokens) -> None:
+    def _stored_runs(self, group: int, keys: Sequence, added: list[int], parent, token_ids) -> None:
         """Events for the new entries among `keys` (their indices, in
-        order): one per run of consecutive ones, each with its parent."""
+        order): one per run of consecutive ones, each with its parent and
+        its blocks' tokens."""
         start = 0
         for n in range(1, len(added) + 1):
             if n == len(added) or added[n] != added[n - 1] + 1:
                 first, last = added[start], added[n - 1]
                 run_parent = keys[first - 1] if first else parent
-                run_tokens = [t for i in range(first, last + 1) for t in tokens[i]] if tokens is not None else None
+                size = len(token_ids) // len(keys) if token_ids else 0
+                run_tokens = list(token_ids[first * size:(last + 1) * size]) if token_ids else []
                 self.events.append(("stored", group, list(keys[first:last + 1]), run_parent, run_tokens))
                 start = n
 

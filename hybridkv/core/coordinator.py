@@ -241,7 +241,9 @@ class Coordinator:
         for (position, tier_ref), block in zip(loads, blocks):
             self.tier.load(self.block_cache.pages(block, manager.width), fetched[tier_ref])
             j = chain[tier_ref.key]
-            self.block_cache.store(g, [block], [tier_ref.key], parent=req.keys[j - 1] if j else req.root)
+            bs = manager.block_size
+            self.block_cache.store(g, [block], [tier_ref.key], parent=req.keys[j - 1] if j else req.root,
+                                   token_ids=req.tokens[j * bs:(j + 1) * bs])
             manager.place_loaded(req, position, block)
             self.tier_loads.setdefault(tier_ref.tier, [0] * groups)[g] += 1
             mine.setdefault(tier_ref.tier, [0] * groups)[g] += 1

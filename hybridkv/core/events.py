@@ -25,7 +25,7 @@ class BlockStored(NamedTuple):
     """Consecutive blocks of one group's chain became findable."""
     block_hashes: list  # the blocks' keys, in chain order
     parent_block_hash: object  # the key before the first one (the chain's root for block 0)
-    token_ids: list | None  # the blocks' tokens, only when the hash is not trusted
+    token_ids: list  # the blocks' tokens, one block after the other
     block_size: int
     group_idx: int
     kind: str  # "full", "sliding_window", "chunked_local", "mamba" (a Mamba key: the state after its prefix)

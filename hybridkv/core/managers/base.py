@@ -255,8 +255,11 @@ class AttentionManager(GroupManager):
                 # keep_copies: where another request stored this content
                 # first, ours stays findable after its block goes.
                 parent = req.keys[start - 1] if start else req.root
+                token_ids = None
+                if self.block_cache.events is not None:
+                    token_ids = req.tokens[start * self.block_size:full * self.block_size]
                 self.block_cache.store(g, table[start:full], req.keys[start:full], tokens, keep_copies=True,
-                                       parent=parent)
+                                       parent=parent, token_ids=token_ids)
                 req.num_cached[g] = full
         first = self.first_needed_block(n)
         start = req.num_released[g]
