@@ -105,3 +105,36 @@ def test_engine_hands_over_its_managers_events():
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert stored and {e.group_idx for e in stored} == set(range(len(engine.layout.groups)))
     assert engine.take_kv_events() == []
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_best_over_several_sources_equals_each_managers_own_hit(mix):
+    # best() computes every source's hit in one pass over the bitsets; each
+    # must be what that source's manager gives a fresh request.
+    rng = random.Random(f"best-{mix}")
+    layout = layout_for_requests(layer_specs(MIXES[mix], window=7, chunk=10), num_requests=3, num_tokens=16)
+    index = PrefixIndex(layout)
+    managers = {name: KVCacheManager(layout, enable_kv_events=True) for name in ("a", "b", "c", "d")}
+    prompts: list[list[int]] = []
+
+    def feed(name):
+        def after(op):
+            kv = managers[name]
+            index.apply(name, kv.take_events())
+            prompts.extend(list(kv.token_ids(rid)) for rid in list(kv._requests)[:1])
+        return after
+
+    # a and b run the same workload, b stopping earlier: they share prefixes
+    # and hold different parts of them; c runs its own; d is a again (ties).
+    for name, seed, ops in (("a", mix, 150), ("b", mix, 70), ("c", f"{mix}-c", 150), ("d", mix, 150)):
+        random_workload(managers[name], random.Random(seed), num_ops=ops, after_op=feed(name))
+    checked = 0
+    for _ in range(150):
+        base = rng.choice(prompts)
+        probe = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(100)]
+        expected = {name: _fresh_hit(kv, probe, None) for name, kv in managers.items()}
+        got = index.best(probe)
+        assert dict((source, hit) for hit, source in got) == {n: h for n, h in expected.items() if h}
+        assert [hit for hit, _ in got] == sorted((h for h in expected.values() if h), reverse=True)
+        checked += len(got) > 1
+    assert checked > 0  # some probes hit on several sources

@@ -2,17 +2,19 @@
 holds, per group, kept from the source's KV events (core/events.py), and
 the hit a new request would get there, by the manager's own rule.
 
-The hit is computed as the manager computes it: the request's chained keys
-(the same hash, salt and extra keys), per group a mask of the positions
-whose key the source holds, and the coordinator's fixed point over the
-groups' own `longest_hit` (the same manager classes answer; they are made
-over an empty block cache and only their rules are used). So for the same
-events, `hit_tokens` equals `get_computed_tokens` of a fresh request on
-that source's manager, for every layer mix.
+The hit is the manager's: the request's chained keys (the same hash, salt
+and extra keys), and the longest n such that every group holds every block
+a hit of n blocks needs there, [hit_start(n), n) by the group's own manager
+(the same manager classes answer `hit_start`; they are made over an empty
+block cache and only their rules are used). That n is what the manager's
+fixed point over the groups' `longest_hit` finds, so for the same events
+`hit_tokens` equals `get_computed_tokens` of a fresh request on that
+source's manager, for every layer mix.
 
 Per group one dict, key -> a bitset of the sources holding it: a key held
-by many replicas is stored once, and one lookup per position serves every
-source at once.
+by many replicas is stored once, one lookup per position serves every
+source at once, and the rule runs on the bitsets, for all sources in one
+pass over the positions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from collections.abc import Iterable, Sequence
 from itertools import repeat
 
 from .block_cache import BlockCache
-from .coordinator import _LOOKUP_ORDER, fixed_point
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .hashing import BlockHasher
 from .layout import KVCacheLayout
@@ -35,7 +36,6 @@ class PrefixIndex:
         self.hasher = BlockHasher(hash_function)
         rules = BlockCache(2, len(layout.groups))
         self.managers = [make_manager(g, rules, True, False, None) for g in layout.groups]
-        self._order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
         self._held: list[dict] = [{} for _ in layout.groups]  # per group: key -> bitset of sources
         self._bit: dict = {}  # source -> its bit
         self._sources: list = []  # bit index -> source
@@ -100,12 +100,90 @@ class PrefixIndex:
                                limit)
         return keys, limit
 
-    def _hit(self, bit: int, holders: list[list[int]], limit: int) -> int:
-        masks = [bytes(map(bool, map(bit.__and__, per_group))) for per_group in holders]
-        return fixed_point(self._order, masks, limit) * self.block_size
-
     def _holders(self, keys: list) -> list[list[int]]:
         return [list(map(held.get, keys, repeat(0))) for held in self._held]
+
+    def _servable(self, holders: list[list[int]], limit: int) -> list[int]:
+        """Per hit length n = 1..limit (entry n - 1): the bitset of the
+        sources where every group can serve a hit of n blocks, that is, holds
+        every block of [hit_start(n), n) (the manager's rule: its fixed point
+        over the groups' longest_hit is the longest such n). One pass over
+        the positions per group for all sources at once, a window's AND kept
+        by a two-stack queue (the window's start only moves forward)."""
+        servable = [-1] * limit
+        for manager in self.managers:
+            row = holders[manager.index]
+            kind = manager.kind
+            if kind == "full":
+                run = -1
+                for n in range(limit):
+                    run &= row[n]
+                    if not run:  # no source serves n + 1 blocks or more
+                        del servable[n:]
+                        limit = n
+                        break
+                    servable[n] &= run
+            elif kind == "mamba":
+                for n in range(limit):
+                    servable[n] &= row[n]
+            else:
+                self._window_and(row, manager, limit, servable)
+        return servable
+
+    @staticmethod
+    def _window_and(row: list[int], manager, limit: int, servable: list[int]) -> None:
+        """For every hit of m = 1..limit blocks: servable[m - 1] &= the AND
+        of row[hit_start(m):m]. Below, n is 0-based: starts[n] is the first
+        block a hit of n + 1 blocks needs."""
+        if manager.kind == "sliding_window":
+            need = manager.window_blocks
+            starts = range(1 - need, limit + 1 - need)  # hit_start(m) = max(0, m - need)
+        else:
+            starts = [manager.hit_start(n) for n in range(1, limit + 1)]
+        n = 0
+        run = -1
+        while n < limit and starts[n] <= 0:  # windows that start at block 0: a running AND
+            run &= row[n]
+            servable[n] &= run
+            n += 1
+        if n == limit:
+            return
+        # Past that, a two-stack queue: the window's start only moves forward.
+        front: list[int] = []  # ANDs of the window's oldest items, oldest on top
+        back_items = row[:n]
+        back = run
+        start = 0
+        for n in range(n, limit):
+            item = row[n]
+            back &= item
+            back_items.append(item)
+            first = starts[n]
+            while start < first:  # pop the oldest item
+                if not front:
+                    acc = -1
+                    for old in reversed(back_items):
+                        acc &= old
+                        front.append(acc)
+                    back_items.clear()
+                    back = -1
+                front.pop()
+                start += 1
+            servable[n] &= (front[-1] if front else -1) & back
+
+    def _hits(self, keys: list, limit: int, among: int) -> dict:
+        """Bit -> the hit (blocks) of each source in bitset `among` with one."""
+        servable = self._servable(self._holders(keys), limit)
+        hits = {}
+        for n in range(len(servable), 0, -1):  # the longest first
+            new = servable[n - 1] & among
+            while new:
+                low = new & -new
+                hits[low] = n
+                new ^= low
+                among &= ~low
+            if not among:
+                break
+        return hits
 
     def hit_tokens(self, source, token_ids: Sequence[int], cache_salt: str | None = None,
                    extra_keys: Sequence | None = None) -> int:
@@ -115,29 +193,19 @@ class PrefixIndex:
         bit = self._bit.get(source)
         if bit is None or limit <= 0:
             return 0
-        return self._hit(bit, self._holders(keys), limit)
+        return self._hits(keys, limit, bit).get(bit, 0) * self.block_size
 
     def best(self, token_ids: Sequence[int], cache_salt: str | None = None,
              extra_keys: Sequence | None = None) -> list[tuple[int, object]]:
         """Every source with a hit, as (hit tokens, source), longest first.
         The request's keys are hashed once and looked up once for all."""
         keys, limit = self.block_keys(token_ids, cache_salt, extra_keys)
-        if limit <= 0:
+        if limit <= 0 or not self._sources:
             return []
-        holders = self._holders(keys)
-        anyone = 0
-        for per_group in holders:
-            for sources in per_group:
-                anyone |= sources
-        out = []
-        for i, source in enumerate(self._sources):
-            bit = 1 << i
-            if anyone & bit:
-                hit = self._hit(bit, holders, limit)
-                if hit:
-                    out.append((hit, source))
-        out.sort(key=lambda pair: -pair[0])
-        return out
+        hits = self._hits(keys, limit, (1 << len(self._sources)) - 1)
+        sources = self._sources
+        return sorted(((n * self.block_size, sources[bit.bit_length() - 1]) for bit, n in hits.items()),
+                      key=lambda pair: -pair[0])
 
     def held_tokens(self, keys: list) -> dict:
         """The token-prefix view: per source, the tokens of the request's

@@ -49,6 +49,10 @@ class MambaManager(GroupManager):
         # The latest checkpoint at or before the limit.
         return mask.rfind(1, 0, limit) + 1
 
+    def hit_start(self, num_blocks: int) -> int:
+        """A hit of n blocks needs one thing: the checkpoint under key n - 1."""
+        return num_blocks - 1
+
     def hit_blocks(self, found, num_blocks):
         return [found[num_blocks - 1]] if num_blocks else []
 
