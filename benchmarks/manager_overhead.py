@@ -61,9 +61,12 @@ def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
             return True
 
 
-def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 30) -> dict:
+def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 30, take_events: bool = False) -> dict:
     """FCFS with recompute preemption (the newest running request goes back
-    to the head of the queue when a decode step finds no page)."""
+    to the head of the queue when a decode step finds no page).
+    `take_events`: the manager records KV events and they are taken after
+    every admission and decode step (timed with it), as a server does."""
+    drain = kv.take_events if take_events else (lambda: None)
     waiting = [(f"r{i}", list(tokens), outputs, samples) for i, (tokens, outputs, samples) in enumerate(trace)]
     waiting.reverse()  # pop() from the end = FCFS
     running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far]
@@ -84,6 +87,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
                 if not running:
                     raise RuntimeError("a single request does not fit the pool")
                 break
+            drain()
             admit_time += perf() - t0
             admissions += 1
             waiting.pop()
@@ -118,6 +122,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
             outputs, samples, tokens = running.pop(rid)
             waiting.append((rid, tokens, outputs, samples))
             preemptions += 1
+        drain()
         decode_time += perf() - t0
     stats = kv.stats
     return {
@@ -207,6 +212,19 @@ def print_vllm(version: str, rows: dict, results: dict, notes: list[str]) -> Non
     print("\n".join(notes))
 
 
+def print_events(rows: dict, results: dict) -> None:
+    print("\nKV events on (recorded, and taken after every admission and decode step) against off")
+    print(f"{'model':<26} {'us/admission off':>17} {'on':>8} {'change':>7} {'us/decode step off':>19} {'on':>8} "
+          f"{'change':>7}")
+    results["events"] = {}
+    for label, (off, on) in rows.items():
+        adm = on["us_per_admission"] / off["us_per_admission"] - 1
+        dec = on["us_per_decode_step"] / off["us_per_decode_step"] - 1
+        results["events"][label] = {"off": off, "on": on}
+        print(f"{label:<26} {off['us_per_admission']:>17.1f} {on['us_per_admission']:>8.1f} {adm:>+7.1%} "
+              f"{off['us_per_decode_step']:>19.2f} {on['us_per_decode_step']:>8.2f} {dec:>+7.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny trace for a smoke run")
@@ -215,6 +233,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "manager_overhead.json"))
     parser.add_argument("--against", choices=["vllm"], default=None,
                         help="also replay the trace through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
+    parser.add_argument("--events", action="store_true",
+                        help="also replay with KV events on (recorded and taken every step), alternating with off")
     parser.add_argument("--rounds", type=int, default=None,
                         help="replays per model, alternating with vLLM's when --against is given; each "
                              "timing is the fastest round's (default: 2 with --against, else 1)")
@@ -236,6 +256,7 @@ def main() -> None:
     print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
           f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit rate':>9}")
     theirs: dict = {}
+    events_rows: dict = {}
     notes: list[str] = []
     for label, file in CONFIGS.items():
         path = os.path.join(MODELS_DIR, file)
@@ -243,10 +264,15 @@ def main() -> None:
         ours_rounds, their_rounds = [], []
         # Alternating rounds, so that a host that slows down for a minute
         # (these machines do) slows both sides rather than one.
+        event_rounds = []
         for _ in range(rounds):
             ours_rounds.append(replay(KVCacheManager(layout), trace))
+            if args.events:
+                event_rounds.append(replay(KVCacheManager(layout, enable_kv_events=True), trace, take_events=True))
             if vllm_replay is not None:
                 their_rounds.append(vllm_replay.run(path, trace, args.memory))
+        if event_rounds:
+            events_rows[label] = (fastest(ours_rounds), fastest(event_rounds))
         row = fastest(ours_rounds)
         row["groups"] = len(layout.groups)
         results["models"][label] = row
@@ -257,6 +283,8 @@ def main() -> None:
             theirs[label] = fastest(their_rounds)
             notes.append(f"  {label}: {vllm_replay.describe(theirs[label])}")
     results["rounds"] = rounds
+    if events_rows:
+        print_events(events_rows, results)
     if vllm_replay is not None:
         print_vllm(vllm_version, theirs, results, notes)
     print(f"\nper decode step vs pool size and context (8 requests x 256 steps)")

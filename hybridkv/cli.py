@@ -41,6 +41,9 @@ def _demo(args) -> int:
 
 def _serve(args) -> int:
     if args.replicas is not None or args.address is not None:
+        if args.kv_events:
+            raise ValueError("--kv-events publishes one engine's events; with --replicas the router reads "
+                             "them through Ray (docs/server.md)")
         return _serve_replicas(args)
     try:
         from .server import serve
@@ -52,8 +55,10 @@ def _serve(args) -> int:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.model and args.model_option and args.model != args.model_option:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    replay = None if args.kv_events_replay == "none" else args.kv_events_replay
     serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
+          kv_events=args.kv_events, kv_events_replay=replay, kv_events_topic=args.kv_events_topic,
           **_engine_options(args))
     return 0
 
@@ -145,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    serve.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                       help="publish the KV cache events on a ZMQ PUB socket bound there, in vLLM's KV event "
+                            "format (e.g. tcp://*:5557; needs pyzmq and msgspec, in the server extra)")
+    serve.add_argument("--kv-events-replay", default="next-port", metavar="tcp://HOST:PORT",
+                       help="the replay socket that resends missed batches (default: the --kv-events port + 1; "
+                            "'none' for no replay)")
+    serve.add_argument("--kv-events-topic", default="", help="the topic of every event message (default empty)")
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="N engine replicas on Ray Serve, routed by prefix hit (docs/server.md; needs .[ray])")
     serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",

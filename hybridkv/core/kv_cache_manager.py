@@ -563,6 +563,8 @@ class KVCacheManager:
         raw = self.block_cache.events
         if raw is None:
             raise ValueError("KV events are off: make the manager with enable_kv_events=True")
+        if not raw:  # most decode steps store and remove nothing
+            return []
         self.block_cache.events = []
         managers = self.coordinator.managers
         out = []

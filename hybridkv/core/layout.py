@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import reduce
 
-from .specs import ATTENTION_KINDS, AttentionSpec, LayerSpec, MambaSpec
+from .specs import ATTENTION_KINDS, SPEC_TYPES, AttentionSpec, LayerSpec, MambaSpec
 
 # A Mamba state is rounded up to whole pages; pick pages small enough that
 # the rounding costs at most this fraction of the state.
@@ -121,6 +121,31 @@ class KVCacheLayout:
 
     def max_requests(self, num_tokens: int, chunk: int = 1) -> int:
         return (self.num_pages - 1) // max(1, self.pages_per_request(num_tokens, chunk))
+
+    def to_dict(self) -> dict:
+        """The layout as plain JSON-able data (`from_dict` reads it back):
+        what a process without the model needs to apply its hit rule, e.g.
+        a router holding a PrefixIndex of KV events from the wire."""
+        out = asdict(self)
+        for data, group in zip(out["groups"], self.groups):
+            data["spec"]["kind"] = group.kind
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KVCacheLayout":
+        def spec(fields: dict) -> LayerSpec:
+            fields = dict(fields)
+            kind = fields.pop("kind")
+            if kind not in SPEC_TYPES:
+                raise ValueError(f"unknown layer kind {kind!r} in a layout; expected one of {sorted(SPEC_TYPES)}")
+            return SPEC_TYPES[kind](**fields)
+
+        groups = tuple(KVCacheGroup(**{**g, "spec": spec(g["spec"]), "layer_names": tuple(g["layer_names"])})
+                       for g in data["groups"])
+        views = {name: LayerView(**{**v, "part_offsets": tuple(v["part_offsets"])})
+                 for name, v in data["layer_views"].items()}
+        return cls(groups, data["page_size_bytes"], data["num_pages"], data["block_size"], data["memory_bytes"],
+                   views)
 
     def describe(self) -> str:
         lines = [

@@ -151,4 +151,5 @@ class MambaSpec:
 
 
 LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec
+SPEC_TYPES = {spec.kind: spec for spec in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalSpec, MambaSpec)}
 ATTENTION_KINDS = ("full", "sliding_window", "chunked_local")

@@ -84,10 +84,12 @@ class LocalEngine:
     `metrics()` (Prometheus text). hybridkv/serving/ray.py has the other one:
     engine replicas on Ray Serve."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 512):
+    def __init__(self, engine: Engine, max_waiting: int = 512, kv_publisher=None):
         self.engine = engine
         self.server_metrics = ServerMetrics()
-        self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, ttft_histogram=self.server_metrics.ttft)
+        self.kv_publisher = kv_publisher
+        self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, ttft_histogram=self.server_metrics.ttft,
+                                      kv_publisher=kv_publisher)
         self.max_model_len = engine.max_model_len
 
     @property
@@ -99,6 +101,8 @@ class LocalEngine:
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.engine_loop.shutdown)
+        if self.kv_publisher is not None:
+            await asyncio.to_thread(self.kv_publisher.close)
         # The engine thread has stopped: keep what the pool caches on the disk tier.
         await asyncio.to_thread(self.engine.close)
 
@@ -110,14 +114,48 @@ class LocalEngine:
         return self.server_metrics.render(snapshot)
 
 
-def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 512) -> FastAPI:
+def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 512,
+              kv_events: str | None = None, kv_events_replay: str | None = "next-port",
+              kv_events_topic: str = "") -> FastAPI:
     """An OpenAI-compatible app over `engine`. The engine thread starts and
-    stops with the app's lifespan; the app owns the engine from then on."""
-    backend = LocalEngine(engine, max_waiting)
+    stops with the app's lifespan; the app owns the engine from then on.
+
+    `kv_events`: publish the engine's KV events on a ZMQ PUB socket bound
+    there (e.g. "tcp://*:5557"; serving/zmq_events.py), with a replay socket
+    at `kv_events_replay` ("next-port": the endpoint's port + 1; None: no
+    replay). The engine must be made with enable_kv_events=True. The sockets
+    are bound here, so a taken port fails before the server starts."""
+    publisher = None
+    if kv_events is not None:
+        publisher = _kv_event_publisher(engine, kv_events, kv_events_replay, kv_events_topic)
+    backend = LocalEngine(engine, max_waiting, kv_publisher=publisher)
     app = create_app(backend, model_name=model_name, api_key=api_key)
     app.state.engine_loop = backend.engine_loop
     app.state.metrics = backend.server_metrics
+    if publisher is not None:
+        description = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                       "topic": kv_events_topic, "medium": publisher.wire.medium,
+                       "hash_function": engine.kv.hasher.name, "layout": engine.kv.layout.to_dict()}
+
+        @app.get("/kv_events")
+        async def kv_event_stream():
+            """Where the KV events are published, and the layout a router
+            needs to apply the hit rule to them (docs/server.md)."""
+            return description
     return app
+
+
+def _kv_event_publisher(engine: Engine, endpoint: str, replay: str | None, topic: str):
+    from ..serving.kv_wire import WireFormat
+    from ..serving.zmq_events import KVEventPublisher, next_port_endpoint
+
+    if engine.kv.block_cache.events is None:
+        raise ValueError("kv_events needs an engine made with enable_kv_events=True")
+    if replay == "next-port":
+        replay = next_port_endpoint(endpoint)
+    medium = "GPU" if engine.device.type == "cuda" else "CPU"  # where the engine's pool lives
+    return KVEventPublisher(endpoint, WireFormat(engine.kv.layout, medium=medium), replay_endpoint=replay,
+                            topic=topic)
 
 
 def create_app(backend, *, model_name: str, api_key: str | None = None) -> FastAPI:

@@ -103,8 +103,12 @@ class _Live:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_waiting: int = 512, ttft_histogram=None):
+    def __init__(self, engine: Engine, max_waiting: int = 512, ttft_histogram=None, kv_publisher=None):
         self.engine = engine
+        # serving/zmq_events.py's KVEventPublisher, or None: handed the
+        # manager's events after every step and command, here, the one
+        # thread that touches the manager.
+        self.kv_publisher = kv_publisher
         self.max_waiting = max_waiting  # read by the engine thread at each add
         self.ttft_histogram = ttft_histogram  # a prometheus Histogram (thread-safe), or None
         self.num_aborted = 0
@@ -210,6 +214,11 @@ class EngineLoop:
                     self._fail(e)
                 else:
                     self._publish(outputs)
+            if self.kv_publisher is not None:
+                try:
+                    self.kv_publisher.send(engine.kv)
+                except Exception:  # events are a side channel: serving goes on
+                    log.exception("handing over KV events failed")
 
     def _add(self, request_id, out, prompt, params, cache_salt, max_tokens_to_context) -> None:
         engine = self.engine

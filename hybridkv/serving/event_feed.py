@@ -66,7 +66,7 @@ def snapshot_events(kv) -> list:
     for group_idx, group in enumerate(kv.layout.groups):
         keys = list(cache.cached[group_idx])
         if keys:
-            out.append(BlockStored(keys, None, None, kv.layout.block_size, group_idx, group.kind))
+            out.append(BlockStored(keys, None, [], kv.layout.block_size, group_idx, group.kind))
     return out
 
 
