@@ -125,12 +125,8 @@ def full_attention_run(engine, probe) -> int:
     the probe's full-attention blocks held there (its events fed to an index)."""
     index = PrefixIndex(engine.layout)
     index.apply("r", engine.take_kv_events())
-    full = next(i for i, g in enumerate(engine.layout.groups) if g.kind == "full")
     keys, _ = index.block_keys(probe)
-    run = 0
-    while run < len(keys) and index._held[full].get(keys[run]):
-        run += 1
-    return run * engine.layout.block_size, index.hit_tokens("r", probe)
+    return index.held_tokens(keys).get("r", 0), index.hit_tokens("r", probe)
 
 
 # -- the event feed (no Ray) ---------------------------------------------------

@@ -20,7 +20,8 @@ pass over the positions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import accumulate, repeat
+from operator import and_
 
 from .block_cache import BlockCache
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -36,7 +37,14 @@ class PrefixIndex:
         self.hasher = BlockHasher(hash_function)
         rules = BlockCache(2, len(layout.groups))
         self.managers = [make_manager(g, rules, True, False, None) for g in layout.groups]
-        self._held: list[dict] = [{} for _ in layout.groups]  # per group: key -> bitset of sources
+        # A full-attention group first: where no source holds its block, the
+        # other groups need not look further.
+        self._full_first = sorted(self.managers, key=lambda m: m.kind != "full")
+        # key -> per group, the bitset of the sources holding it there: one
+        # lookup per position gives every group (the groups share the chain's
+        # keys), and a key many sources hold is stored once.
+        self._held: dict = {}
+        self._nothing = (0,) * len(layout.groups)
         self._bit: dict = {}  # source -> its bit
         self._sources: list = []  # bit index -> source
         full = [g for g, group in enumerate(layout.groups) if group.kind == "full"]
@@ -56,20 +64,26 @@ class PrefixIndex:
     def apply(self, source, events: Iterable) -> None:
         """Apply `source`'s events, in the order it reported them."""
         bit = self._source_bit(source)
+        held = self._held
+        groups = len(self._nothing)
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                held = self._held[event.group_idx]
+                g = event.group_idx
                 for key in event.block_hashes:
-                    held[key] = held.get(key, 0) | bit
+                    entry = held.get(key)
+                    if entry is None:
+                        entry = held[key] = [0] * groups
+                    entry[g] |= bit
             elif kind is BlockRemoved:
-                held = self._held[event.group_idx]
+                g = event.group_idx
+                keep = ~bit
                 for key in event.block_hashes:
-                    rest = held.get(key, 0) & ~bit
-                    if rest:
-                        held[key] = rest
-                    else:
-                        held.pop(key, None)
+                    entry = held.get(key)
+                    if entry is not None:
+                        entry[g] &= keep
+                        if not any(entry):
+                            del held[key]
             elif kind is AllBlocksCleared:
                 self._drop(bit)
             else:
@@ -77,13 +91,13 @@ class PrefixIndex:
 
     def _drop(self, bit: int) -> None:
         """Every key of one source goes (O(keys): a reset is rare)."""
-        for held in self._held:
-            for key, sources in list(held.items()):
-                rest = sources & ~bit
-                if rest:
-                    held[key] = rest
-                else:
-                    del held[key]
+        keep = ~bit
+        held = self._held
+        for key, entry in list(held.items()):
+            for g, sources in enumerate(entry):
+                entry[g] = sources & keep
+            if not any(entry):
+                del held[key]
 
     def remove_source(self, source) -> None:
         """A source went away: forget what it held (its bit is kept unused)."""
@@ -100,58 +114,51 @@ class PrefixIndex:
                                limit)
         return keys, limit
 
-    def _holders(self, keys: list) -> list[list[int]]:
-        return [list(map(held.get, keys, repeat(0))) for held in self._held]
+    def _holders(self, keys: list) -> list:
+        # One lookup per position, then per group its row (zip transposes in C).
+        return list(zip(*map(self._held.get, keys, repeat(self._nothing)))) if keys else [() for _ in self._nothing]
 
-    def _servable(self, holders: list[list[int]], limit: int) -> list[int]:
+    def _servable(self, holders: list, limit: int) -> list[int]:
         """Per hit length n = 1..limit (entry n - 1): the bitset of the
         sources where every group can serve a hit of n blocks, that is, holds
         every block of [hit_start(n), n) (the manager's rule: its fixed point
         over the groups' longest_hit is the longest such n). One pass over
-        the positions per group for all sources at once, a window's AND kept
-        by a two-stack queue (the window's start only moves forward)."""
-        servable = [-1] * limit
-        for manager in self.managers:
-            row = holders[manager.index]
-            kind = manager.kind
-            if kind == "full":
-                run = -1
-                for n in range(limit):
-                    run &= row[n]
-                    if not run:  # no source serves n + 1 blocks or more
-                        del servable[n:]
-                        limit = n
-                        break
-                    servable[n] &= run
-            elif kind == "mamba":
-                for n in range(limit):
-                    servable[n] &= row[n]
+        the positions per group for all sources at once (running ANDs in C
+        where the window starts at block 0, a two-stack queue past that)."""
+        servable = None
+        for manager in self._full_first:
+            row = holders[manager.index][:limit]
+            if manager.kind == "mamba":
+                ok = row
             else:
-                self._window_and(row, manager, limit, servable)
+                ok = self._window_and(row, manager, limit)
+                if manager.kind == "full" and 0 in ok:  # no source serves a longer hit
+                    limit = ok.index(0)
+                    del ok[limit:]
+            servable = ok if servable is None else list(map(and_, servable[:limit], ok[:limit]))
         return servable
 
     @staticmethod
-    def _window_and(row: list[int], manager, limit: int, servable: list[int]) -> None:
-        """For every hit of m = 1..limit blocks: servable[m - 1] &= the AND
-        of row[hit_start(m):m]. Below, n is 0-based: starts[n] is the first
-        block a hit of n + 1 blocks needs."""
+    def _window_and(row, manager, limit: int) -> list[int]:
+        """For every hit of m = 1..limit blocks: the AND of row[hit_start(m):m].
+        Below, n is 0-based: starts[n] is the first block a hit of n + 1
+        blocks needs."""
+        if manager.kind == "full":
+            return list(accumulate(row, and_))
         if manager.kind == "sliding_window":
             need = manager.window_blocks
             starts = range(1 - need, limit + 1 - need)  # hit_start(m) = max(0, m - need)
+            n = min(need, limit)
         else:
-            starts = [manager.hit_start(n) for n in range(1, limit + 1)]
-        n = 0
-        run = -1
-        while n < limit and starts[n] <= 0:  # windows that start at block 0: a running AND
-            run &= row[n]
-            servable[n] &= run
-            n += 1
+            starts = [manager.hit_start(m) for m in range(1, limit + 1)]
+            n = next((i for i, first in enumerate(starts) if first > 0), limit)
+        out = list(accumulate(row[:n], and_))  # windows that start at block 0
         if n == limit:
-            return
+            return out
         # Past that, a two-stack queue: the window's start only moves forward.
         front: list[int] = []  # ANDs of the window's oldest items, oldest on top
-        back_items = row[:n]
-        back = run
+        back_items = list(row[:n])
+        back = out[-1] if out else -1
         start = 0
         for n in range(n, limit):
             item = row[n]
@@ -168,21 +175,25 @@ class PrefixIndex:
                     back = -1
                 front.pop()
                 start += 1
-            servable[n] &= (front[-1] if front else -1) & back
+            out.append((front[-1] if front else -1) & back)
+        return out
 
-    def _hits(self, keys: list, limit: int, among: int) -> dict:
-        """Bit -> the hit (blocks) of each source in bitset `among` with one."""
+    def _hits(self, keys: list, limit: int, among: int) -> list[tuple[int, int]]:
+        """(hit tokens, source's bit) of each source in bitset `among` with
+        a hit, longest first (ties: in the order the sources came)."""
         servable = self._servable(self._holders(keys), limit)
-        hits = {}
-        for n in range(len(servable), 0, -1):  # the longest first
+        hits = []
+        bs = self.block_size
+        for n in range(len(servable), 0, -1):
             new = servable[n - 1] & among
-            while new:
-                low = new & -new
-                hits[low] = n
-                new ^= low
-                among &= ~low
-            if not among:
-                break
+            if new:
+                among ^= new
+                while new:
+                    low = new & -new
+                    hits.append((n * bs, low))
+                    new ^= low
+                if not among:
+                    break
         return hits
 
     def hit_tokens(self, source, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -193,7 +204,8 @@ class PrefixIndex:
         bit = self._bit.get(source)
         if bit is None or limit <= 0:
             return 0
-        return self._hits(keys, limit, bit).get(bit, 0) * self.block_size
+        hits = self._hits(keys, limit, bit)
+        return hits[0][0] if hits else 0
 
     def best(self, token_ids: Sequence[int], cache_salt: str | None = None,
              extra_keys: Sequence | None = None) -> list[tuple[int, object]]:
@@ -202,10 +214,9 @@ class PrefixIndex:
         keys, limit = self.block_keys(token_ids, cache_salt, extra_keys)
         if limit <= 0 or not self._sources:
             return []
-        hits = self._hits(keys, limit, (1 << len(self._sources)) - 1)
         sources = self._sources
-        return sorted(((n * self.block_size, sources[bit.bit_length() - 1]) for bit, n in hits.items()),
-                      key=lambda pair: -pair[0])
+        return [(hit, sources[bit.bit_length() - 1])
+                for hit, bit in self._hits(keys, limit, (1 << len(sources)) - 1)]
 
     def held_tokens(self, keys: list) -> dict:
         """The token-prefix view: per source, the tokens of the request's
@@ -216,10 +227,10 @@ class PrefixIndex:
         full-attention group the first group stands in."""
         runs: dict = {}
         alive = -1  # every source, until a block is missing there
-        get = self._held[self._viewed_group].get
+        viewed, nothing, get = self._viewed_group, self._nothing, self._held.get
         sources = self._sources
         for position, key in enumerate(keys):
-            now = alive & get(key, 0)
+            now = alive & get(key, nothing)[viewed]
             gone = alive & ~now if position else 0
             while gone:
                 low = gone & -gone
@@ -236,4 +247,5 @@ class PrefixIndex:
 
     @property
     def num_keys(self) -> int:
-        return sum(len(held) for held in self._held)
+        """Distinct keys held, by any source in any group."""
+        return len(self._held)
