@@ -28,7 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from manager_overhead import CONFIGS, MODELS_DIR, make_trace, replay  # noqa: E402
+from manager_overhead import replay  # noqa: E402
+from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402
 
 from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
 from hybridkv.core.events import BlockStored  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 
@@ -29,24 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
-CONFIGS = {"full-only (Llama-3.1-8B)": "llama-3.1-8b.json", "Gemma-3-27B": "gemma-3-27b.json",
-           "Jamba-1.5-Mini": "jamba-1.5-mini.json"}
-
-
-def make_trace(num_requests: int, seed: int = 0, prompt=(200, 2000), output=(50, 500), shared=500, share=0.7):
-    rng = random.Random(seed)
-    system = [rng.randrange(1, 32000) for _ in range(shared)]
-    trace = []
-    for _ in range(num_requests):
-        length = rng.randint(*prompt)
-        if rng.random() < share and length > shared:
-            tokens = system + [rng.randrange(1, 32000) for _ in range(length - shared)]
-        else:
-            tokens = [rng.randrange(1, 32000) for _ in range(length)]
-        trace.append((tokens, rng.randint(*output), [rng.randrange(1, 32000) for _ in range(8)]))
-    return trace
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402  (beside this script)
 
 def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
     """Lookup, allocate and mark computed, chunk by chunk up to each Mamba

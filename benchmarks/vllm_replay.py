@@ -404,7 +404,7 @@ def describe(row: dict) -> str:
 if __name__ == "__main__":
     import argparse
 
-    from manager_overhead import CONFIGS, MODELS_DIR, make_trace
+    from replay_trace import CONFIGS, MODELS_DIR, make_trace
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200)
