@@ -29,6 +29,7 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backend import choose as choose_backend
+from ..layers.dtypes import TORCH_DTYPES
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
@@ -58,7 +59,7 @@ class Engine:
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
                  kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False):
         """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
-        "triton" (layers/backend.py), chosen once here. `enforce_eager`: no
+        "triton" or "flashinfer" (layers/backend.py), chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
         shapes (None: where CUDA graphs capture them).
         `speculative_method="ngram"`: each decoding step also verifies up to
@@ -110,6 +111,14 @@ class Engine:
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
+        if self.backend.name == "flashinfer":
+            from ..layers.flashinfer_attention import supports
+
+            refused = [g.spec for g in self.layout.groups if not g.recurrent and
+                       not supports(g.spec, TORCH_DTYPES[g.spec.dtype])]
+            if refused:
+                raise ValueError(f"the flashinfer backend takes full and sliding-window layers with 16-bit "
+                                 f"caches; this model has {refused[0]}: use backend='triton' or 'torch'")
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
                                   fixed_shape_decode=fixed_shape_decode)

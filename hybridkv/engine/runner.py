@@ -59,7 +59,7 @@ class ModelRunner:
         self.backend = backend
         self.buffers = KVBuffers(layout, device)
         self.tables = DeviceTables(layout, kv, max_num_seqs, max_model_len, device, self.buffers.sink_page)
-        self.use_graphs = device.type == "cuda" and not enforce_eager
+        self.use_graphs = device.type == "cuda" and not enforce_eager and backend.capturable
         self.fixed_shape_decode = self.use_graphs if fixed_shape_decode is None else fixed_shape_decode
         self.buckets = buckets(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -15,7 +15,13 @@ from what they share (step.py: `StepInputs`, and an attention group's
 * "torch": the reference everywhere;
 * "triton": the kernels, no self-test; on CPU tensors this needs triton's
   interpreter (`TRITON_INTERPRET=1` set before the kernels are imported),
-  which is how the tests run them without a GPU.
+  which is how the tests run them without a GPU;
+* "flashinfer": FlashInfer's paged attention (flashinfer_attention.py: CUDA,
+  16-bit caches, full and sliding-window layers) after its self-test, and
+  for Mamba layers mamba-ssm's state update where it imports
+  (mamba_ssm_state.py), else hybridkv's kernels, else the reference. Its
+  steps are eager (no CUDA graphs). Not picked by "auto": a choice to
+  measure against the kernels (benchmarks/kernels.py), not yet measured.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from . import kernel_attention, paged_attention
 from .mamba_state import KernelMamba, TorchMamba
 
-CHOICES = ("auto", "torch", "triton")
+CHOICES = ("auto", "torch", "triton", "flashinfer")
 
 
 class TorchAttention:
@@ -58,6 +64,8 @@ class Backend:
         self.name = name
         self.attention = attention
         self.mamba = mamba
+        # Can a fixed-shape decode step through it be captured as a CUDA graph?
+        self.capturable = getattr(attention, "capturable", True)
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
@@ -85,6 +93,8 @@ def choose(name: str | None, device: torch.device | str) -> Backend:
     device = torch.device(device)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TORCH
+    if name == "flashinfer":
+        return flashinfer_backend(device)
     try:
         ops = kernels()
     except ImportError as e:
@@ -116,3 +126,29 @@ def verified(ops, device: torch.device) -> bool:
                           f"using the torch reference", RuntimeWarning, stacklevel=3)
             _verified[key] = False
     return _verified[key]
+
+
+def flashinfer_backend(device: torch.device) -> Backend:
+    """FlashInfer's attention, mamba-ssm's (or hybridkv's) Mamba step."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise RuntimeError("the flashinfer backend needs FlashInfer: pip install flashinfer-python "
+                           "(benchmarks/gpu_wheels.sh fetches it for a machine without an index)") from e
+    if device.type != "cuda":
+        raise RuntimeError("FlashInfer's kernels run on CUDA devices only")
+    from . import flashinfer_attention
+    from .mamba_ssm_state import MambaSsmMamba, load_kernels
+
+    attention = flashinfer_attention.FlashInferAttention(flashinfer, device)
+    flashinfer_attention.check(attention, device)  # a mismatch raises: the caller asked for this backend
+    mamba_kernels = load_kernels()
+    if mamba_kernels is not None:
+        mamba = MambaSsmMamba(*mamba_kernels)
+    else:
+        try:
+            ops = kernels()
+            mamba = KernelMamba(ops) if verified(ops, device) else TorchMamba()
+        except ImportError:
+            mamba = TorchMamba()
+    return Backend("flashinfer", attention, mamba)

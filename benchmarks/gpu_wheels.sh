@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The Python packages the GPU run needs and the bare GPU machine lacks (it has
+# torch with CUDA, triton, transformers, einops, ninja and nvcc, and no
+# package index), fetched here into DIR for the device run to carry:
+#
+#   DIR/part1   flashinfer-python (its kernels compile on first use with the
+#               machine's nvcc), alone: its wheel is ~61 MB of the 64 MiB a
+#               device call may carry
+#   DIR/part2   what flashinfer imports (apache-tvm-ffi, cuda-python,
+#               cuda-tile, nvidia-cudnn-frontend, nccl4py, nccl-extensions);
+#               mamba-ssm built here without its CUDA extension
+#               (MAMBA_SKIP_CUDA_BUILD: its Triton kernels are what the
+#               "flashinfer" backend uses, layers/mamba_ssm_state.py); and
+#               causal-conv1d's source, which the GPU machine can build
+#
+#   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: gpu_wheels (git ignores it)
+#
+# On the GPU machine, one device call per part (the machine keeps the
+# installed folder between calls while it stays warm):
+#   carry gpu_wheels/part1:  python3 -m pip install --no-index --no-deps --target .gpu_site gpu_wheels/part1/*.whl
+#   carry gpu_wheels/part2:  python3 -m pip install --no-index --no-deps --target .gpu_site gpu_wheels/part2/*.whl
+#                            (and, optionally, --no-build-isolation gpu_wheels/part2/causal_conv1d-*.tar.gz)
+#   then: PYTHONPATH=.gpu_site bash benchmarks/gpu_suite.sh OUT
+# The wheels are for the GPU machine's Python (3.12 by default; GPU_PYTHON to change).
+set -euo pipefail
+DIR=${1:-gpu_wheels}
+PY=${GPU_PYTHON:-3.12}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$DIR/part1" "$DIR/part2"
+fetch() {  # fetch PART SPEC...: binary wheels for the GPU machine, no dependencies
+    local part=$1
+    shift
+    "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any --dest "$DIR/$part" "$@"
+}
+fetch part1 "flashinfer-python==0.7.2.post1"
+fetch part2 "apache-tvm-ffi>=0.1.11,<0.2" "cuda-python>=12.0" "cuda-tile>=1.4.0" "nvidia-cudnn-frontend>=1.31.0" \
+    "nccl4py>=0.4.1" "nccl-extensions>=0.1.0"
+# mamba-ssm has no wheel: build its Python part here (its setup.py would look
+# for a prebuilt CUDA wheel without MAMBA_FORCE_BUILD).
+MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation \
+    --wheel-dir "$DIR/part2" "mamba-ssm==2.3.2.post1"
+# causal-conv1d: the source (reading its metadata runs its setup.py, which must not build here).
+CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE "$PYTHON" -m pip download --quiet --no-deps \
+    --no-binary=:all: --no-build-isolation --dest "$DIR/part2" "causal-conv1d==1.7.0"
+du -sh "$DIR/part1" "$DIR/part2"

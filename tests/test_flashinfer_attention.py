@@ -1,0 +1,96 @@
+"""The FlashInfer backend's side of the bargain, on the CPU: the page
+tables, windows and query ranges it hands FlashInfer (layers/
+flashinfer_attention.py), read under FlashInfer's documented semantics
+(`emulate`), give the torch reference's attention for decodes and prefill
+chunks, full and sliding-window, soft-capped or not, in any column of
+multi-page blocks. Slots the arguments must not name hold NaN. The kernels
+themselves need a GPU: `check` runs them against the same emulation there."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridkv.layers import flashinfer_attention as fi
+from hybridkv.layers import paged_attention
+from hybridkv.layers.step import StepInputs, attention_step
+
+# (tokens cached, tokens this step) per sequence: decodes and chunks mixed.
+STEP = [(40, 1), (0, 19), (7, 1), (70, 1), (33, 12), (3, 1), (100, 30)]
+
+
+def make_case(spec, bs=8, width=2, column=1, seed=0, q_heads=4, dim=16):
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = spec.num_kv_heads
+    blocks = [-(-(c + n) // bs) for c, n in STEP]
+    pages = 1 + sum(blocks) * width
+    cache = torch.full((pages, 2, bs, kv_heads, dim), float("nan"))
+    free = rng.permutation(np.arange(1, pages))
+    rows = rng.permutation(len(STEP) + 2)[:len(STEP)]
+    table = np.zeros((width, len(STEP) + 2, max(blocks) + 1), dtype=np.int64)
+    taken = 0
+    for (cached, count), nb, row in zip(STEP, blocks, rows):
+        own = free[taken:taken + nb * width].reshape(nb, width)
+        taken += nb * width
+        table[:, row, :nb] = own.T
+        # What a query of this sequence may read, from the first visible
+        # key's block start: the rest stays NaN.
+        first = int(spec.first_visible(cached)) // bs * bs
+        for pos in range(first, cached + count):
+            cache[own[pos // bs, column], :, pos % bs] = torch.randn(2, kv_heads, dim, generator=gen)
+    q = torch.randn(sum(n for _, n in STEP), q_heads, dim, generator=gen)
+    inputs = StepInputs.from_host(np.zeros(len(q), dtype=np.int64), np.array([c for c, _ in STEP]),
+                                  np.array([n for _, n in STEP]), rows, "cpu")
+    step = attention_step(inputs, torch.from_numpy(table), spec, bs)
+    return cache, q, step
+
+
+@pytest.mark.parametrize("spec", [FullAttentionSpec(2, 16), SlidingWindowSpec(2, 16, sliding_window=5),
+                                  SlidingWindowSpec(2, 16, sliding_window=24)], ids=["full", "window5", "window24"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_flashinfer_arguments_read_what_the_reference_reads(spec, softcap):
+    cache, q, step = make_case(spec)
+    column, scale = 1, 16 ** -0.5
+    ref = paged_attention.attend(q, cache.nan_to_num(0.0), paged_attention.build(step), column, scale, softcap)
+    meta = fi.build(step)
+    window = fi.window_left(spec)
+    decodes = meta.decode_tokens
+    got = fi.emulate(q[decodes], cache[:, 0], cache[:, 1], torch.arange(len(decodes) + 1),
+                     fi.decode_args(meta, column), window, scale, softcap)
+    torch.testing.assert_close(got, ref[decodes], atol=2e-5, rtol=1e-5)
+    got = fi.emulate(q[meta.chunk_tokens], cache[:, 0], cache[:, 1], meta.qo_indptr, fi.chunk_args(meta, column),
+                     window, scale, softcap)
+    torch.testing.assert_close(got, ref[meta.chunk_tokens], atol=2e-5, rtol=1e-5)
+    assert sorted(torch.cat([decodes, meta.chunk_tokens]).tolist()) == list(range(len(q)))
+
+
+def test_paged_args_start_at_the_block_of_the_first_visible_key():
+    table = torch.arange(1, 31).view(3, 10)
+    args = fi.paged_args(table, torch.tensor([2, 0]), torch.tensor([17, 0]), torch.tensor([40, 5]), 8)
+    assert args.indptr.tolist() == [0, 4, 5]
+    assert args.indices.tolist() == [23, 24, 25, 26, 1]  # row 2, blocks 2..5; row 0, block 0
+    assert args.last_page_len.tolist() == [1, 6]
+
+
+def test_only_full_and_window_layers_in_16_bit_caches_are_taken():
+    assert fi.supports(SlidingWindowSpec(2, 16, sliding_window=8), torch.bfloat16)
+    assert not fi.supports(FullAttentionSpec(2, 16), torch.float32)  # FlashInfer has no float32 kernels
+    assert not fi.supports(ChunkedLocalSpec(2, 16, chunk_size=32), torch.bfloat16)
+    with pytest.raises(ValueError, match="chunked_local"):
+        fi.window_left(ChunkedLocalSpec(2, 16, chunk_size=32))
+
+
+def test_asking_for_flashinfer_without_it_is_a_clear_error():
+    from hybridkv.layers import backend
+
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="pip install flashinfer-python"):
+            backend.choose("flashinfer", "cpu")
+    else:  # installed: still CUDA only
+        with pytest.raises(RuntimeError, match="CUDA"):
+            backend.choose("flashinfer", "cpu")
