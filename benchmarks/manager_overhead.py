@@ -31,6 +31,7 @@ from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402  (beside this script)
 
+
 def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
     """Lookup, allocate and mark computed, chunk by chunk up to each Mamba
     checkpoint, until the prompt is computed; False if the pool is full."""

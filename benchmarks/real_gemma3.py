@@ -1,27 +1,39 @@
 """The real Gemma-3 270M (Q4_K_M GGUF, the `gemma` extra) on this CPU:
-hybridkv.Engine against transformers' `generate` on the same weights (the
-GGUF dequantized to float32, read from hybridkv's converted folder), and
-llama.cpp (llama-cpp-python, optional: its own Q4_K_M kernels on the same
-file) beside them.
+hybridkv.Engine beside transformers' `generate` on the same weights (the
+GGUF dequantized to float32, read from hybridkv's converted folder), vLLM's
+CPU build on that same folder, and llama.cpp on the GGUF itself (its own
+Q4_K_M kernels: it reads 4-6 bit weights where the others read float32).
 
-Workload "batch": B prompts of 128 tokens (distinct slices of real text, no
-shared blocks) arrive together, 64 new tokens each, greedy, EOS ignored:
-tokens/s, TTFT, peak RSS. transformers runs them as one left-padded batch;
-llama.cpp decodes them as B sequences of one batch (its low-level API), so
-its weights are read once per step for all of them, as ours are.
+The same token ids go to every engine (the prompts are tokenized here once),
+greedy, EOS ignored. Workloads:
 
-Workload "staggered": 32 questions sharing the library preamble (~300
-tokens), one arriving every 100 ms, 32 new tokens each. hybridkv admits them
-as they come (continuous batching, prefix cache); transformers serves them
-one after the other as a plain server would (batch 1, FIFO); llama.cpp
-likewise, reusing the previous prompt's common prefix as it does by itself.
-TTFT counts from arrival.
+  batch-B     B prompts of 128 tokens (distinct slices of real text, no
+              shared blocks) arriving together, 64 new tokens each
+  shared-64   64 questions sharing the library preamble (~300 tokens),
+              arriving together, 32 new tokens each
+  long-16     16 prompts of 700 tokens, past Gemma-3's 512-token window,
+              arriving together, 32 new tokens each
+  staggered   32 questions sharing the preamble, one every 100 ms, 32 new
+              tokens each; TTFT counts from arrival
 
-Every measurement runs in its own process (peak RSS is its own), repeated
-as interleaved runs; tables show medians (these machines are noisy).
+hybridkv and vLLM take each workload as requests to their scheduler
+(continuous batching, prefix caching on); transformers runs a batch as one
+left-padded batch and staggered requests one after the other (batch 1,
+FIFO); llama.cpp decodes a batch as B sequences of one context (its
+low-level API: one weights read per step for all), and staggered requests
+one after the other, reusing the previous prompt's common prefix as it does
+by itself.
 
-    python benchmarks/real_gemma3.py              # ~15 min
-    python benchmarks/real_gemma3.py --quick      # CI smoke run, seconds
+Each engine runs every workload in one process of its own (loaded once,
+its caches reset between workloads; peak RSS is that process's), the
+engines taking turns, `--repeat` times; tables show medians. vLLM and
+llama.cpp run in their own interpreters (benchmarks/peer_envs.sh builds
+them):
+
+    python benchmarks/real_gemma3.py --python-vllm ~/.cache/hybridkv-peers/vllm/bin/python \\
+        --python-llamacpp ~/.cache/hybridkv-peers/llamacpp/bin/python      # ~25 min
+    python benchmarks/real_gemma3.py                 # hybridkv and transformers (and llama.cpp if importable)
+    python benchmarks/real_gemma3.py --quick         # CI smoke run, seconds
 """
 
 from __future__ import annotations
@@ -33,10 +45,13 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+
+ENGINES = ("transformers", "hybridkv", "vllm", "llama.cpp")
 
 
 def gguf_path() -> str:
@@ -63,10 +78,12 @@ def batch_prompts(n: int, length: int) -> list[list[int]]:
     from hybridkv.demo_texts import HISTORY, SYSTEM
 
     text = tokenizer().encode(SYSTEM + HISTORY + SYSTEM + HISTORY, add_special_tokens=False)
+    if 3 * (n - 1) + length - 1 > len(text):
+        raise ValueError(f"not enough text for {n} prompts of {length} tokens")
     return [[2] + text[3 * i:3 * i + length - 1] for i in range(n)]
 
 
-def staggered_prompts(n: int) -> list[list[int]]:
+def question_prompts(n: int) -> list[list[int]]:
     from hybridkv.demo_texts import QUESTIONS, question_prompt
 
     tok = tokenizer()
@@ -74,10 +91,16 @@ def staggered_prompts(n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def prompts_for(args) -> list[list[int]]:
-    if args["workload"] == "batch":
-        return batch_prompts(args["batch"], args["prompt_len"])
-    return staggered_prompts(args["batch"])
+def workloads(quick: bool, batches: list[int]) -> list[dict]:
+    """Each: its name, the prompts (token ids), new tokens, the gap between arrivals."""
+    if quick:
+        return [dict(name="batch-2", prompts=batch_prompts(2, 32), new_tokens=4, gap=0.0),
+                dict(name="staggered", prompts=question_prompts(3), new_tokens=4, gap=0.05)]
+    out = [dict(name=f"batch-{b}", prompts=batch_prompts(b, 128), new_tokens=64, gap=0.0) for b in batches]
+    out.append(dict(name="shared-64", prompts=question_prompts(64), new_tokens=32, gap=0.0))
+    out.append(dict(name="long-16", prompts=batch_prompts(16, 700), new_tokens=32, gap=0.0))
+    out.append(dict(name="staggered", prompts=question_prompts(32), new_tokens=32, gap=0.1))
+    return out
 
 
 def kv_budget(prompts, new_tokens: int) -> int:
@@ -91,185 +114,295 @@ def kv_budget(prompts, new_tokens: int) -> int:
     return (pages + 64) * layout.page_size_bytes
 
 
-# -- workers (each in its own process) ------------------------------------------------
+# -- the engines (each runs in a worker process of its own) ---------------------------
+# A runner: `__init__(spec)` loads, `run(workload) -> (arrival-relative TTFTs,
+# seconds, the first prompt's generated ids)`, `reset()` empties its caches,
+# `stats()` extra numbers of the last run.
 
-def run_hybridkv(args) -> dict:
-    from hybridkv import Engine, SamplingParams
-
-    prompts = prompts_for(args)
-    engine = Engine(gguf_path(), kv_cache_memory=kv_budget(prompts, args["new_tokens"]),
-                    max_num_seqs=max(16, args["batch"]), progress=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args["new_tokens"], ignore_eos=True)
-    engine.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-    engine.kv.reset_prefix_cache()
-    gap = args.get("gap", 0.0)
+def serve_arrivals(add, step, workload) -> tuple[list[float], float, list[int]]:
+    """Drive a step-based engine: requests arrive every `gap` seconds, added
+    before the step that follows their arrival. `add(i, prompt) -> id`,
+    `step() -> [(id, generated ids so far, finished)]`."""
+    prompts, gap = workload["prompts"], workload["gap"]
     arrivals = [i * gap for i in range(len(prompts))]
-    ids, first, done = [], {}, {}
+    ids, first, done, tokens = [], {}, set(), {}
     start = time.perf_counter()
     while len(done) < len(prompts):
         now = time.perf_counter() - start
         while len(ids) < len(prompts) and arrivals[len(ids)] <= now:
-            ids.append(engine.add_request(prompts[len(ids)], params))
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[len(ids)] - now))
+            ids.append(add(len(ids), prompts[len(ids)]))
+        outputs = step() if len(done) < len(ids) else None
+        if not outputs and len(done) == len(ids):
+            time.sleep(max(0.0, arrivals[len(ids)] - (time.perf_counter() - start)))
             continue
-        for out in engine.step():
-            t = time.perf_counter() - start
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = t
-            if out.finished:
-                done[out.request_id] = t
+        t = time.perf_counter() - start
+        for rid, generated, finished in outputs or ():
+            if generated and rid not in first:
+                first[rid] = t
+            tokens[rid] = generated
+            if finished:
+                done.add(rid)
     elapsed = time.perf_counter() - start
-    ttfts = [first[r] - arrivals[i] for i, r in enumerate(ids)]
-    return summary(elapsed, ttfts, len(prompts) * args["new_tokens"],
-                   hit_rate=engine.stats["prefix_hit_rate"], steps=engine.num_steps)
+    return [first[r] - arrivals[i] for i, r in enumerate(ids)], elapsed, list(tokens[ids[0]])
 
 
-def run_transformers(args) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
+class HybridkvRunner:
+    def __init__(self, spec):
+        from hybridkv import Engine, SamplingParams
 
-    from engine_throughput import left_padded  # beside this script
+        self.SamplingParams = SamplingParams
+        biggest = max(spec["workloads"], key=lambda w: len(w["prompts"]) * (max(map(len, w["prompts"])) + 64))
+        self.engine = Engine(spec["gguf"], kv_cache_memory=kv_budget(biggest["prompts"], 64),
+                             max_num_seqs=64, progress=False)
+        self.engine.generate([spec["workloads"][0]["prompts"][0][:16]],
+                             SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 
-    model = AutoModelForCausalLM.from_pretrained(converted_dir(), dtype=torch.float32).eval()
-    prompts = prompts_for(args)
+    def reset(self):
+        self.engine.kv.reset_prefix_cache()
 
-    class FirstToken(BaseStreamer):
-        def __init__(self):
-            self.calls, self.time = 0, None
+    def run(self, workload):
+        params = self.SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
+        engine = self.engine
+        before = engine.stats
 
-        def put(self, value):
-            self.calls += 1
-            if self.calls == 2:  # the first call is the prompt
-                self.time = time.perf_counter()
+        def step():
+            return [(o.request_id, o.outputs[0].token_ids, o.finished) for o in engine.step()]
 
-        def end(self):
-            pass
+        out = serve_arrivals(lambda i, p: engine.add_request(p, params), step, workload)
+        after = engine.stats
+        queried = after["prefix_queried_tokens"] - before["prefix_queried_tokens"]
+        hit = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        self.last = {"hit_rate": hit / queried if queried else 0.0}
+        return out
 
-    def generate(batch: list[list[int]], streamer=None):
+    def stats(self):
+        return self.last
+
+
+class VllmRunner:
+    def __init__(self, spec):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every workload here fits
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its RSS and timing are ours
+        from vllm import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        self.llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=1024, enable_prefix_caching=True,
+                       max_num_seqs=64, seed=0)
+        self.engine = self.llm.llm_engine
+        self.count = 0
+        self.llm.generate([{"prompt_token_ids": spec["workloads"][0]["prompts"][0][:16]}],
+                          SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+
+    def reset(self):
+        self.llm.reset_prefix_cache()
+
+    def run(self, workload):
+        params = self.SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
+        engine = self.engine
+
+        def add(i, prompt):
+            self.count += 1
+            rid = f"r{self.count}"
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            return rid
+
+        def step():
+            return [(o.request_id, o.outputs[0].token_ids, o.finished) for o in engine.step()]
+
+        return serve_arrivals(add, step, workload)
+
+    def stats(self):
+        return {}
+
+
+class TransformersRunner:
+    def __init__(self, spec):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+        self.generate([spec["workloads"][0]["prompts"][0][:16]], 2)  # warm-up
+
+    def generate(self, batch, new_tokens, streamer=None):
+        from engine_throughput import left_padded  # beside this script
+
         ids, mask = left_padded(batch)
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args["new_tokens"],
-                           min_new_tokens=args["new_tokens"], do_sample=False, pad_token_id=0, streamer=streamer)
+        with self.torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+        return out[0, ids.shape[1]:].tolist()
 
-    generate([prompts[0][:16]])  # warm-up
-    start = time.perf_counter()
-    if args["workload"] == "batch":
-        streamer = FirstToken()
-        generate(prompts, streamer)
-        ttfts = [streamer.time - start] * len(prompts)
-    else:
+    def reset(self):
+        pass
+
+    def run(self, workload):
+        from transformers.generation.streamers import BaseStreamer
+
+        class FirstToken(BaseStreamer):
+            def __init__(self):
+                self.calls, self.time = 0, None
+
+            def put(self, value):
+                self.calls += 1
+                if self.calls == 2:  # the first call is the prompt
+                    self.time = time.perf_counter()
+
+            def end(self):
+                pass
+
+        prompts, n = workload["prompts"], workload["new_tokens"]
+        start = time.perf_counter()
+        if not workload["gap"]:
+            streamer = FirstToken()
+            first_ids = self.generate(prompts, n, streamer)
+            return [streamer.time - start] * len(prompts), time.perf_counter() - start, first_ids
         ttfts = []
         for i, prompt in enumerate(prompts):
-            arrival = start + i * args["gap"]
+            arrival = start + i * workload["gap"]
             time.sleep(max(0.0, arrival - time.perf_counter()))
             streamer = FirstToken()
-            generate([prompt], streamer)
+            ids = self.generate([prompt], n, streamer)
+            first_ids = first_ids if i else ids
             ttfts.append(streamer.time - arrival)
-    return summary(time.perf_counter() - start, ttfts, len(prompts) * args["new_tokens"])
+        return ttfts, time.perf_counter() - start, first_ids
+
+    def stats(self):
+        return {}
 
 
-def run_llamacpp(args) -> dict:
-    import llama_cpp
+class LlamaCppRunner:
+    def __init__(self, spec):
+        import llama_cpp
 
-    prompts = prompts_for(args)
-    n = args["new_tokens"]
-    if args["workload"] == "batch":
-        start, first, end = llamacpp_batch(llama_cpp, prompts, n, args["threads"])
-        return summary(end - start, [first - start] * len(prompts), len(prompts) * n)
-    llm = llama_cpp.Llama(model_path=gguf_path(), n_ctx=4096, n_threads=args["threads"],
-                          n_threads_batch=args["threads"], n_batch=512, verbose=False)
-    start = time.perf_counter()
-    ttfts = []
-    for i, prompt in enumerate(prompts):
-        arrival = start + i * args["gap"]
-        time.sleep(max(0.0, arrival - time.perf_counter()))
-        first = None
-        # reset=True (the default) keeps the longest prefix shared with the previous prompt
-        for count, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
-            if first is None:
-                first = time.perf_counter()
-            if count + 1 == n:
-                break
-        ttfts.append(first - arrival)
-    return summary(time.perf_counter() - start, ttfts, len(prompts) * n)
+        self.llama_cpp, self.gguf, self.threads = llama_cpp, spec["gguf"], spec["threads"]
+        params = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(self.gguf.encode(), params)
+        self.llm = None
 
+    def reset(self):
+        pass
 
-def llamacpp_batch(llama_cpp, prompts, new_tokens, threads) -> tuple[float, float, float]:
-    """B sequences in one llama.cpp context (low-level API: the high-level
-    one holds one sequence): prefill every prompt, then one decode call per
-    step with one token per sequence, greedy from the logits. Returns the
-    times of the start (after loading), the first sampled tokens, the end."""
-    import numpy as np
+    def run(self, workload):
+        if not workload["gap"]:
+            return self.batch(workload["prompts"], workload["new_tokens"])
+        llama_cpp = self.llama_cpp
+        if self.llm is None:
+            self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=4096, n_threads=self.threads,
+                                       n_threads_batch=self.threads, n_batch=512, verbose=False)
+        self.llm.reset()
+        start = time.perf_counter()
+        ttfts, first_ids = [], None
+        for i, prompt in enumerate(workload["prompts"]):
+            arrival = start + i * workload["gap"]
+            time.sleep(max(0.0, arrival - time.perf_counter()))
+            first, ids = None, []
+            # reset=True (the default) keeps the longest prefix shared with the previous prompt
+            for token in self.llm.generate(prompt, temp=0.0, top_k=1):
+                first = first or time.perf_counter()
+                ids.append(token)
+                if len(ids) == workload["new_tokens"]:
+                    break
+            first_ids = first_ids or ids
+            ttfts.append(first - arrival)
+        return ttfts, time.perf_counter() - start, first_ids
 
-    model = llama_cpp.llama_model_load_from_file(gguf_path().encode(), llama_cpp.llama_model_default_params())
-    params = llama_cpp.llama_context_default_params()
-    per_seq = max(len(p) for p in prompts) + new_tokens + 16
-    params.n_ctx = -(-len(prompts) * per_seq // 256) * 256
-    params.n_batch = params.n_ubatch = 512
-    params.n_seq_max = len(prompts)
-    params.n_threads = params.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(512, 0, len(prompts))
+    def batch(self, prompts, new_tokens):
+        """B sequences in one context (the high-level API holds one): prefill
+        every prompt, then one decode call per step with one token per
+        sequence, greedy from the logits."""
+        import numpy as np
 
-    def decode(items):  # [(token, position, sequence, wants logits)] -> {sequence: argmax}
-        picks = {}
-        for first in range(0, len(items), 512):
-            part = items[first:first + 512]
-            batch.n_tokens = len(part)
-            for k, (tok, pos, seq, logits) in enumerate(part):
-                batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
-                batch.seq_id[k][0], batch.logits[k] = seq, logits
-            if llama_cpp.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            for k, (_, _, seq, logits) in enumerate(part):
-                if logits:
-                    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, k), shape=(vocab,))
-                    picks[seq] = int(row.argmax())
-        return picks
+        llama_cpp = self.llama_cpp
+        params = llama_cpp.llama_context_default_params()
+        per_seq = max(len(p) for p in prompts) + new_tokens + 16
+        params.n_ctx = -(-len(prompts) * per_seq // 256) * 256
+        params.n_batch = params.n_ubatch = 512
+        params.n_seq_max = len(prompts)
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = llama_cpp.llama_init_from_model(self.model, params)
+        vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        batch = llama_cpp.llama_batch_init(512, 0, len(prompts))
 
-    decode([(2, 0, 0, True)])  # warm-up, then forget it
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    start = time.perf_counter()
-    picks = decode([(t, p, s, p == len(prompt) - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)])
-    first = time.perf_counter()
-    for step in range(1, new_tokens):
-        picks = decode([(picks[s], len(prompts[s]) + step - 1, s, True) for s in range(len(prompts))])
-    end = time.perf_counter()
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
-    return start, first, end
+        def decode(items):  # [(token, position, sequence, wants logits)] -> {sequence: argmax}
+            picks = {}
+            for first in range(0, len(items), 512):
+                part = items[first:first + 512]
+                batch.n_tokens = len(part)
+                for k, (tok, pos, seq, logits) in enumerate(part):
+                    batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
+                    batch.seq_id[k][0], batch.logits[k] = seq, logits
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+                for k, (_, _, seq, logits) in enumerate(part):
+                    if logits:
+                        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, k), shape=(vocab,))
+                        picks[seq] = int(row.argmax())
+            return picks
 
+        decode([(2, 0, 0, True)])  # warm-up, then forget it
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        start = time.perf_counter()
+        picks = decode([(t, p, s, p == len(prompt) - 1)
+                        for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)])
+        first = time.perf_counter()
+        first_ids = [picks[0]]
+        for step in range(1, new_tokens):
+            picks = decode([(picks[s], len(prompts[s]) + step - 1, s, True) for s in range(len(prompts))])
+            first_ids.append(picks[0])
+        end = time.perf_counter()
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        return [first - start] * len(prompts), end - start, first_ids
 
-def summary(elapsed: float, ttfts: list[float], generated: int, **extra) -> dict:
-    ttfts = sorted(ttfts)
-    return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": statistics.mean(ttfts),
-            "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))], **extra}
-
-
-WORKERS = {"hybridkv": run_hybridkv, "transformers": run_transformers, "llama.cpp": run_llamacpp}
-
-
-def worker(spec: str) -> None:
-    import torch
-
-    args = json.loads(spec)
-    torch.set_num_threads(args["threads"])
-    result = WORKERS[args["engine"]](args)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
+    def stats(self):
+        return {}
 
 
-def measure(**args) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(args)],
-                          capture_output=True, text=True, cwd=ROOT)
+RUNNERS = {"hybridkv": HybridkvRunner, "transformers": TransformersRunner, "vllm": VllmRunner,
+           "llama.cpp": LlamaCppRunner}
+
+
+def worker(spec_file: str) -> None:
+    with open(spec_file) as f:
+        spec = json.load(f)
+    try:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    except ImportError:  # llama.cpp's interpreter needs no torch
+        pass
+    t0 = time.perf_counter()
+    runner = RUNNERS[spec["engine"]](spec)
+    load_s = time.perf_counter() - t0
+    results = {}
+    for workload in spec["workloads"]:
+        runner.reset()
+        ttfts, seconds, first_ids = runner.run(workload)
+        ttfts = sorted(ttfts)
+        results[workload["name"]] = {
+            "tokens_per_s": len(workload["prompts"]) * workload["new_tokens"] / seconds, "seconds": seconds,
+            "ttft_mean": statistics.mean(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "first_ids": first_ids[:8], **runner.stats()}
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print("RESULT " + json.dumps({"load_s": load_s, "peak_rss_mib": peak / 1024, "workloads": results}), flush=True)
+
+
+def measure(engine: str, python: str, workloads_: list[dict], threads: int, timeout: float) -> dict:
+    spec = {"engine": engine, "threads": threads, "workloads": workloads_, "gguf": gguf_path(),
+            "model_dir": converted_dir()}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    try:
+        proc = subprocess.run([python, os.path.abspath(__file__), "--worker", f.name], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=timeout)
+    finally:
+        os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"worker failed ({args['engine']}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"worker failed ({engine}, {python}):\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -277,10 +410,14 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke test")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=None, help="interleaved runs per cell (default 2)")
+    parser.add_argument("--repeat", type=int, default=None, help="runs per engine, interleaved (default 2)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
+    parser.add_argument("--engines", default=None,
+                        help=f"comma-separated, from {', '.join(ENGINES)} (default: every one available)")
+    parser.add_argument("--python-vllm", default=None, metavar="PATH", help="a Python with vllm-cpu installed")
+    parser.add_argument("--python-llamacpp", default=None, metavar="PATH",
+                        help="a Python with llama-cpp-python (default: this one, if it has it)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if installed")
-    parser.add_argument("--only", choices=["batch", "staggered"], default=None, help="run one of the two workloads")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "real_gemma3.json"))
     args = parser.parse_args()
     if args.worker:
@@ -291,60 +428,67 @@ def main() -> None:
     except ImportError:
         sys.exit("the real Gemma-3 270M is not installed: pip install -e '.[gemma]'")
     converted_dir()  # convert once, outside the timed workers
-    engines = ["transformers", "hybridkv"]
-    try:
-        import llama_cpp  # noqa: F401
+    pythons = {"transformers": sys.executable, "hybridkv": sys.executable}
+    if args.python_vllm:
+        pythons["vllm"] = args.python_vllm
+    if args.python_llamacpp:
+        pythons["llama.cpp"] = args.python_llamacpp
+    elif not args.no_llamacpp:
+        try:
+            import llama_cpp  # noqa: F401
 
-        if not args.no_llamacpp:
-            engines.append("llama.cpp")
-    except ImportError:
-        print("(llama-cpp-python not installed: no llama.cpp column; pip install llama-cpp-python)")
+            pythons["llama.cpp"] = sys.executable
+        except ImportError:
+            print("(no llama.cpp column: --python-llamacpp PATH, or bash benchmarks/peer_envs.sh)")
+    if args.no_llamacpp:
+        pythons.pop("llama.cpp", None)
+    engines = [e for e in ENGINES if e in pythons]
+    if args.engines:
+        wanted = args.engines.split(",")
+        unknown = [e for e in wanted if e not in pythons]
+        if unknown:
+            parser.error(f"not available: {unknown} (vllm needs --python-vllm, llama.cpp --python-llamacpp)")
+        engines = [e for e in ENGINES if e in wanted]
     repeat = args.repeat or (1 if args.quick else 2)
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([2] if args.quick else [1, 16, 64])
-    prompt_len, new = (32, 4) if args.quick else (128, 64)
-    staggered_n, staggered_new, gap = (3, 4, 0.05) if args.quick else (32, 32, 0.1)
-    common = dict(threads=args.threads)
-    print(f"Gemma-3 270M (Q4_K_M GGUF; hybridkv and transformers dequantized to float32), {args.threads} threads, "
-          f"medians of {repeat}")
-    print(f"\nbatch: B prompts of {prompt_len} tokens together, {new} new tokens each, greedy")
-    print(f"{'batch':>5} {'engine':<13} {'tok/s':>8} {'TTFT mean':>10} {'peak RSS MiB':>13} {'vs transformers':>16}")
-    rows = []
-    for batch in batches if args.only != "staggered" else []:
-        runs = {e: [] for e in engines}
-        for _ in range(repeat):
-            for e in engines:
-                runs[e].append(measure(engine=e, workload="batch", batch=batch, prompt_len=prompt_len,
-                                       new_tokens=new, **common))
-        row = {"batch": batch}
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 16, 64]
+    work = workloads(args.quick, batches)
+    runs: dict = {e: [] for e in engines}
+    for r in range(repeat):
         for e in engines:
-            med = sorted(runs[e], key=lambda r: r["tokens_per_s"])[(repeat - 1) // 2]
-            ratio = statistics.median(r["tokens_per_s"] / t["tokens_per_s"]
-                                      for r, t in zip(runs[e], runs["transformers"]))
-            row[e] = dict(med, ratio=ratio, runs=runs[e])
-            print(f"{batch:>5} {e:<13} {med['tokens_per_s']:>8.1f} {med['ttft_mean']:>9.2f}s "
-                  f"{med['peak_rss_mib']:>13.0f} {ratio:>15.2f}x")
-        rows.append(row)
-    print(f"\nstaggered: {staggered_n} questions sharing a ~300-token preamble, one every {gap * 1000:.0f} ms, "
-          f"{staggered_new} new tokens each")
-    print(f"{'engine':<13} {'tok/s':>8} {'TTFT mean':>10} {'TTFT p90':>9} {'hit rate':>9} {'peak RSS MiB':>13}")
-    staggered = {}
-    if args.quick:  # a smoke run: the staggered workload on hybridkv only
-        engines = ["hybridkv"]
-    runs = {e: [] for e in engines}
-    for _ in range(repeat if args.only != "batch" else 0):
-        for e in engines:
-            runs[e].append(measure(engine=e, workload="staggered", batch=staggered_n, new_tokens=staggered_new,
-                                   gap=gap, **common))
-    for e in engines if args.only != "batch" else []:
-        med = sorted(runs[e], key=lambda r: r["ttft_mean"])[(repeat - 1) // 2]
-        staggered[e] = dict(med, runs=runs[e])
-        hit = f"{med['hit_rate']:.1%}" if "hit_rate" in med else "-"
-        print(f"{e:<13} {med['tokens_per_s']:>8.1f} {med['ttft_mean']:>9.2f}s {med['ttft_p90']:>8.2f}s {hit:>9} "
-              f"{med['peak_rss_mib']:>13.0f}")
+            print(f"  run {r + 1}/{repeat}: {e} ...", file=sys.stderr, flush=True)
+            runs[e].append(measure(e, pythons[e], work, args.threads, timeout=3600))
+    report(args, engines, work, runs, repeat)
+
+
+def report(args, engines, work, runs, repeat) -> None:
+    names = [w["name"] for w in work]
+    median = {e: {n: {k: statistics.median(run["workloads"][n][k] for run in runs[e])
+                      for k in ("tokens_per_s", "ttft_mean", "ttft_p90")} for n in names} for e in engines}
+    for e in engines:
+        for n in names:
+            if "hit_rate" in runs[e][0]["workloads"][n]:
+                median[e][n]["hit_rate"] = statistics.median(run["workloads"][n]["hit_rate"] for run in runs[e])
+    print(f"Gemma-3 270M on {args.threads} threads, greedy, the same token ids; hybridkv, transformers and vLLM "
+          f"on float32 weights (the GGUF dequantized), llama.cpp on the Q4_K_M file; medians of {repeat}")
+    print("\noutput tokens/s (TTFT mean)")
+    print(f"{'workload':<11} " + " ".join(f"{e:>22}" for e in engines))
+    for n in names:
+        cells = [f"{median[e][n]['tokens_per_s']:>10.1f} ({median[e][n]['ttft_mean']:>7.3f} s)" for e in engines]
+        print(f"{n:<11} " + " ".join(f"{c:>22}" for c in cells))
+    print(f"\n{'engine':<13} {'load s':>7} {'peak RSS MiB':>13} {'staggered hit':>14}  first 8 ids of batch 1's prompt")
+    first = names[0]
+    for e in engines:
+        load = statistics.median(run["load_s"] for run in runs[e])
+        rss = statistics.median(run["peak_rss_mib"] for run in runs[e])
+        hit = median[e].get("staggered", {}).get("hit_rate")
+        hit = f"{hit:.1%}" if hit is not None else "-"
+        print(f"{e:<13} {load:>7.1f} {rss:>13.0f} {hit:>14}  {runs[e][0]['workloads'][first]['first_ids']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"threads": args.threads, "repeat": repeat, "prompt_len": prompt_len, "new_tokens": new,
-                   "batch": rows, "staggered": staggered, "staggered_gap_s": gap}, f, indent=1)
+        json.dump({"threads": args.threads, "repeat": repeat,
+                   "workloads": {w["name"]: {"prompts": len(w["prompts"]), "prompt_tokens": sum(map(len, w["prompts"])),
+                                             "new_tokens": w["new_tokens"], "gap_s": w["gap"]} for w in work},
+                   "median": median, "runs": runs}, f, indent=1)
     print(f"wrote {args.out}")
 
 
