@@ -69,7 +69,7 @@ def _engine_options(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-                kv_disk_cache_memory=args.kv_disk_cache_memory)
+                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _serve_replicas(args) -> int:
@@ -85,6 +85,8 @@ def _serve_replicas(args) -> int:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     if args.kv_disk_cache:
         raise ValueError("--kv-disk-cache is one directory per engine: it cannot be shared by --replicas")
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size with --replicas is not supported yet: one process per replica")
     model = args.model or args.model_option
     if model is None:
         from .tiny_models import tiny_model_dir
@@ -150,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")
     serve.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                        help="publish the KV cache events on a ZMQ PUB socket bound there, in vLLM's KV event "
                             "format (e.g. tcp://*:5557; needs pyzmq and msgspec, in the server extra)")

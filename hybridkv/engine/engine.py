@@ -57,7 +57,8 @@ class Engine:
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
                  prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
-                 kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False):
+                 kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
+                 tensor_parallel_size: int = 1):
         """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
         "triton" or "flashinfer" (layers/backend.py), chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
@@ -76,10 +77,16 @@ class Engine:
         caches there too).
         `enable_kv_events`: the manager records what its cache can serve
         as it changes (core/events.py); `take_kv_events()` hands it over,
-        for a publisher or a router's prefix index."""
+        for a publisher or a router's prefix index.
+        `tensor_parallel_size`: split the model over that many processes
+        (tensor_parallel.py; this one and N - 1 workers), one manager here."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
+        _positive("tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size > 1 and (kv_host_cache_memory is not None or kv_disk_cache is not None):
+            raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
+                             "each rank's pool would need its own")
         if speculative_method not in (None, "ngram"):
             raise ValueError(f"speculative_method must be None or 'ngram' (prompt lookup), "
                              f"got {speculative_method!r}")
@@ -95,7 +102,11 @@ class Engine:
         self.device = torch.device(device)
         model_dir = resolve_model_dir(model_dir, progress=progress)
         self.model_dir = model_dir
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress)
+        parallel = (0, tensor_parallel_size) if tensor_parallel_size > 1 else None
+        if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // tensor_parallel_size))
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress,
+                                             tensor_parallel=parallel)
         self.dtype = next(self.model.parameters()).dtype
         self.linear_backend = configure_linears(self.model, self.device)  # layers/linear.py
         self.tokenizer = load_tokenizer(model_dir)
@@ -119,9 +130,17 @@ class Engine:
             if refused:
                 raise ValueError(f"the flashinfer backend takes full and sliding-window layers with 16-bit "
                                  f"caches; this model has {refused[0]}: use backend='triton' or 'torch'")
+        self.parallel = None
+        if parallel:
+            from .tensor_parallel import TensorParallel
+
+            self.parallel = TensorParallel(tensor_parallel_size, model_dir, dict(
+                device=str(self.device), dtype=dtype, layout=self.layout, backend=self.backend.name,
+                max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, threads=torch.get_num_threads()),
+                self.device, self.config.vocab_size)
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
-                                  fixed_shape_decode=fixed_shape_decode)
+                                  fixed_shape_decode=fixed_shape_decode, parallel=self.parallel)
         self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
@@ -154,9 +173,12 @@ class Engine:
 
     def close(self) -> None:
         """Write what the pool still caches to the disk tier (the next start
-        hits it). Safe to call more than once; without a disk tier, nothing."""
+        hits it), and stop the tensor-parallel workers. Safe to call more than
+        once; without a disk tier or workers, nothing."""
         if self.tiers is not None:
             self.tiers.flush(self.kv)
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":

@@ -24,6 +24,8 @@ graph to gain, and the exact reads are cheaper than a bound), unless
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -36,6 +38,21 @@ from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
 from .scheduler import Scheduled
 from .tables import DeviceTables
+
+
+@dataclass
+class StepPlan:
+    """An eager step as plain arrays: what the runner needs to run it, and
+    all a tensor-parallel rank receives (it holds no manager)."""
+    ids: np.ndarray  # [T] token ids, sequence after sequence
+    first_positions: np.ndarray  # [S]
+    counts: np.ndarray  # [S] tokens of each sequence in this step
+    rows: np.ndarray  # [S] each sequence's table row
+    verifying: np.ndarray | None  # [S] bool, or None: no sequence verifies drafts
+    sampled: np.ndarray  # token rows whose logits are sampled
+    seq_ids: list  # for keep_accepted
+    copies: list = field(default_factory=list)  # (source page, destination page) to copy first
+    table_changes: list = field(default_factory=list)  # DeviceTables.changes() of the driver
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -51,7 +68,7 @@ def buckets(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, kv: KVCacheManager, device: torch.device,
                  backend: Backend, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                 fixed_shape_decode: bool | None = None):
+                 fixed_shape_decode: bool | None = None, parallel=None):
         self.model = model
         self.layout = layout
         self.kv = kv
@@ -59,8 +76,12 @@ class ModelRunner:
         self.backend = backend
         self.buffers = KVBuffers(layout, device)
         self.tables = DeviceTables(layout, kv, max_num_seqs, max_model_len, device, self.buffers.sink_page)
-        self.use_graphs = device.type == "cuda" and not enforce_eager and backend.capturable
-        self.fixed_shape_decode = self.use_graphs if fixed_shape_decode is None else fixed_shape_decode
+        # A tensor-parallel engine (engine/tensor_parallel.py): steps go to
+        # every rank as plans, eagerly (None: this process alone).
+        self.parallel = parallel
+        self.use_graphs = device.type == "cuda" and not enforce_eager and backend.capturable and parallel is None
+        self.fixed_shape_decode = (self.use_graphs if fixed_shape_decode is None else fixed_shape_decode) \
+            and parallel is None
         self.buckets = buckets(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
@@ -97,13 +118,19 @@ class ModelRunner:
     def execute(self, steps: list[Scheduled]) -> torch.Tensor:
         """Run one step; logits [sampled rows, vocab] (float32) for the
         steps that complete their known tokens, in order."""
-        for pairs in self.kv.take_copies().values():
-            self.buffers.copy_pages(pairs)
+        copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
         rows = [self.tables.row(s.seq.seq_id) for s in steps]
+        if self.parallel is not None:  # every rank runs the step from its plan (engine/tensor_parallel.py)
+            plan = self._plan(steps, rows)
+            plan.copies, plan.table_changes = copies, self.tables.changes()
+            self.tables.flush()
+            self.parallel.send_plan(plan)
+            return self.parallel.gather_logits(self.run_plan(plan))
+        self.buffers.copy_pages(copies)
         self.tables.flush()
         if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
             return self._decode(steps, rows)
-        return self._eager(steps, rows)
+        return self.run_plan(self._plan(steps, rows))
 
     # -- the fixed-shape decode step -------------------------------------------
     def bucket(self, n: int) -> int:
@@ -157,28 +184,40 @@ class ModelRunner:
         self.graphs[size] = (graph, logits)
 
     # -- any step, eagerly -------------------------------------------------------
-    def _eager(self, steps: list[Scheduled], rows: list[int]) -> torch.Tensor:
+    def _plan(self, steps: list[Scheduled], rows: list[int]) -> "StepPlan":
         counts = np.fromiter((s.count for s in steps), dtype=np.int64, count=len(steps))
         ids = np.fromiter((t for s in steps for t in (s.seq.token_ids[s.start:s.start + s.count - len(s.drafts)]
                                                       + s.drafts)),
                           dtype=np.int64, count=int(counts.sum()))
         verifying = np.fromiter((bool(s.drafts) for s in steps), dtype=bool, count=len(steps))
-        inputs = StepInputs.from_host(ids, np.fromiter((s.start for s in steps), dtype=np.int64, count=len(steps)),
-                                      counts, rows, self.device, verifying if verifying.any() else None)
-        hidden = self._forward(inputs, all_rows=False)
-        if verifying.any():
-            self._verified = ([m for m in self._mamba_metadata if m.verifies], [s.seq.seq_id for s in steps])
-        self._mamba_metadata = []  # (its gathered states are not kept past the step)
-        starts = inputs.host.starts
+        starts = np.zeros(len(steps), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
         sampled = []
         for i, s in enumerate(steps):
             if s.drafts:  # every token of a verified step gives a row: what follows it
                 sampled.extend(range(int(starts[i]), int(starts[i] + counts[i])))
             elif s.completes:
                 sampled.append(int(starts[i] + counts[i] - 1))
-        if not sampled:
+        return StepPlan(ids, np.fromiter((s.start for s in steps), dtype=np.int64, count=len(steps)), counts,
+                        np.asarray(rows, dtype=np.int64), verifying if verifying.any() else None,
+                        np.asarray(sampled, dtype=np.int64), [s.seq.seq_id for s in steps])
+
+    def run_plan(self, plan: "StepPlan") -> torch.Tensor:
+        """Run an eager step from its plan: on one rank, or on every rank
+        of a tensor-parallel engine (which then gathers the logits)."""
+        if plan.copies:
+            self.buffers.copy_pages(plan.copies)
+        if plan.table_changes:
+            self.tables.apply(plan.table_changes)
+        inputs = StepInputs.from_host(plan.ids, plan.first_positions, plan.counts, plan.rows, self.device,
+                                      plan.verifying)
+        hidden = self._forward(inputs, all_rows=False)
+        if plan.verifying is not None:
+            self._verified = ([m for m in self._mamba_metadata if m.verifies], plan.seq_ids)
+        self._mamba_metadata = []  # (its gathered states are not kept past the step)
+        if not len(plan.sampled):
             return torch.empty(0, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(sampled, device=self.device)])
+        return self.model.compute_logits(hidden[torch.from_numpy(plan.sampled).to(self.device)])
 
     def keep_accepted(self, accepted: dict[str, int]) -> None:
         """After a step that verified drafts: for each such sequence the number

@@ -121,6 +121,34 @@ class DeviceTables:
                 self._pending.setdefault(g.index, []).append((row, diff))
                 self.pages_written += diff.size * width
 
+    def changes(self) -> list:
+        """The entries refreshed since the last flush, with their values, for
+        another rank's mirror of these tables (`apply`): per attention group
+        (g, row, columns, pages [width, columns]); per Mamba group (g, row,
+        read, write, zero)."""
+        out = []
+        for g, pending in self._pending.items():
+            if g in self._host:
+                out.extend((g, row, cols, self._host[g][:, row, cols].copy()) for row, cols in pending)
+            else:
+                out.extend((g, row, self._host_read[g][row].copy(), self._host_write[g][row].copy(),
+                            bool(self._host_zero[g][row])) for row in pending)
+        return out
+
+    def apply(self, changes: list) -> None:
+        """Make these tables another rank's copy: write `changes` (from that
+        rank's `changes()`) and flush them."""
+        for change in changes:
+            g, row = change[0], change[1]
+            if g in self._host:
+                cols, pages = change[2], change[3]
+                self._host[g][:, row, cols] = pages
+                self._pending.setdefault(g, []).append((row, cols))
+            else:
+                self._host_read[g][row], self._host_write[g][row], self._host_zero[g][row] = change[2:]
+                self._pending.setdefault(g, []).append(row)
+        self.flush()
+
     def flush(self) -> None:
         """Send the refreshed entries to the device: one write per group."""
         if self.device.type == "cpu":  # the device tensors are the host arrays

@@ -100,9 +100,11 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_safetensors(path: str, wanted=lambda name: True):
+def read_safetensors(path: str, wanted=lambda name: True, index=None):
     """(name, CPU tensor) for the tensors of a .safetensors file whose name
-    is `wanted`, each read straight into its own memory.
+    is `wanted`, each read straight into its own memory. `index(name,
+    ndim)`: a slice of the tensor to read instead of all of it (or None),
+    read as the rows of it only (a tensor-parallel rank's part).
 
     Why not `safetensors.safe_open`: it maps the file, and every page a
     weight is read from stays in the process's resident memory for as long
@@ -131,27 +133,71 @@ def read_safetensors(path: str, wanted=lambda name: True):
             nbytes = tensor.numel() * tensor.element_size()
             if dtype is None or end - begin != nbytes or base + end > size:
                 raise ValueError(f"{path}: tensor {name!r} has a bad entry ({info}) or the file is truncated")
+            part = index(name, tensor.dim()) if index is not None else None
+            if part is not None:
+                yield name, _read_part(f, base + begin, tensor, part)
+                continue
             f.seek(base + begin)
             if nbytes and f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != nbytes:
                 raise ValueError(f"{path}: tensor {name!r} is cut short")
             yield name, tensor
 
 
-def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True):
+def _read_part(f, offset: int, like: torch.Tensor, part: tuple) -> torch.Tensor:
+    """`like[part]` of the tensor stored at `offset` (shape and dtype of
+    `like`), reading only its bytes: a slice of rows is one read, a slice of
+    a matrix's columns one read per row."""
+    size = like.element_size()
+    r0, r1, _ = part[0].indices(like.shape[0])
+    if len(part) == 1 or part[1] == slice(None):
+        row_bytes = like[0].numel() * size if like.dim() > 1 else size
+        out = torch.empty((r1 - r0, *like.shape[1:]), dtype=like.dtype)
+        f.seek(offset + r0 * row_bytes)
+        if f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != out.numel() * size:
+            raise ValueError("a tensor is cut short")
+        return out
+    c0, c1, _ = part[1].indices(like.shape[1])
+    out = torch.empty((r1 - r0, c1 - c0), dtype=like.dtype)
+    rows = out.view(torch.uint8).numpy()
+    for i, r in enumerate(range(r0, r1)):
+        f.seek(offset + (r * like.shape[1] + c0) * size)
+        if f.readinto(memoryview(rows[i])) != (c1 - c0) * size:
+            raise ValueError("a tensor is cut short")
+    return out
+
+
+def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True,
+               tensor_parallel: tuple[int, int] | None = None):
     """(model, text config) with every parameter loaded from the checkpoint.
 
     The model is built on the meta device and each checkpoint tensor, read
     into its own memory, becomes its parameter: already in the right dtype
     on the CPU it is not copied again (peak memory: one model); other dtypes
-    or devices get one converted copy, one tensor at a time."""
+    or devices get one converted copy, one tensor at a time.
+
+    `tensor_parallel=(rank, world)`: this rank's part of the model
+    (engine/tensor_parallel.py), built from its share of the config and
+    reading only its slices of the split tensors; the config returned is
+    the rank's."""
     from tqdm.auto import tqdm
 
     config, text, architecture = read_config(model_dir)
     model_class, renames = _model_classes()[ENGINE_ARCHITECTURES[architecture]]
     torch_dtype = resolve_dtype(dtype, text)
     device = torch.device(device)
+    shard = None
+    if tensor_parallel is not None:
+        from ..engine.tensor_parallel import Shard, rank_config
+
+        full, text = text, rank_config(text, tensor_parallel[1])
+        shard = Shard(*tensor_parallel, full)
+        text.tie_word_embeddings = False  # the LM head is this rank's rows of the embedding (Shard.finish)
     with torch.device("meta"):
         model: CausalLM = model_class(text)
+    if shard is not None:
+        from ..layers.linear import Linear
+
+        model.lm_head = Linear(text.hidden_size, shard.vocab_size, bias=False, device="meta")
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -166,9 +212,12 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
         return name if name in params else None  # vision tower, rotary buffers ...
 
     files = checkpoint_files(model_dir)
+    index = None if shard is None else (lambda n, ndim: shard.slices(parameter(n), ndim))
     for path in tqdm(files, desc="loading weights", unit="shard", disable=not progress or len(files) < 2):
-        for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None):
+        for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None, index):
             target = parameter(name)
+            if shard is not None and not shard.bias_here(target):
+                tensor = torch.zeros_like(tensor)
             if tuple(tensor.shape) != tuple(params[target].shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                                  f"{tuple(params[target].shape)}")
@@ -177,6 +226,10 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
             model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
             loaded.add(target)
     model.tie_weights()
+    if shard is not None:
+        shard.finish(model)
+        if shard.tied:
+            loaded.add("lm_head.weight")
     if "lm_head.weight" not in loaded and getattr(text, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)

