@@ -146,3 +146,10 @@ def test_replica_routing_quick(tmp_path):
         assert rows["hybrid"]["predictions_checked"] == rows["hybrid"]["requests"] > 0
         assert rows["round robin"]["hit_rate"] < rows["hybrid"]["hit_rate"]
         assert set(layout["sweep"]) == {"0", "64", "256", "1024"}
+
+
+def test_tensor_parallel_quick(tmp_path):
+    text, data = run("tensor_parallel", tmp_path)
+    assert "all-reduces/step" in text
+    assert {row["tp"] for row in data["rows"]} == {1, 2} and all(row["same_tokens"] for row in data["rows"])
+    assert all(row["all_reduces_per_step"] > 0 for row in data["rows"] if row["tp"] == 2)

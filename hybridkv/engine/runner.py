@@ -53,6 +53,7 @@ class StepPlan:
     seq_ids: list  # for keep_accepted
     copies: list = field(default_factory=list)  # (source page, destination page) to copy first
     table_changes: list = field(default_factory=list)  # DeviceTables.changes() of the driver
+    accepted: dict | None = None  # the previous step's kept drafts (keep_accepted), applied first
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -99,6 +100,7 @@ class ModelRunner:
             module.column = view.column
             module.backend = backend
         self._mamba_metadata: list = []
+        self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
         if self.use_graphs:
             self.capture_all()
@@ -123,6 +125,7 @@ class ModelRunner:
         if self.parallel is not None:  # every rank runs the step from its plan (engine/tensor_parallel.py)
             plan = self._plan(steps, rows)
             plan.copies, plan.table_changes = copies, self.tables.changes()
+            plan.accepted, self._accepted = self._accepted, None
             self.tables.flush()
             self.parallel.send_plan(plan)
             return self.parallel.gather_logits(self.run_plan(plan))
@@ -205,6 +208,8 @@ class ModelRunner:
     def run_plan(self, plan: "StepPlan") -> torch.Tensor:
         """Run an eager step from its plan: on one rank, or on every rank
         of a tensor-parallel engine (which then gathers the logits)."""
+        if plan.accepted is not None:  # a worker: the driver kept these drafts after the last step
+            self.keep_accepted(plan.accepted)
         if plan.copies:
             self.buffers.copy_pages(plan.copies)
         if plan.table_changes:
@@ -225,6 +230,8 @@ class ModelRunner:
         state after the last kept token (the pass left the state after the last
         draft there; the manager's contract, docs/architecture.md)."""
         metas, seq_ids = self._verified
+        if self.parallel is not None and self.kv is not None and metas:
+            self._accepted = accepted  # the workers apply it before the next step (StepPlan.accepted)
         for meta in metas:
             keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
         self._verified = ([], [])

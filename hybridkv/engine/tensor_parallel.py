@@ -32,8 +32,13 @@ weights (modeling/loader.py reads just their bytes). A worker that fails
 ends: the driver's next collective then fails instead of waiting (the
 collectives have a timeout too), and the engine reports it.
 
-Not split yet: Mamba layers and mixture-of-experts MLPs (Jamba). A model
-with them is refused with that reason.
+Mamba layers (Jamba) split by channels: in_proj's x and gate rows, the
+conv, dt_proj, A and D of the rank's channels, so each rank keeps the conv
+and SSM states of its channels; x_proj and out_proj take those channels'
+columns and their partial sums are all-reduced (x_proj's, dt and B and C,
+is small). A mixture of experts splits every expert's MLP by its width and
+all-reduces once after summing its experts. Other architectures are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -59,11 +64,15 @@ def rank_config(text, world: int):
     divide, or the layers that cannot be split yet."""
     if world == 1:
         return text
-    if getattr(text, "model_type", "") not in ("gemma3_text", "gemma2", "gemma3", "llama", "mistral"):
-        raise ValueError(f"tensor parallelism splits attention-only models (Gemma-3, Gemma-2, Llama, Mistral); "
-                         f"{getattr(text, 'model_type', '?')} has layers it does not split yet (Mamba, experts)")
+    model_type = getattr(text, "model_type", "")
+    if model_type not in ("gemma3_text", "gemma2", "gemma3", "llama", "mistral", "jamba"):
+        raise ValueError(f"tensor parallelism splits Gemma-3, Gemma-2, Llama, Mistral and Jamba; "
+                         f"{model_type or '?'} has layers it does not split yet")
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
-    for what, n in (("num_attention_heads", heads), ("intermediate_size", text.intermediate_size)):
+    sizes = [("num_attention_heads", heads), ("intermediate_size", text.intermediate_size)]
+    if model_type == "jamba":
+        sizes.append(("Mamba channels (mamba_expand x hidden_size)", text.mamba_expand * text.hidden_size))
+    for what, n in sizes:
         if n % world:
             raise ValueError(f"tensor_parallel_size={world} does not divide {what}={n}")
     if kv_heads >= world and kv_heads % world:
@@ -75,6 +84,8 @@ def rank_config(text, world: int):
     out.num_attention_heads = heads // world
     out.num_key_value_heads = max(1, kv_heads // world)
     out.intermediate_size = text.intermediate_size // world
+    if model_type == "jamba":
+        out.mamba_inner = text.mamba_expand * text.hidden_size // world
     return out
 
 
@@ -103,26 +114,37 @@ class Shard:
         self.vocab_rows = slice(rank * part, min(full_config.vocab_size, (rank + 1) * part))
         self.vocab_size = self.vocab_rows.stop - self.vocab_rows.start
         self.tied = bool(getattr(full_config, "tie_word_embeddings", False))
+        inner = getattr(full_config, "mamba_expand", 0) * full_config.hidden_size
+        self.channels = self._range(inner // world)  # a Mamba layer's channels here
+        # in_proj's rows are x's channels, then the gate's: this rank's of each.
+        self.in_proj_rows = [self.channels, slice(inner + self.channels.start, inner + self.channels.stop)]
 
     def _range(self, size: int) -> slice:
         return slice(self.rank * size, (self.rank + 1) * size)
 
     def slices(self, name: str, ndim: int):
-        """The index of parameter `name`'s slice here, or None: whole."""
+        """The index of parameter `name`'s slice here, or None: whole. Its
+        first entry may be a list of row slices, read one after the other."""
         leaf = name.rsplit(".", 2)
         module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
+        if kind in ("A_log", "D"):  # a Mamba layer's per-channel parameters
+            return (self.channels,) if ndim == 1 else (self.channels, slice(None))
         rows = {"q_proj": self.q_rows, "k_proj": self.kv_rows, "v_proj": self.kv_rows,
-                "gate_proj": self.mlp_rows, "up_proj": self.mlp_rows, "lm_head": self.vocab_rows}.get(module)
+                "gate_proj": self.mlp_rows, "up_proj": self.mlp_rows, "lm_head": self.vocab_rows,
+                "in_proj": self.in_proj_rows, "conv1d": self.channels, "dt_proj": self.channels}.get(module)
+        if rows is not None and ndim == 3:  # conv1d's weight [channels, 1, width]
+            return (rows, slice(None), slice(None))
         if rows is not None:
             return (rows,) if kind == "bias" or ndim == 1 else (rows, slice(None))
-        columns = {"o_proj": self.q_rows, "down_proj": self.mlp_rows}.get(module)
+        columns = {"o_proj": self.q_rows, "down_proj": self.mlp_rows, "x_proj": self.channels,
+                   "out_proj": self.channels}.get(module)
         if columns is not None and kind == "weight":
             return (slice(None), columns)
         return None
 
     def bias_here(self, name: str) -> bool:
         """A row-parallel output's bias is added once: on rank 0."""
-        return not (name.endswith(("o_proj.bias", "down_proj.bias")) and self.rank)
+        return not (name.endswith(("o_proj.bias", "down_proj.bias", "out_proj.bias")) and self.rank)
 
     def finish(self, model) -> None:
         """After loading: a tied LM head is this rank's rows of the embedding
@@ -133,6 +155,9 @@ class Shard:
         for module in model.modules():
             if hasattr(module, "reduce"):
                 module.reduce = all_reduce
+        for module in model.modules():  # a mixture of experts sums its experts' partial outputs once
+            for expert in getattr(module, "experts", ()):
+                expert.reduce = None
 
 
 # What this process's all-reduces moved (benchmarks/tensor_parallel.py reads them).
@@ -173,6 +198,8 @@ class TensorParallel:
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)  # rank 0's device; rank r uses cuda:r
         dist.init_process_group(self.backend, init_method=self.init_method, world_size=world, rank=0,
                                 timeout=TIMEOUT)
         self.steps = 0
@@ -237,6 +264,8 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
     plan the driver broadcasts until it sends None."""
     try:
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
         from ..layers.backend import choose as choose_backend
         from ..layers.linear import configure as configure_linears
@@ -244,6 +273,9 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         from .runner import ModelRunner
 
         device = torch.device(options["device"])
+        if device.type == "cuda":  # one device per rank
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         model, _ = load_model(model_dir, dtype=options["dtype"], device=device, progress=False,
                               tensor_parallel=(rank, world))
         configure_linears(model, device)

@@ -40,10 +40,15 @@ def _padded_prefills(prefills, device):
 
 
 class JambaMamba(CacheLayer, nn.Module):
+    # Tensor parallelism (engine/tensor_parallel.py): sums the ranks' partial
+    # products over their channels (x_proj's, out_proj's). None: one process.
+    reduce = None
+
     def __init__(self, config):
         nn.Module.__init__(self)
         hidden = config.hidden_size
-        self.inner = config.mamba_expand * hidden
+        # A tensor-parallel rank's config names its share of the channels.
+        self.inner = getattr(config, "mamba_inner", None) or config.mamba_expand * hidden
         self.state_size = config.mamba_d_state
         self.conv_width = config.mamba_d_conv
         self.dt_rank = config.mamba_dt_rank
@@ -62,7 +67,10 @@ class JambaMamba(CacheLayer, nn.Module):
 
     def _ssm_inputs(self, x: torch.Tensor):
         """dt (after bias and softplus, float32), B, C from conv outputs x [L, I]."""
-        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.state_size, self.state_size], dim=-1)
+        projected = self.x_proj(x)
+        if self.reduce is not None:
+            projected = self.reduce(projected)
+        dt, B, C = torch.split(projected, [self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
         dt = F.softplus(dt.float() + self.dt_proj.bias.float())
         return dt, self.b_layernorm(B), self.c_layernorm(C)
@@ -85,7 +93,8 @@ class JambaMamba(CacheLayer, nn.Module):
             self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
         if meta.verifies:  # chunks that verify drafts: also keep each token's state
             self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
-        return self.out_proj(y_all.to(h.dtype))
+        out = self.out_proj(y_all.to(h.dtype))
+        return out if self.reduce is None else self.reduce(out)
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
         conv_state, ssm_state = meta.state_views(self.layer_name)
@@ -106,6 +115,8 @@ class JambaMamba(CacheLayer, nn.Module):
 
 
 class JambaMoE(nn.Module):
+    reduce = None  # tensor parallelism: the experts' partial sums, once for all of them
+
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
@@ -126,12 +137,12 @@ class JambaMoE(nn.Module):
             for e, expert in enumerate(self.experts):
                 weight = (weights * (chosen == e)).sum(-1, keepdim=True)
                 out += expert(x) * weight
-            return out
-        for e in torch.unique(chosen).tolist():
-            token_idx, slot = torch.where(chosen == e)
-            y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+        else:
+            for e in torch.unique(chosen).tolist():
+                token_idx, slot = torch.where(chosen == e)
+                y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class JambaDecoderLayer(nn.Module):

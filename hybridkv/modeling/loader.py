@@ -147,9 +147,11 @@ def _read_part(f, offset: int, like: torch.Tensor, part: tuple) -> torch.Tensor:
     """`like[part]` of the tensor stored at `offset` (shape and dtype of
     `like`), reading only its bytes: a slice of rows is one read, a slice of
     a matrix's columns one read per row."""
+    if isinstance(part[0], list):  # several row ranges, one after the other
+        return torch.cat([_read_part(f, offset, like, (rows, *part[1:])) for rows in part[0]])
     size = like.element_size()
     r0, r1, _ = part[0].indices(like.shape[0])
-    if len(part) == 1 or part[1] == slice(None):
+    if all(p == slice(None) for p in part[1:]):
         row_bytes = like[0].numel() * size if like.dim() > 1 else size
         out = torch.empty((r1 - r0, *like.shape[1:]), dtype=like.dtype)
         f.seek(offset + r0 * row_bytes)
