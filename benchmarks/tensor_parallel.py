@@ -38,7 +38,7 @@ def model_path(tiny: bool) -> tuple[str, str]:
 
 def run(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dict:
     from hybridkv import Engine, SamplingParams
-    from hybridkv.engine import tensor_parallel
+    from hybridkv.modeling import tensor_split
 
     engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="512MiB",
                     max_num_seqs=max(64, batch))
@@ -50,7 +50,7 @@ def run(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dic
             engine.add_request(p, params)
         times, outputs = [], {}
         steps0 = engine.num_steps
-        reduced0 = dict(tensor_parallel.REDUCED)
+        reduced0 = dict(tensor_split.REDUCED)
         sent0 = engine.parallel.bytes_sent if engine.parallel else 0
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -64,8 +64,8 @@ def run(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dic
                "tokens_per_s": batch / statistics.median(decode), "steps": steps,
                "first_ids": next(iter(outputs.values()))[:8]}
         if engine.parallel:
-            row["all_reduces_per_step"] = (tensor_parallel.REDUCED["calls"] - reduced0["calls"]) / steps
-            row["all_reduce_bytes_per_step"] = (tensor_parallel.REDUCED["bytes"] - reduced0["bytes"]) / steps
+            row["all_reduces_per_step"] = (tensor_split.REDUCED["calls"] - reduced0["calls"]) / steps
+            row["all_reduce_bytes_per_step"] = (tensor_split.REDUCED["bytes"] - reduced0["bytes"]) / steps
             row["plan_bytes_per_step"] = (engine.parallel.bytes_sent - sent0) / steps
         return row
     finally:

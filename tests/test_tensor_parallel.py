@@ -71,7 +71,7 @@ def test_preemption_and_speculative_decoding_on_two_ranks(gemma3):
 def test_sizes_that_do_not_divide_and_unsplit_layers_are_refused(gemma3):
     from types import SimpleNamespace
 
-    from hybridkv.engine.tensor_parallel import rank_config
+    from hybridkv.modeling.tensor_split import rank_config
 
     path, _ = gemma3
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):

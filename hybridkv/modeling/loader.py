@@ -189,7 +189,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     device = torch.device(device)
     shard = None
     if tensor_parallel is not None:
-        from ..engine.tensor_parallel import Shard, rank_config
+        from .tensor_split import Shard, rank_config
 
         full, text = text, rank_config(text, tensor_parallel[1])
         shard = Shard(*tensor_parallel, full)
