@@ -216,12 +216,12 @@ class BlockCache:
         order): one per run of consecutive ones, each with its parent and
         its blocks' tokens."""
         start = 0
+        size = len(token_ids) // len(keys) if token_ids else 0  # tokens per block
         for n in range(1, len(added) + 1):
             if n == len(added) or added[n] != added[n - 1] + 1:
                 first, last = added[start], added[n - 1]
                 run_parent = keys[first - 1] if first else parent
-                size = len(token_ids) // len(keys) if token_ids else 0
-                run_tokens = list(token_ids[first * size:(last + 1) * size]) if token_ids else []
+                run_tokens = list(token_ids[first * size:(last + 1) * size]) if size else []
                 self.events.append(("stored", group, list(keys[first:last + 1]), run_parent, run_tokens))
                 start = n
 

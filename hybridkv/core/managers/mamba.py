@@ -104,7 +104,9 @@ class MambaManager(GroupManager):
         if self.caching and self.planner.is_checkpoint(req, n):
             tokens = [tuple(req.tokens[:n])] if self.verify else None
             j = n // self.block_size - 1
-            token_ids = req.tokens[j * self.block_size:(j + 1) * self.block_size] if self.block_cache.events is not None else None
+            token_ids = None
+            if self.block_cache.events is not None:
+                token_ids = req.tokens[j * self.block_size:(j + 1) * self.block_size]
             if self.block_cache.store(g, [write], [req.keys[j]], tokens, parent=req.keys[j - 1] if j else req.root,
                                       token_ids=token_ids):
                 if self.planner.is_rolling(req, n):
