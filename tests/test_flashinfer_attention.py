@@ -94,3 +94,14 @@ def test_asking_for_flashinfer_without_it_is_a_clear_error():
     else:  # installed: still CUDA only
         with pytest.raises(RuntimeError, match="CUDA"):
             backend.choose("flashinfer", "cpu")
+
+
+def test_the_backend_refuses_a_layout_it_cannot_run():
+    from hybridkv.core import plan_layout
+
+    attention = fi.FlashInferAttention.__new__(fi.FlashInferAttention)  # no FlashInfer here: only the check
+    attention.check_layout(plan_layout({"a": SlidingWindowSpec(2, 16, "bfloat16", sliding_window=8)}, 1 << 20))
+    with pytest.raises(ValueError, match="16-bit caches"):
+        attention.check_layout(plan_layout({"a": FullAttentionSpec(2, 16, "float32")}, 1 << 20))
+    with pytest.raises(ValueError, match="ChunkedLocalSpec"):
+        attention.check_layout(plan_layout({"a": ChunkedLocalSpec(2, 16, "bfloat16", chunk_size=32)}, 1 << 20))

@@ -29,7 +29,6 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backend import choose as choose_backend
-from ..layers.dtypes import TORCH_DTYPES
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
@@ -122,14 +121,7 @@ class Engine:
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
-        if self.backend.name == "flashinfer":
-            from ..layers.flashinfer_attention import supports
-
-            refused = [g.spec for g in self.layout.groups if not g.recurrent and
-                       not supports(g.spec, TORCH_DTYPES[g.spec.dtype])]
-            if refused:
-                raise ValueError(f"the flashinfer backend takes full and sliding-window layers with 16-bit "
-                                 f"caches; this model has {refused[0]}: use backend='triton' or 'torch'")
+        self.backend.check_layout(self.layout)  # a backend may not take every layer type
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel

@@ -67,6 +67,13 @@ class Backend:
         # Can a fixed-shape decode step through it be captured as a CUDA graph?
         self.capturable = getattr(attention, "capturable", True)
 
+    def check_layout(self, layout) -> None:
+        """Raise ValueError if the attention side cannot run some group of
+        `layout` (the reference and the kernels run every one)."""
+        check = getattr(self.attention, "check_layout", None)
+        if check is not None:
+            check(layout)
+
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 

@@ -19,7 +19,7 @@ kernel counts key positions from the first page it is given, and its
 * chunked local attention has a per-request start that no single window
   expresses unless chunks start on block boundaries, and a prefill chunk may
   cross a chunk boundary: not taken (`supports` says no, and the engine
-  keeps another backend).
+  refuses the backend for such a model: `check_layout`).
 
 Decode steps go through `BatchDecodeWithPagedKVCacheWrapper`, prefill
 chunks through `BatchPrefillWithPagedKVCacheWrapper` (causal: FlashInfer
@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from .dtypes import TORCH_DTYPES
 from .step import AttentionStep
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's scratch for split-KV plans, per wrapper kind
@@ -162,6 +163,13 @@ class FlashInferAttention:
         self.flashinfer = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: dict = {}  # (column, kind) -> wrapper, kept across steps (their buffers are reused)
+
+    def check_layout(self, layout) -> None:
+        refused = [g.spec for g in layout.groups
+                   if not g.recurrent and not supports(g.spec, TORCH_DTYPES[g.spec.dtype])]
+        if refused:
+            raise ValueError(f"the flashinfer backend takes full and sliding-window layers with 16-bit caches; "
+                             f"this model has {refused[0]}: use backend='triton' or 'torch'")
 
     def store(self, cache, k, v, meta: FlashInferMetadata, column: int) -> None:
         # No slot past a request's last key is ever read (last_page_len),
