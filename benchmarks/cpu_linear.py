@@ -15,12 +15,13 @@ table reads as the rate at which each product streams weights from memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 import torch.nn.functional as F
+
+from report import write_json  # noqa: E402  (beside this script)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SHAPES = {"q,k,v": (640, 1536), "o": (1024, 640), "gate,up": (640, 4096), "down": (2048, 640),
@@ -66,10 +67,7 @@ def main() -> None:
             print(f"{name:<9} {f'{k} x {n}':>13} {batch:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {gain:>14.2f}x")
             rows.append({"weights": name, "k": k, "n": n, "batch": batch, "f_linear_s": t_torch,
                          "onednn_dense_s": t_dense, "onednn_packed_s": t_packed})
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"threads": args.threads, "rows": rows})
 
 
 if __name__ == "__main__":

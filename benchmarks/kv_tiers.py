@@ -19,13 +19,14 @@ directory against a cold one, first request's TTFT.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+
+from report import write_json  # noqa: E402  (beside this script)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -187,10 +188,7 @@ def main() -> None:
     print(f"\nafter a restart, the first request ({len(prompt)} tokens; median of 3 fresh engines each): "
           f"{1e3 * warm_t:.1f} ms with the disk tier ({min(hits)} tokens from disk) vs {1e3 * cold_t:.1f} ms "
           f"cold: {cold_t / warm_t:.1f}x")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

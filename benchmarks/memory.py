@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import sys
 
@@ -27,6 +26,7 @@ from hybridkv.core.baselines import (PaddedGroups, contiguous_bytes, exact_bytes
                                      length_mix, mean_bytes)
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.core.layout import parse_memory, plan_layout  # noqa: E402
+from report import write_json  # noqa: E402  (beside this script)
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 CONTEXTS = (1024, 8192, 32768, 131072)
@@ -98,10 +98,7 @@ def main() -> None:
               f"({mix['hybridkv'] / max(1, mix['contiguous_uncapped']):.1f}x one sized for the max context in "
               f"every layer), {mix['hybridkv'] / max(1, mix['padded']):.2f}x padded groups, "
               f"{mix['hybridkv'] / max(1, mix['exact']):.3f}x the exact need")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"budget": budget, "models": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"budget": budget, "models": rows})
 
 
 if __name__ == "__main__":

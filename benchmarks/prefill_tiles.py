@@ -12,10 +12,11 @@ one process (these machines are noisy), and prints the best time of each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+from report import write_json  # noqa: E402  (beside this script)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -66,10 +67,7 @@ def main() -> None:
                          "speedup": best["one"] / best["tiles"]})
     finally:
         attention.query_tiles = tiled
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"prompts": num, "repeat": repeat, "threads": args.threads, "models": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"prompts": num, "repeat": repeat, "threads": args.threads, "models": rows})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ ranks every replica for requests that extend stored prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -26,6 +25,7 @@ from hybridkv.core import plan_layout  # noqa: E402
 from hybridkv.core.events import BlockStored  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
+from report import write_json  # noqa: E402  (beside this script)
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 
@@ -86,10 +86,7 @@ def main() -> None:
     print(f"{stored:>10,} {index.num_keys:>10,} {args.replicas:>8} {row['bytes_per_block']:>8.0f} "
           f"{row['bytes_per_key']:>6.0f} {row['us_per_best']:>8.0f} {row['us_hashing_per_request']:>10.0f} "
           f"{probe_tokens:>13.0f} {row['replicas_with_a_hit']:>13.1f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(row, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, row)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,6 @@ import argparse
 import bisect
 import heapq
 import itertools
-import json
 import math
 import os
 import random
@@ -103,6 +102,7 @@ from hybridkv.core import KVCacheManager, parse_memory, plan_layout  # noqa: E40
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.core.routing import RoutingRule  # noqa: E402
+from report import write_json  # noqa: E402  (beside this script)
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 LAYOUTS = {  # label -> (config file, KV pool per replica)
@@ -607,10 +607,7 @@ def main() -> None:
           "replica's real hit was shorter than the router predicted; max/mean: requests routed to the busiest "
           "replica / the mean; wait, p95: steps from arrival to admission; us/dec.: router time per request; "
           "ms ev/st: applying events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

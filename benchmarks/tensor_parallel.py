@@ -16,11 +16,12 @@ rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+from report import write_json  # noqa: E402  (beside this script)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -98,10 +99,7 @@ def main() -> None:
                      f"{row['plan_bytes_per_step']:>12.0f}") if row["tp"] > 1 else f"{'-':>17} {'-':>17} {'-':>12}"
             print(f"{batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} {row['tokens_per_s']:>8.1f} {extra} "
                   f"{str(same):>12}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"model": name, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"model": name, "rows": rows})
 
 
 if __name__ == "__main__":

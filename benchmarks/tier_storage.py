@@ -19,7 +19,6 @@ DiskTier's own files). Rounds alternate which store goes first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -27,6 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from report import write_json  # noqa: E402  (beside this script)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -129,10 +130,7 @@ def main() -> None:
         row = {k: statistics.median(run[k] for run in runs[store]) for k in runs[store][0]}
         results["stores"][store] = row
         print(f"{store:<6} {row['write_us']:>15.0f} {row['read_us']:>14.0f} {row['restart_ms']:>11.1f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":
