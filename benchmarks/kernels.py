@@ -10,6 +10,13 @@ chunk of 2048 tokens after 6144 cached; the store of an 8192-token step; a
 Jamba-1.5-Mini Mamba layer's decode step (8192 channels, state 16, conv 4)
 at batch 64.
 
+Where they import, the field's kernels run on the same pool in the same
+run: FlashInfer's paged decode and prefill attention (the "flashinfer"
+backend, layers/flashinfer_attention.py; its per-step plan timed apart,
+host work done once per step and column) and mamba-ssm's
+selective_state_update (layers/mamba_ssm_state.py: on gathered states, as
+that backend runs it; the gather and write-back timed with it).
+
 Bandwidth is bytes that must move (K/V rows a query may see, states read
 and written, inputs and outputs) over the median time, against the
 device's nominal peak and against a measured device-to-device copy.
@@ -42,6 +49,14 @@ from hybridkv.core import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
 from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
+
+try:
+    import flashinfer  # noqa: E402
+    FIELD_ERROR = None
+except ModuleNotFoundError:
+    flashinfer, FIELD_ERROR = None, "flashinfer: not installed"
+except Exception as error:  # noqa: BLE001 - present and broken: say why, go on without it
+    flashinfer, FIELD_ERROR = None, f"flashinfer: {type(error).__name__}: {error}"[:300]
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
 # Nominal HBM bandwidth, GB/s (vendor figures).
@@ -115,7 +130,14 @@ class PagedLayer:
         self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
                                            np.arange(len(step)), device)
         step = attention_step(self.inputs, self.table, self.spec, bs)
+        self.attention_step = step
         self.meta = {"torch": paged_attention.build(step), "triton": kernel_attention.build(step)}
+        self.flashinfer = None
+        if flashinfer is not None and device.type == "cuda":
+            from hybridkv.layers import flashinfer_attention
+
+            self.flashinfer = flashinfer_attention.FlashInferAttention(flashinfer, device)
+            self.meta["flashinfer"] = flashinfer_attention.build(step)
 
     def visible_keys(self) -> int:
         """Keys read by the step: per request, from the first key its first
@@ -129,7 +151,38 @@ class PagedLayer:
     def attend(self, name, scale):
         if name == "torch":
             return paged_attention.attend(self.q, self.cache, self.meta["torch"], 0, scale, None)
+        if name == "flashinfer":  # planned on the first call, the plan kept in the metadata
+            return self.flashinfer.attend(self.q, self.cache, self.meta["flashinfer"], 0, scale, None)
         return kernel_attention.attend(backend.kernels(), self.q, self.cache, self.meta["triton"], 0, scale, None)
+
+    def flashinfer_plan_seconds(self, scale) -> float:
+        """Host time of a step's FlashInfer plan for one column (fresh
+        metadata each time, as each engine step makes), median of 20."""
+        from hybridkv.layers import flashinfer_attention
+
+        times = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            meta = flashinfer_attention.build(self.attention_step)
+            kind = "decode" if meta.decode_tokens is not None else "prefill"
+            self.flashinfer._planned(meta, 0, kind, self.q, self.cache, scale, None)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def field_rows(self, row, ref, scale, timer):
+        """FlashInfer beside our kernel in `row` (when it imports): time,
+        error against the reference, plan time, bandwidth."""
+        if self.flashinfer is None:
+            return
+        try:
+            err = (self.attend("flashinfer", scale).float() - ref.float()).abs().max().item()
+            seconds = timer(lambda: self.attend("flashinfer", scale))
+            row["flashinfer"] = dict(seconds=seconds, max_abs_err=err, plan_seconds=self.flashinfer_plan_seconds(scale),
+                                     gbps=row["bytes"] / seconds / 1e9)
+        except Exception as error:  # noqa: BLE001 - report it beside our kernel's numbers, go on
+            row["flashinfer"] = dict(error=f"{type(error).__name__}: {error}"[:300])
 
     def contiguous(self, context):
         """K and V of each request as [batch, kv_heads, context, dim] (the
@@ -187,6 +240,7 @@ def decode_rows(args, device, timer, peak):
                              seconds=t_kernel, bytes=moved, max_abs_err=err, torch_seconds=t_torch,
                              sdpa_seconds=t_sdpa, sdpa_max_abs_err=err_sdpa, sweep_us=sweep,
                              **bandwidth(moved, t_kernel, peak)))
+            layer.field_rows(rows[-1], ref, scale, timer)
             del layer
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -212,6 +266,7 @@ def prefill_rows(args, device, timer, peak):
         rows.append(dict(kernel="paged prefill attention", kind=kind, shape=f"{chunk} after {cached}",
                          seconds=t_kernel, bytes=moved, max_abs_err=err, torch_seconds=t_torch,
                          tflops=flops / t_kernel / 1e12, **bandwidth(moved, t_kernel, peak)))
+        layer.field_rows(rows[-1], ref, scale, timer)
     return rows
 
 
@@ -285,6 +340,7 @@ def mamba_rows(args, device, timer, peak):
         pool[write] = states.view(batch, width, page)
         return xc, (y + xc.float() * D) * F.silu(gate)
 
+    field = mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, dt, A, B, C, D, gate, timer)
     before = pool.clone()
     ref_x, ref_y = reference()
     pool.copy_(before)
@@ -299,10 +355,55 @@ def mamba_rows(args, device, timer, peak):
     ssm_moved = (2 * batch * ssm_bytes + A.numel() * 4 + (xc.numel() * 2) + (dt.numel() + gate.numel() + y.numel()) * 4
                  + (B.numel() + C.numel()) * 4 + D.numel() * 4)
     shape = f"{batch} x {I} ch"
+    if field is not None and "error" not in field:
+        field.update(max_abs_err=(field.pop("y")(xc) - ref_y).abs().max().item(),
+                     gbps=ssm_moved / field["seconds"] / 1e9)
     return [dict(kernel="mamba conv step", kind="-", shape=shape, seconds=t_conv, bytes=conv_moved, max_abs_err=err_x,
                  torch_seconds=t_torch, **bandwidth(conv_moved, t_conv, peak)),
             dict(kernel="mamba ssm step", kind="-", shape=shape, seconds=t_ssm, bytes=ssm_moved, max_abs_err=err_y,
-                 torch_seconds=t_torch, **bandwidth(ssm_moved, t_ssm, peak))]
+                 torch_seconds=t_torch, **bandwidth(ssm_moved, t_ssm, peak),
+                 **({"mamba_ssm": field} if field is not None else {}))]
+
+
+def mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, dt, A, B, C, D, gate, timer):
+    """mamba-ssm's selective_state_update as the "flashinfer" backend runs
+    it (layers/mamba_ssm_state.py): the states gathered from their pages,
+    updated in place, written back; and the kernel alone on gathered rows.
+    None where mamba-ssm does not import (or no CUDA)."""
+    if pool.device.type != "cuda":
+        return None
+    from hybridkv.layers.mamba_ssm_state import load_kernels
+
+    try:
+        kernels = load_kernels()
+    except Exception as error:  # noqa: BLE001
+        return dict(error=f"{type(error).__name__}: {error}"[:300])
+    if kernels is None:
+        return None
+    update = kernels[0]
+    rows = torch.arange(batch, dtype=torch.int32, device=pool.device)
+    zero_bias = torch.zeros(I, device=pool.device)  # (mamba-ssm 2.3.2 needs one: layers/mamba_ssm_state.py)
+    width = read.shape[1]
+
+    def step(xc):
+        states = pool[read].reshape(batch, -1)
+        ssm_state = states[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).view(batch, I, N)
+        y = update(ssm_state, xc, dt, A, B, C, D=D, z=gate, dt_bias=zero_bias, dt_softplus=False,
+                   state_batch_indices=rows)
+        pool[write] = states.view(batch, width, -1)
+        return y.float()
+
+    gathered = pool[read].reshape(batch, -1)[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).view(batch, I, N).clone()
+    xc0 = torch.randn(batch, I, dtype=torch.bfloat16, device=pool.device)
+    try:
+        before = pool.clone()
+        seconds = timer(lambda: step(xc0))
+        kernel_seconds = timer(lambda: update(gathered, xc0, dt, A, B, C, D=D, z=gate, dt_bias=zero_bias,
+                                              dt_softplus=False, state_batch_indices=rows))
+        pool.copy_(before)
+    except Exception as error:  # noqa: BLE001 - report it beside our kernel's numbers, go on
+        return dict(error=f"{type(error).__name__}: {error}"[:300])
+    return dict(seconds=seconds, kernel_seconds=kernel_seconds, y=step)
 
 
 def bandwidth(moved, seconds, peak):
@@ -341,9 +442,29 @@ def main() -> None:
               f"{r['max_abs_err']:>9.2e}")
         if r.get("tflops"):
             print(f"{'':<24} {'':<15} {'':<16} {r['tflops']:>10.1f} TFLOP/s")
+    field = [r for r in rows if "flashinfer" in r or "mamba_ssm" in r]
+    if field or FIELD_ERROR:
+        print("\nthe field's kernels on the same pool, beside ours (ours us / theirs us: > 1 means ours is slower)")
+        print(f"{'kernel':<24} {'kind':<15} {'shape':<16} {'library':<11} {'ours us':>9} {'theirs us':>10} "
+              f"{'ratio':>6} {'GB/s':>8} {'max err':>9} {'plan us':>8}")
+    if FIELD_ERROR:
+        print(f"  ({FIELD_ERROR})")
+    for r in field:
+        name = "flashinfer" if "flashinfer" in r else "mamba_ssm"
+        f = r[name]
+        if "error" in f:
+            print(f"{r['kernel']:<24} {r['kind']:<15} {r['shape']:<16} {name:<11} failed: {f['error']}")
+            continue
+        plan = f"{f['plan_seconds'] * 1e6:.0f}" if "plan_seconds" in f else "-"
+        print(f"{r['kernel']:<24} {r['kind']:<15} {r['shape']:<16} {name:<11} {r['seconds'] * 1e6:>9.1f} "
+              f"{f['seconds'] * 1e6:>10.1f} {r['seconds'] / f['seconds']:>6.2f} {f['gbps']:>8.1f} "
+              f"{f['max_abs_err']:>9.2e} {plan:>8}")
+        if "kernel_seconds" in f:
+            print(f"{'':<24} {'':<15} {'':<16} {'(alone)':<11} {'':>9} {f['kernel_seconds'] * 1e6:>10.1f}"
+                  f"   (on gathered states, without the gather and write-back)")
     sweeps = [r for r in rows if r.get("sweep_us")]
     if sweeps:
-        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: 64, heuristic, 4)")
+        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: kernel_attention.decode_block_n, decode_splits, 4)")
         for r in sweeps:
             best = min(r["sweep_us"], key=r["sweep_us"].get)
             us = r["sweep_us"][best]

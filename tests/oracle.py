@@ -14,7 +14,11 @@ import torch
 TIE = 1e-4
 
 
-def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32) -> str:
+def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32,
+          head_dim: int | None = None) -> str:
+    """A small random model of `family` saved at `path`. `head_dim` (Gemma-3
+    and Jamba) widens the attention heads for kernels that take no smaller
+    ones (FlashInfer: 64 and up); by default they are 16 wide (Jamba: 8)."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig,
                               JambaForCausalLM)
 
@@ -22,7 +26,8 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
     if family == "gemma3":
         config = Gemma3TextConfig(
             vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=16,
+            num_key_value_heads=2, head_dim=head_dim or 16, sliding_window=sliding_window,
+            query_pre_attn_scalar=head_dim or 16,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             max_position_embeddings=512, final_logit_softcapping=30.0, rope_local_base_freq=10000.0,
             rope_theta=1000000.0)
@@ -45,8 +50,8 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             layer_types = ["sliding_attention", "full_attention"] * 2
             model = MinistralForCausalLM(MinistralConfig(**common, layer_types=layer_types))
     elif family == "jamba":
-        config = JambaConfig(
-            vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        config = JambaConfig(  # (its heads are hidden_size / num_attention_heads wide)
+            vocab_size=211, hidden_size=4 * head_dim if head_dim else 32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)

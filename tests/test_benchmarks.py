@@ -165,3 +165,13 @@ def test_tensor_parallel_quick(tmp_path):
     assert "all-reduces/step" in text
     assert {row["tp"] for row in data["rows"]} == {1, 2} and all(row["same_tokens"] for row in data["rows"])
     assert all(row["all_reduces_per_step"] > 0 for row in data["rows"] if row["tp"] == 2)
+
+
+def test_step_times_dry_run():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_times.py"), "--dry-run",
+                           "--new-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("graphs ", "eager "))]
+    # Both engines, decode steps apart from the steps with a prefill chunk.
+    assert {(r[0], r[4]) for r in rows} == {(m, k) for m in ("graphs", "eager") for k in ("decode", "mixed")}
+    assert all(int(r[5]) > 0 and float(r[6]) > 0 for r in rows)

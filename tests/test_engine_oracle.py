@@ -173,6 +173,21 @@ def test_hybrid_triton_backend_matches_transformers(family_model):
     check_all(reference, prompt_list, outs, records, engine)
 
 
+def test_hybrid_flashinfer_backend_matches_transformers(family_model, tmp_path_factory):
+    # FlashInfer's paged attention and mamba-ssm's state update (where they
+    # import: a CUDA machine; benchmarks/gpu_wheels.sh), reading the pool.
+    if ENGINE["device"] != "cuda":
+        pytest.skip("FlashInfer runs on CUDA only (its arguments are checked on the CPU: test_flashinfer_attention.py)")
+    pytest.importorskip("flashinfer")
+    family = family_model[0]
+    path = model_dir(tmp_path_factory, family, head_dim=64)  # FlashInfer's smallest head
+    reference = load_reference(path)
+    prompt_list = prompts(3, lengths=(13, 5, 9))
+    engine, outs, records = run(path, prompt_list, backend="flashinfer", max_num_batched_tokens=16)
+    assert engine.backend.name == "flashinfer"
+    check_all(reference, prompt_list, outs, records, engine)
+
+
 def test_hybrid_n2_seeded_sampling_is_reproducible(family_model):
     family, path, reference = family_model
     params = SamplingParams(n=2, temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True)

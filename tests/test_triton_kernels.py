@@ -238,6 +238,24 @@ def test_paged_attention_matches_the_reference_bfloat16(kind, size):
     check_attention(case, scale=0.3, softcap=None, splits=2)
 
 
+def test_decode_splits_are_few_powers_of_two_and_tiles_follow_the_sweep(monkeypatch):
+    # Each splits value is a kernel variant compiled on first use (seconds
+    # with wide heads, measured on an H100): a mixed step's decode count is
+    # arbitrary, so the values it can take must be few.
+    monkeypatch.setitem(kernel_attention._sm_count, 0, 132)
+    cuda = torch.device("cuda", 0)
+    seen = {kernel_attention.decode_splits(cuda, programs, max_keys)
+            for programs in range(1, 300) for max_keys in (256, 2048, 32768)}
+    assert seen == {1, 2, 4, 8, 16}
+    assert kernel_attention.decode_splits(cuda, 1, 2048) == 4  # never slices under 512 keys
+    assert kernel_attention.decode_splits(cuda, 200, 32768) == 1  # enough programs already
+    assert kernel_attention.decode_splits(torch.device("cpu"), 1, 32768) == 1
+    assert kernel_attention.decode_block_n("full", 128, 2) == 128
+    assert kernel_attention.decode_block_n("sliding_window", 128, 2) == 32
+    assert kernel_attention.decode_block_n("full", 256, 2) == 64  # Gemma-3-1B / 270M heads: unmeasured
+    assert kernel_attention.decode_block_n("full", 128, 4) == 64  # float32 tiles spill
+
+
 @pytest.mark.parametrize("kind,size", [("sliding", 23), ("full", 0)])
 def test_soft_capped_attention_matches_the_reference(kind, size):
     # Gemma-2's logit soft-cap (and Gemma-3's query_pre_attn_scalar scale);
@@ -495,10 +513,12 @@ for dt in ("bf16", "fp32"):
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
     common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
                   scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
-    for softcap, splits in ((False, 1), (True, 4), (False, 2)):
+    # The tiles kernel_attention.decode_block_n picks: 128 (full) and 32 (window) keys in 16-bit, 64 else.
+    for softcap, splits, block_n in ((False, 1, 128), (True, 4, 32), (False, 2, 64)):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
-                GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=64, SPLITS=splits, PRECISION=prec))
+                GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64, SPLITS=splits,
+                PRECISION=prec))
     for softcap in (False, True):
         compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
                 dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,

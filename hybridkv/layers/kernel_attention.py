@@ -36,7 +36,9 @@ def decode_splits(device: torch.device, programs: int, max_keys: int) -> int:
     """Key splits per decode program: enough programs to fill the GPU's SMs
     when requests x KV heads are few, never slices under 512 keys. From
     shapes only (the table's width bounds the keys), so a captured step
-    keeps its value."""
+    keeps its value. A power of two: each value is a kernel variant that
+    Triton compiles (seconds, for wide heads), and a mixed step's decodes
+    come in any number, so the values must be few (1, 2, 4, 8, 16)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -45,7 +47,20 @@ def decode_splits(device: torch.device, programs: int, max_keys: int) -> int:
     sms = _sm_count[index]
     if programs >= sms:
         return 1
-    return max(1, min(16, -(-2 * sms // programs), max_keys // 512))
+    splits = max(1, min(16, -(-2 * sms // programs), max_keys // 512))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_block_n(kind: str, head_dim: int, element_size: int) -> int:
+    """Keys per tile of the decode kernel. From the tile sweep of
+    benchmarks/kernels.py on an H100 (64 requests x 8K and 32K, head_dim
+    128, bf16): 128 for full attention (2.96 TB/s against 2.73 at 64), 32
+    for a sliding window of 1,024 keys (2.65 against 2.39). Wider heads and
+    float32 caches keep 64 (unmeasured there; larger float32 tiles spill
+    registers on sm_90)."""
+    if head_dim > 128 or element_size >= 4:
+        return 64
+    return 32 if kind == "sliding_window" else 128
 
 
 def store(ops, cache, k, v, meta: KernelMetadata, column: int) -> None:
@@ -61,7 +76,8 @@ def attend(ops, q, cache, meta: KernelMetadata, column: int, scale, softcap):
         tokens = decodes.tokens
         splits = decode_splits(q.device, tokens.shape[0] * cache.shape[3], table.shape[1] * cache.shape[2])
         ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
-                                   step.first_key[tokens], scale=scale, softcap=softcap, splits=splits)
+                                   step.first_key[tokens], scale=scale, softcap=softcap, splits=splits,
+                                   block_n=decode_block_n(step.spec.kind, cache.shape[4], cache.element_size()))
     if chunks is not None:
         ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, table, chunks.table_rows,
                                     positions, step.first_key, max_length=chunks.longest, scale=scale,

@@ -75,6 +75,12 @@ class MambaSsmMamba(TorchMamba):
         self.selective_state_update = selective_state_update
         self.causal_conv1d_update = causal_conv1d_update
 
+    def _zeros(self, dt: torch.Tensor) -> torch.Tensor:
+        zeros = getattr(self, "_zero_bias", None)
+        if zeros is None or zeros.shape[0] != dt.shape[-1] or zeros.device != dt.device:
+            zeros = self._zero_bias = torch.zeros(dt.shape[-1], dtype=torch.float32, device=dt.device)
+        return zeros
+
     def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias) -> torch.Tensor:
         if self.causal_conv1d_update is None:
             return super().conv_step(meta, layer_name, x, weight, bias)
@@ -84,9 +90,11 @@ class MambaSsmMamba(TorchMamba):
 
     def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
         ssm_state = meta.state_views(layer_name)[1]  # [R, channels, state size]
-        # dt arrives after softplus (the layer adds its bias first), so no dt_bias / dt_softplus here.
-        y = self.selective_state_update(ssm_state, x, dt, A, B, C, D=D, z=gate, dt_softplus=False,
-                                        state_batch_indices=meta.step_rows.to(torch.int32))
+        # dt arrives after softplus (the layer adds its bias first), so the bias
+        # is zero and no softplus here; mamba-ssm 2.3.2 reads dt_bias's strides
+        # unconditionally (a None fails), hence the zeros rather than None.
+        y = self.selective_state_update(ssm_state, x, dt, A, B, C, D=D, z=gate, dt_bias=self._zeros(dt),
+                                        dt_softplus=False, state_batch_indices=meta.step_rows.to(torch.int32))
         return y.float()
 
 
@@ -96,6 +104,8 @@ def emulated_kernels():
 
     def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                                state_batch_indices=None):
+        if dt_bias is None:  # as mamba-ssm 2.3.2 fails: it reads dt_bias's strides whatever it is
+            raise TypeError("selective_state_update needs a dt_bias tensor")
         rows = state_batch_indices.long()
         if dt_bias is not None:
             dt = dt + dt_bias

@@ -192,7 +192,9 @@ def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     (Clamped entries past the block's end hit its last slot, which is either
     a tail slot or this step's own last token, stored right after.)"""
     if meta.tail_pages is not None:
-        cache[meta.tail_pages[column], :, meta.tail_slots] = 0
+        # A device zero, not the literal: a Python scalar becomes a CPU tensor
+        # that index_put_ copies, which a CUDA graph capture refuses.
+        cache[meta.tail_pages[column], :, meta.tail_slots] = cache.new_zeros(())
     pages = meta.store_pages[column]
     cache[pages, 0, meta.store_offsets] = k.to(cache.dtype)
     cache[pages, 1, meta.store_offsets] = v.to(cache.dtype)

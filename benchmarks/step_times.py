@@ -1,0 +1,111 @@
+"""Per-step times of the engine, CUDA graphs on and off, in one process:
+decode-only steps (replayed graphs, or eager at fixed shapes) apart from
+the steps that carry a prefill chunk (always eager). 64 prompts of 100-1,000
+tokens, 32 new tokens each, on a Gemma-3-1B-shaped random model cut to 6
+layers (one full-attention layer, five 512-token windows).
+
+What it shows that a tokens/s figure hides: a step that is slow once (a
+Triton kernel variant compiled on first use) against one that is slow every
+time. The first engine in the process compiles; the one after it finds the
+kernels in Triton's cache, so run it twice (--order) to tell the two apart.
+
+    python benchmarks/step_times.py                      # CUDA: graphs, then eager
+    python benchmarks/step_times.py --order eager,graphs
+    python benchmarks/step_times.py --dry-run            # a tiny model on the CPU (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hybridkv import Engine, SamplingParams  # noqa: E402
+from hybridkv.files import cache_root  # noqa: E402
+
+
+def model_path(dry: bool) -> str:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = os.path.join(cache_root(), "models", f"gemma3-1b-shape-6-layers{'-dry' if dry else ''}-v1")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        sizes = (dict(vocab_size=1024, hidden_size=64, intermediate_size=128, head_dim=16) if dry else
+                 dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, head_dim=256))
+        config = Gemma3TextConfig(**sizes, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                                  sliding_window=512, query_pre_attn_scalar=256, sliding_window_pattern=6,
+                                  max_position_embeddings=32768)
+        Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_times(path: str, device: str, eager: bool, prompts, new_tokens: int) -> dict:
+    """{"decode": [seconds], "mixed": [seconds]} of one generate() over `prompts`."""
+    engine = Engine(path, kv_cache_memory="4GiB", dtype="bfloat16" if device == "cuda" else "float32",
+                    device=device, progress=False, max_num_seqs=64, max_num_batched_tokens=2048,
+                    enforce_eager=eager, fixed_shape_decode=None if device == "cuda" else True)
+    runner = engine.runner
+    times = {"decode": [], "mixed": []}
+    for method, kind in (("_decode", "decode"), ("run_plan", "mixed")):
+        run = getattr(runner, method)
+
+        def timed(*args, run=run, kind=kind):
+            sync(device)
+            start = time.perf_counter()
+            out = run(*args)
+            sync(device)
+            times[kind].append(time.perf_counter() - start)
+            return out
+
+        setattr(runner, method, timed)
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    for kept in times.values():
+        kept.clear()
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    times["wall"] = time.perf_counter() - start
+    times["graphs"] = len(runner.graphs)
+    times["backend"] = engine.backend.name
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--order", default="graphs,eager", help="engines in the order they run (graphs, eager)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, decode at fixed shapes")
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and not args.dry_run:
+        print("benchmarks/step_times.py needs CUDA (graphs); --dry-run checks the script on the CPU")
+        return
+    path = model_path(args.dry_run)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(100, 1000))] for _ in range(64)]
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{name}; 64 prompts of 100-1000 tokens, {args.new_tokens} new tokens, 2048 tokens per step")
+    print(f"{'engine':<8} {'backend':<8} {'graphs':>6} {'wall s':>7} {'step kind':<9} {'steps':>5} {'median ms':>10} "
+          f"{'max ms':>9} {'sum s':>7}")
+    for mode in args.order.split(","):
+        times = step_times(path, device, mode == "eager", prompts, args.new_tokens)
+        for kind in ("decode", "mixed"):
+            if times[kind]:
+                ms = [1e3 * t for t in times[kind]]
+                print(f"{mode:<8} {times['backend']:<8} {times['graphs']:>6} {times['wall']:>7.2f} {kind:<9} "
+                      f"{len(ms):>5} {statistics.median(ms):>10.2f} {max(ms):>9.1f} {sum(ms) / 1e3:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
