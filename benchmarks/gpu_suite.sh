@@ -80,7 +80,7 @@ else
         tests/test_triton_kernels.py && exit \$a"
     part kernels 240 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json"
     # One part per model (each ~5 minutes with its warm runs: a device call apiece).
-    # ENGINE_BACKENDS=auto,flashinfer adds FlashInfer's rows (its JIT build takes minutes on first use).
+    # ENGINE_BACKENDS=auto,triton+flashinfer adds rows through FlashInfer (its JIT build takes minutes on first use).
     for model in gemma3 jamba; do
         part engine_$model 560 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
             --models $model-1b-shape --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput \

@@ -173,9 +173,11 @@ def test_hybrid_triton_backend_matches_transformers(family_model):
     check_all(reference, prompt_list, outs, records, engine)
 
 
-def test_hybrid_flashinfer_backend_matches_transformers(family_model, tmp_path_factory):
-    # FlashInfer's paged attention and mamba-ssm's state update (where they
-    # import: a CUDA machine; benchmarks/gpu_wheels.sh), reading the pool.
+@pytest.mark.parametrize("name", ["flashinfer", "triton+flashinfer"])
+def test_hybrid_flashinfer_backend_matches_transformers(family_model, tmp_path_factory, name):
+    # FlashInfer's paged attention and mamba-ssm's state update, or
+    # FlashInfer's prefill beside hybridkv's kernels (where they import: a
+    # CUDA machine; benchmarks/gpu_wheels.sh), reading the pool.
     if ENGINE["device"] != "cuda":
         pytest.skip("FlashInfer runs on CUDA only (its arguments are checked on the CPU: test_flashinfer_attention.py)")
     pytest.importorskip("flashinfer")
@@ -183,8 +185,8 @@ def test_hybrid_flashinfer_backend_matches_transformers(family_model, tmp_path_f
     path = model_dir(tmp_path_factory, family, head_dim=64)  # FlashInfer's smallest head
     reference = load_reference(path)
     prompt_list = prompts(3, lengths=(13, 5, 9))
-    engine, outs, records = run(path, prompt_list, backend="flashinfer", max_num_batched_tokens=16)
-    assert engine.backend.name == "flashinfer"
+    engine, outs, records = run(path, prompt_list, backend=name, max_num_batched_tokens=16)
+    assert engine.backend.name == name
     check_all(reference, prompt_list, outs, records, engine)
 
 

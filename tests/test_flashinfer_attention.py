@@ -105,3 +105,81 @@ def test_the_backend_refuses_a_layout_it_cannot_run():
         attention.check_layout(plan_layout({"a": FullAttentionSpec(2, 16, "float32")}, 1 << 20))
     with pytest.raises(ValueError, match="ChunkedLocalSpec"):
         attention.check_layout(plan_layout({"a": ChunkedLocalSpec(2, 16, "bfloat16", chunk_size=32)}, 1 << 20))
+
+
+def test_the_self_test_passes_on_the_documented_semantics_and_catches_a_wrong_window():
+    import fake_flashinfer
+
+    fake = fake_flashinfer.module()
+    fi.check(fi.FlashInferAttention(fake, torch.device("cpu")), torch.device("cpu"))
+
+    class NoWindowPrefill(fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper):
+        def plan(self, *args, window_left=-1, **kw):
+            super().plan(*args, window_left=-1, **kw)  # a kernel that ignores the window
+
+    fake.BatchPrefillWithPagedKVCacheWrapper = NoWindowPrefill
+    with pytest.raises(RuntimeError, match="prefill \\(window_left 19\\)"):
+        fi.check(fi.FlashInferAttention(fake, torch.device("cpu")), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("spec", [FullAttentionSpec(2, 16), SlidingWindowSpec(2, 16, sliding_window=5),
+                                  ChunkedLocalSpec(2, 16, chunk_size=16)], ids=["full", "window5", "chunked"])
+def test_prefill_through_flashinfer_beside_the_kernels_reads_what_the_reference_reads(spec):
+    # "triton+flashinfer": a mixed step's chunks through FlashInfer (its
+    # documented semantics), its decodes and stores through hybridkv's
+    # kernels (triton's interpreter here); a chunked-local group all kernels.
+    import fake_flashinfer
+
+    from hybridkv.layers import backend
+
+    cache, q, step = make_case(spec)
+    cache, q = cache.to(torch.bfloat16), q.to(torch.bfloat16)
+    column, scale = 1, 16 ** -0.5
+    ref = paged_attention.attend(q.float(), cache.float().nan_to_num(0.0), paged_attention.build(step), column,
+                                 scale, None)
+    attention = fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), backend.kernels())
+    meta = attention.build(step)
+    assert (meta.flashinfer is None) == (spec.kind == "chunked_local")
+    out = attention.attend(q, cache, meta, column, scale)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    kinds = {kind for _, kind in attention.prefill._wrappers}
+    assert kinds == (set() if spec.kind == "chunked_local" else {"prefill"})  # decodes never planned
+    # Stores go through the kernel: new rows land at their slots.
+    k, v = torch.randn(2, len(q), 2, 16).to(torch.bfloat16)
+    attention.store(cache, k, v, meta, column)
+    assert torch.equal(cache[step.store_pages[column], 0, step.store_offsets], k)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "jamba"])
+def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate(tmp_path_factory, monkeypatch,
+                                                                                 family):
+    # The whole engine with FlashInfer (its documented semantics) taking the
+    # prefill chunks: chunked prompts beside decodes, bf16 caches, the same
+    # greedy tokens as hybridkv's kernels alone.
+    import fake_flashinfer
+    from oracle import model_dir
+
+    from hybridkv import Engine, SamplingParams
+    from hybridkv.engine import engine as engine_module
+    from hybridkv.layers import backend
+    from hybridkv.layers.mamba_state import KernelMamba
+
+    ops = backend.kernels()
+    combined = backend.Backend("triton+flashinfer",
+                               fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), ops), KernelMamba(ops))
+    chosen = engine_module.choose_backend
+    monkeypatch.setattr(engine_module, "choose_backend",
+                        lambda name, device: combined if name == "triton+flashinfer" else chosen(name, device))
+    path = model_dir(tmp_path_factory, family)
+    prompts = [[(5 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 5, 1))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate(name):
+        engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, dtype="bfloat16",
+                        progress=False, backend=name)
+        assert engine.backend.name == name
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert generate("triton+flashinfer") == generate("triton")
+    assert {kind for _, kind in combined.attention.prefill._wrappers} == {"prefill"}

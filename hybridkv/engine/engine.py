@@ -58,8 +58,9 @@ class Engine:
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
                  kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
                  tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch" or
-        "triton" or "flashinfer" (layers/backend.py), chosen once here. `enforce_eager`: no
+        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch",
+        "triton", "flashinfer" or "triton+flashinfer" (layers/backend.py),
+        chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
         shapes (None: where CUDA graphs capture them).
         `speculative_method="ngram"`: each decoding step also verifies up to

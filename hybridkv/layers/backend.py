@@ -21,7 +21,14 @@ from what they share (step.py: `StepInputs`, and an attention group's
   for Mamba layers mamba-ssm's state update where it imports
   (mamba_ssm_state.py), else hybridkv's kernels, else the reference. Its
   steps are eager (no CUDA graphs). Not picked by "auto": a choice to
-  measure against the kernels (benchmarks/kernels.py), not yet measured.
+  measure against the kernels (benchmarks/kernels.py).
+* "triton+flashinfer": hybridkv's kernels for stores, decodes (captured in
+  CUDA graphs) and Mamba steps, FlashInfer's prefill for the chunks of eager
+  steps (flashinfer_attention.FlashInferPrefill), after both self-tests: on
+  an H100 FlashInfer's prefill kernel was 3.8-8.6x faster than hybridkv's
+  and its decode no faster than hybridkv's at the swept tiles. Not picked
+  by "auto" either: its end-to-end gain is unmeasured, and FlashInfer
+  compiles each head size's kernels on first use (about a minute each).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 from . import kernel_attention, paged_attention
 from .mamba_state import KernelMamba, TorchMamba
 
-CHOICES = ("auto", "torch", "triton", "flashinfer")
+CHOICES = ("auto", "torch", "triton", "flashinfer", "triton+flashinfer")
 
 
 class TorchAttention:
@@ -100,8 +107,8 @@ def choose(name: str | None, device: torch.device | str) -> Backend:
     device = torch.device(device)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TORCH
-    if name == "flashinfer":
-        return flashinfer_backend(device)
+    if name in ("flashinfer", "triton+flashinfer"):
+        return flashinfer_backend(device, prefill_only=name == "triton+flashinfer")
     try:
         ops = kernels()
     except ImportError as e:
@@ -135,8 +142,9 @@ def verified(ops, device: torch.device) -> bool:
     return _verified[key]
 
 
-def flashinfer_backend(device: torch.device) -> Backend:
-    """FlashInfer's attention, mamba-ssm's (or hybridkv's) Mamba step."""
+def flashinfer_backend(device: torch.device, prefill_only: bool = False) -> Backend:
+    """FlashInfer's attention, mamba-ssm's (or hybridkv's) Mamba step; with
+    `prefill_only`, FlashInfer's prefill beside hybridkv's kernels."""
     try:
         import flashinfer
     except ImportError as e:
@@ -147,6 +155,13 @@ def flashinfer_backend(device: torch.device) -> Backend:
     from . import flashinfer_attention
     from .mamba_ssm_state import MambaSsmMamba, load_kernels
 
+    if prefill_only:
+        ops = kernels()  # the caller asked for them: a failing self-test raises
+        if not verified(ops, device):
+            raise RuntimeError(f"hybridkv's Triton kernels failed their self-test on {device}")
+        attention = flashinfer_attention.FlashInferPrefill(flashinfer, device, ops)
+        flashinfer_attention.check(attention.prefill, device)
+        return Backend("triton+flashinfer", attention, KernelMamba(ops))
     attention = flashinfer_attention.FlashInferAttention(flashinfer, device)
     flashinfer_attention.check(attention, device)  # a mismatch raises: the caller asked for this backend
     mamba_kernels = load_kernels()

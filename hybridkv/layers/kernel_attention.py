@@ -69,17 +69,23 @@ def store(ops, cache, k, v, meta: KernelMetadata, column: int) -> None:
 
 def attend(ops, q, cache, meta: KernelMetadata, column: int, scale, softcap):
     out = torch.empty_like(q)
+    attend_decodes(ops, out, q, cache, meta.step, column, scale, softcap)
     step = meta.step
-    positions, table = step.inputs.positions, step.table[column]
-    decodes, chunks = step.inputs.decodes, step.inputs.chunks
-    if decodes is not None:
-        tokens = decodes.tokens
-        splits = decode_splits(q.device, tokens.shape[0] * cache.shape[3], table.shape[1] * cache.shape[2])
-        ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
-                                   step.first_key[tokens], scale=scale, softcap=softcap, splits=splits,
-                                   block_n=decode_block_n(step.spec.kind, cache.shape[4], cache.element_size()))
+    chunks = step.inputs.chunks
     if chunks is not None:
-        ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, table, chunks.table_rows,
-                                    positions, step.first_key, max_length=chunks.longest, scale=scale,
-                                    softcap=softcap)
+        ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, step.table[column],
+                                    chunks.table_rows, step.inputs.positions, step.first_key,
+                                    max_length=chunks.longest, scale=scale, softcap=softcap)
     return out
+
+
+def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, softcap) -> None:
+    """The step's decode rows of `out` (the prefill chunks' rows untouched)."""
+    decodes = step.inputs.decodes
+    if decodes is None:
+        return
+    positions, table, tokens = step.inputs.positions, step.table[column], decodes.tokens
+    splits = decode_splits(q.device, tokens.shape[0] * cache.shape[3], table.shape[1] * cache.shape[2])
+    ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
+                               step.first_key[tokens], scale=scale, softcap=softcap, splits=splits,
+                               block_n=decode_block_n(step.spec.kind, cache.shape[4], cache.element_size()))
