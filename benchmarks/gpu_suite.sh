@@ -19,11 +19,13 @@
 #                       benchmarks/engine_throughput.py: the engine on Gemma-3-1B- and
 #                       ~1B-Jamba-shaped random models in bf16 against transformers' generate,
 #                       batch 1 and 64, CUDA graphs on and off, beside the weights-read bound
+#   profile.txt/.json   benchmarks/gpu_profile.py: decode steps under torch.profiler, batch 1
+#                       and 64, graphs on and off: step, kernel and launch counts, top kernels
 #   oracle.txt          the engine against transformers on CUDA in bf16 (loose bounds),
 #                       decode steps through CUDA graphs
 #
 # GPU_SUITE_PARTS picks parts (default: all; on a GPU "kernel_tests kernels
-# engine_gemma3 engine_jamba oracle", under --dry-run "engine" stands for the
+# engine_gemma3 engine_jamba profile oracle", under --dry-run "engine" stands for the
 # two engine parts), to spread them over device calls of 10 minutes: the
 # correctness parts together, then the kernels, then one engine part each.
 # Where FlashInfer imports (benchmarks/gpu_wheels.sh), the oracle runs the
@@ -41,7 +43,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
 failed=0
 
-PARTS=" ${GPU_SUITE_PARTS:-kernel_tests kernels engine engine_gemma3 engine_jamba oracle} "
+PARTS=" ${GPU_SUITE_PARTS:-kernel_tests kernels engine engine_gemma3 engine_jamba profile oracle} "
 part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
     local name=$1 limit=$2
     shift 2
@@ -69,6 +71,7 @@ if [ "$DRY" = "--dry-run" ]; then
     part kernels 600 "$PYTHON" benchmarks/kernels.py --quick --out "$OUT/kernels.json"
     part engine 900 "$PYTHON" benchmarks/engine_throughput.py --dry-run --graphs both --only throughput \
         --out "$OUT/engine.json"
+    part profile 300 "$PYTHON" benchmarks/gpu_profile.py --dry-run --steps 3 --batches 1 --out "$OUT/profile.json"
     part oracle 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
         -k "batch_of_different_lengths and fixed-decode"
 else
@@ -86,6 +89,7 @@ else
             --models $model-1b-shape --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput \
             --repeat 1 --num-prompts 64 --new-tokens 64 --out "$OUT/engine_$model.json"
     done
+    part profile 300 "$PYTHON" benchmarks/gpu_profile.py --out "$OUT/profile.json"
     part oracle 240 "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST tests/test_engine_oracle.py --device cuda \
         --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton or flashinfer"
 fi

@@ -105,7 +105,9 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
     assert all(r["hybridkv"]["tokens_per_s"] > 0 and r["weight_bound_tokens_per_s"] > 0 for r in engine["throughput"])
     assert json.loads((out / "kernels.json").read_text())["rows"]
-    for name in ("env", "kernel_tests", "oracle"):
+    profiled = json.loads((out / "profile.json").read_text())["cases"]
+    assert profiled and all(c["step_ms"] > 0 and c["launches"] > 0 and c["top"] for c in profiled)
+    for name in ("env", "kernel_tests", "oracle", "profile"):
         assert (out / f"{name}.txt").stat().st_size > 0
 
 

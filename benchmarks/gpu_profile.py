@@ -1,0 +1,139 @@
+"""Where a decode step's time goes on a GPU: the engine's decode steps under
+torch.profiler, CUDA graphs on and off, at batch 1 and 64, beside the
+weights-read bound of a step.
+
+Per case: the wall time of a decode step (20 steps, synchronised), the GPU
+time its kernels add up to, how many kernels it launches, and the kernels
+that take the most time. The gap between wall and kernel time is launch
+and host overhead (what graphs remove); the gap between kernel time and the
+bound is the kernels themselves.
+
+Model: the Gemma-3-1B shape of benchmarks/engine_throughput.py (random
+weights, bf16); each request has a 500-token prompt and is profiled once
+every request decodes.
+
+    python benchmarks/gpu_profile.py                 # CUDA: ~2 minutes
+    python benchmarks/gpu_profile.py --batches 1 --modes graphs
+    python benchmarks/gpu_profile.py --dry-run       # a tiny model on the CPU (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine_throughput import model_path, weight_bound  # noqa: E402
+
+from hybridkv import Engine, SamplingParams  # noqa: E402
+
+MODEL = "gemma3-1b-shape"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decoding_engine(path: str, device: str, dry: bool, batch: int, eager: bool) -> Engine:
+    """An engine whose `batch` requests have all finished their prefill."""
+    engine = Engine(path, kv_cache_memory="4GiB", dtype="float32" if dry else "bfloat16", device=device,
+                    progress=False, max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=eager,
+                    fixed_shape_decode=True if dry else None)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([rng.randrange(5, 1000) for _ in range(500)], params, request_id=f"r{i}")
+    decoding = set()
+    while len(decoding) < batch:  # every prompt prefilled
+        decoding.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    for _ in range(5):  # and a few decode steps
+        engine.step()
+    return engine
+
+
+def kernel_rows(prof, steps: int, device: str) -> tuple[float, float, list[dict]]:
+    """(device µs per step, launches per step, top kernels) from a profile."""
+    rows = []
+    for event in prof.key_averages():
+        if device == "cuda":
+            self_us = getattr(event, "self_device_time_total", None)
+            if self_us is None:
+                self_us = event.self_cuda_time_total
+            if event.device_type != torch.autograd.DeviceType.CUDA or self_us <= 0:
+                continue
+        else:
+            self_us = event.self_cpu_time_total
+            if self_us <= 0 or event.key.startswith("ProfilerStep"):
+                continue
+        rows.append(dict(name=event.key, calls=event.count / steps, us=self_us / steps))
+    rows.sort(key=lambda r: -r["us"])
+    return sum(r["us"] for r in rows), sum(r["calls"] for r in rows), rows
+
+
+def profile_case(path: str, device: str, dry: bool, batch: int, mode: str, steps: int) -> dict:
+    engine = decoding_engine(path, device, dry, batch, eager=mode == "eager")
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    kernel_us, launches, rows = kernel_rows(prof, steps, device)
+    return dict(batch=batch, mode=mode, step_ms=1e3 * statistics.median(times), kernel_ms=kernel_us / 1e3,
+                launches=launches, graphs=len(engine.runner.graphs), top=rows[:15])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--modes", default="graphs,eager")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dry-run", action="store_true", help="the model shrunk, on the CPU")
+    parser.add_argument("--out", default=None, help="JSON output")
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and not args.dry_run:
+        print("benchmarks/gpu_profile.py needs CUDA; --dry-run checks the script on the CPU")
+        return
+    path = model_path(MODEL, dry=args.dry_run)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    results = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        bound_ms = 1e3 * batch / weight_bound(MODEL, batch, dry=args.dry_run)
+        for mode in args.modes.split(","):
+            case = profile_case(path, device, args.dry_run, batch, mode, args.steps)
+            case["bound_ms"] = bound_ms
+            results.append(case)
+            print(f"\n{name}, {MODEL}{' (dry run)' if args.dry_run else ''}, batch {batch}, {mode} "
+                  f"({case['graphs']} graphs): step {case['step_ms']:.2f} ms, kernels {case['kernel_ms']:.2f} ms, "
+                  f"{case['launches']:.0f} launches per step; weights-read bound {bound_ms:.3f} ms "
+                  f"({bound_ms / case['step_ms']:.0%} of it reached)")
+            print(f"  {'kernel' if device == 'cuda' else 'op':<60} {'per step':>8} {'us/step':>9} {'share':>6}")
+            for row in case["top"]:
+                print(f"  {row['name'][:60]:<60} {row['calls']:>8.1f} {row['us']:>9.1f} "
+                      f"{row['us'] / max(1e-9, 1e3 * case['kernel_ms']):>6.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, model=MODEL, cases=results), f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
