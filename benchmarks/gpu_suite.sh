@@ -81,7 +81,7 @@ else
     part kernel_tests 300 bash -c "'$PYTHON' -m pytest -q -p no:cacheprovider $XDIST -k 'not real_size' \
         tests/test_triton_kernels.py; a=\$?; '$PYTHON' -m pytest -q -p no:cacheprovider -k real_size \
         tests/test_triton_kernels.py && exit \$a"
-    part kernels 240 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json"
+    part kernels 360 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json"
     # One part per model (each ~5 minutes with its warm runs: a device call apiece).
     # ENGINE_BACKENDS=auto,triton+flashinfer adds rows through FlashInfer (its JIT build takes minutes on first use).
     for model in gemma3 jamba; do

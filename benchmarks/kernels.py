@@ -265,9 +265,41 @@ def prefill_rows(args, device, timer, peak):
         moved = layer.kv_bytes() + 2 * layer.q.numel() * layer.q.element_size()
         rows.append(dict(kernel="paged prefill attention", kind=kind, shape=f"{chunk} after {cached}",
                          seconds=t_kernel, bytes=moved, max_abs_err=err, torch_seconds=t_torch,
-                         tflops=flops / t_kernel / 1e12, **bandwidth(moved, t_kernel, peak)))
+                         tflops=flops / t_kernel / 1e12, sweep_us=prefill_sweep(args, layer, ref, err, scale, timer),
+                         **bandwidth(moved, t_kernel, peak)))
         layer.field_rows(rows[-1], ref, scale, timer)
     return rows
+
+
+def prefill_sweep(args, layer, ref, err, scale, timer) -> dict:
+    """The prefill kernel's tiles (block_m x block_n), warps, pipeline
+    stages, and dots on 16-bit operands (compiled kernels only: the
+    interpreter's are wrong) against float32 tiles: µs per config, each
+    checked against the reference first."""
+    step = layer.meta["triton"].step
+    chunks = step.inputs.chunks
+    ops = backend.kernels()
+    out = torch.empty_like(layer.q)
+    configs = ([(16, 32, 4, None, False), (32, 32, 4, None, False)] if args.quick else
+               [(m, n, w, st, dot16) for dot16 in (False, True) for m, n, w, st in
+                ((32, 64, 8, None), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3))])
+    sweep = {}
+    for block_m, block_n, warps, stages, dot16 in configs:
+        def run():
+            ops.paged_prefill_attention(out, layer.q, layer.cache, chunks.starts, chunks.lengths, step.table[0],
+                                        chunks.table_rows, step.inputs.positions, step.first_key,
+                                        max_length=chunks.longest, scale=scale, block_m=block_m, block_n=block_n,
+                                        num_warps=warps, num_stages=stages, dot_16bit=dot16)
+        name = f"block_m={block_m} block_n={block_n} warps={warps} stages={stages or '-'} dot16={int(dot16)}"
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001 - a config that does not compile (shared memory): say so
+            sweep[name] = f"{type(error).__name__}: {error}"[:200]
+            continue
+        config_err = (out.float() - ref.float()).abs().max().item()
+        assert config_err <= max(4 * err, 5e-2), f"prefill sweep config {name} is wrong ({config_err})"
+        sweep[name] = timer(run) * 1e6
+    return sweep
 
 
 def store_rows(args, device, timer, peak):
@@ -462,13 +494,22 @@ def main() -> None:
         if "kernel_seconds" in f:
             print(f"{'':<24} {'':<15} {'':<16} {'(alone)':<11} {'':>9} {f['kernel_seconds'] * 1e6:>10.1f}"
                   f"   (on gathered states, without the gather and write-back)")
-    sweeps = [r for r in rows if r.get("sweep_us")]
+    sweeps = [r for r in rows if r.get("sweep_us") and r["kernel"] == "paged decode attention"]
     if sweeps:
         print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: kernel_attention.decode_block_n, decode_splits, 4)")
         for r in sweeps:
             best = min(r["sweep_us"], key=r["sweep_us"].get)
             us = r["sweep_us"][best]
             print(f"  {r['kind']:<15} {r['shape']:<12} {best:<32} {us:>9.1f} us {r['bytes'] / us / 1e3:>8.1f} GB/s")
+    prefills = [r for r in rows if r["kernel"] == "paged prefill attention" and r.get("sweep_us")]
+    if prefills:
+        print("\npaged prefill attention, sweep (block_m x block_n, warps, stages, 16-bit dots; "
+              "default: 32 x 64, 8 warps, float32 tiles)")
+        for r in prefills:
+            for config, us in sorted(r["sweep_us"].items(), key=lambda kv: (isinstance(kv[1], str), kv[1])):
+                shown = f"{us:>9.1f} us {r['tflops'] * r['seconds'] * 1e6 / us:>6.1f} TFLOP/s" \
+                    if not isinstance(us, str) else us
+                print(f"  {r['kind']:<15} {config:<52} {shown}")
     out = args.out or (RESULTS if cuda and not args.quick else None)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -238,6 +238,36 @@ def test_paged_attention_matches_the_reference_bfloat16(kind, size):
     check_attention(case, scale=0.3, softcap=None, splits=2)
 
 
+def test_16_bit_dots_are_refused_where_they_would_be_wrong():
+    # The prefill kernel's dot_16bit variant (benchmarks/kernels.py sweeps it
+    # on a GPU) takes 16-bit caches only, and never runs under the
+    # interpreter, whose 16-bit dots are wrong.
+    case = AttentionCase(KINDS["full"], 0, 16, 2, torch.float32, seed=1)
+    chunks = case.kernel_meta.step.inputs.chunks
+    out = torch.empty_like(case.q)
+    with pytest.raises(ValueError, match="16-bit cache"):
+        ops.paged_prefill_attention(out, case.q, case.cache, chunks.starts, chunks.lengths, case.table[case.column],
+                                    chunks.table_rows, case.inputs.positions, case.spec.first_visible(
+                                        case.inputs.positions), max_length=chunks.longest, scale=0.3,
+                                    dot_16bit=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind,size", CASES)
+def test_16_bit_dots_match_the_reference_on_a_gpu(kind, size):
+    case = AttentionCase(KINDS[kind], size, 16, 2, torch.bfloat16, seed=11)
+    ref = case.reference(0.3, None)
+    chunks = case.kernel_meta.step.inputs.chunks
+    rows = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(chunks.starts.cpu(), chunks.lengths.cpu())])
+    for block_m, block_n, stages in ((32, 64, None), (64, 64, 2), (128, 32, 3)):
+        out = torch.full_like(case.q, float("nan"))
+        ops.paged_prefill_attention(out, case.q, case.cache, chunks.starts, chunks.lengths, case.table[case.column],
+                                    chunks.table_rows, case.inputs.positions,
+                                    case.spec.first_visible(case.inputs.positions), max_length=chunks.longest,
+                                    scale=0.3, block_m=block_m, block_n=block_n, num_stages=stages, dot_16bit=True)
+        torch.testing.assert_close(out[rows].float(), ref[rows], atol=2e-2, rtol=2e-2)
+
+
 def test_decode_splits_are_few_powers_of_two_and_tiles_follow_the_sweep(monkeypatch):
     # Each splits value is a kernel variant compiled on first use (seconds
     # with wide heads, measured on an H100): a mixed step's decode count is
@@ -519,10 +549,11 @@ for dt in ("bf16", "fp32"):
                 part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
                 GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64, SPLITS=splits,
                 PRECISION=prec))
-    for softcap in (False, True):
+    for softcap, dot16 in ((False, False), (True, False), (False, dt == "bf16")):
         compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
                 dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
-                     BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec),
+                     BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec,
+                     DOT_16=dot16),
                 num_warps=4 if dt == "fp32" else 8)
     compile(ops._combine_splits_kernel, dict(out_ptr=p, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
             part_l_ptr="*fp32", s_ot=H * G * D, s_oh=D, s_od=1, num_q_heads=H * G),

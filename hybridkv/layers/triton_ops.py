@@ -108,16 +108,21 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 @triton.jit
 def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
                      scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, DOT_16: tl.constexpr):
     """Scores of the query rows `q` against the keys `n` of a table row (only
     where `ok`: a key outside is never loaded), in base 2 for exp2, and the
-    pointers and mask to load the same rows of V."""
+    pointers and mask to load the same rows of V. DOT_16: the dot takes the
+    16-bit K as stored (and `q` in the same type), accumulating in float32;
+    else K is widened to float32 first."""
     page = tl.load(table_row + (n // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
     kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
                + d[None, :] * s_cd)
     kv_mask = ok[:, None] & d_ok[None, :]
-    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+    if DOT_16:
+        s = tl.dot(q, tl.trans(k)) * scale
+    else:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
     if HAS_SOFTCAP:
         # softcap * tanh(s / softcap), tanh written with exp (the interpreter
         # has no tanh); it saturates to +-1, no overflow.
@@ -126,14 +131,20 @@ def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_c
 
 
 @triton.jit
-def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: tl.constexpr):
+def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: tl.constexpr,
+                         DOT_16: tl.constexpr):
     """Fold one tile of (already masked, base-2) scores into the running
-    max, sum and weighted sum of V."""
+    max, sum and weighted sum of V (DOT_16: P rounded to V's 16-bit type for
+    the dot, as flash attention does on tensor cores)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0)
+    if DOT_16:
+        pv = tl.dot(p.to(v.dtype), v)
+    else:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -186,9 +197,9 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
         s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs,
-                                               s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION)
+                                               s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION, False)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION)
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION, False)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -286,7 +297,8 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
                           s_tr, s_tb,
                           HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          DOT_16: tl.constexpr):
     """One program per (segment, tile of BLOCK_M query tokens, query head).
     A segment is one request's consecutive query tokens (a prefill chunk
     that may continue after cached tokens, or a single decode token). The
@@ -307,7 +319,11 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
         d = tl.arange(0, DIM_PAD)
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + (first_row + m)[:, None] * s_qt + head * s_qh + d[None, :] * s_qd,
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_16:
+            q = q.to(cache_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
         lo = tl.load(first_ptr + first_row + m0)
         hi = tl.load(pos_ptr + first_row + tl.minimum(m0 + BLOCK_M, length) - 1)  # the tile's last query
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
@@ -319,10 +335,10 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
             ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
             s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp,
                                                    s_cs, s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
-                                                   PRECISION)
+                                                   PRECISION, DOT_16)
             seen = ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= q_first[:, None])
             s = tl.where(seen, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION, DOT_16)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (first_row + m)[:, None] * s_ot + head * s_oh + d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -332,7 +348,8 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
                             lengths: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor,
                             positions: torch.Tensor, first_key: torch.Tensor, *, max_length: int, scale: float,
                             softcap: float | None = None, block_m: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None) -> None:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            dot_16bit: bool = False) -> None:
     """Attention of segments of consecutive query tokens (prefill chunks,
     also after cached tokens; a mixed batch's decodes are segments of one).
 
@@ -341,7 +358,10 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     position 0). Query row t sits at `positions[t]` and reads keys
     `first_key[t]` .. `positions[t]`. `max_length` (a Python int, no device
     sync) sizes the grid. block_m queries and block_n keys per tile (powers
-    of two, at least 16).
+    of two, at least 16). `dot_16bit` (16-bit caches, compiled kernels
+    only): the dots take Q, K, P and V in the cache's 16-bit type, float32
+    accumulation, instead of widening to float32 tiles first; not the
+    default until measured on a GPU (benchmarks/kernels.py sweeps it).
     """
     if cache.element_size() >= 4:
         # float32 dots run on FMA units ("ieee"): 32 x 64 tiles spill
@@ -352,6 +372,9 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
         block_m, block_n, num_warps = block_m or 32, block_n or 64, num_warps or 8
     _check_tile(block_m)
     _check_tile(block_n)
+    if dot_16bit and (cache.element_size() != 2 or INTERPRETED):
+        raise ValueError("dot_16bit takes a 16-bit cache and compiled kernels (the interpreter's 16-bit dots "
+                         "are wrong)")
     segments = starts.shape[0]
     if segments == 0 or max_length == 0:
         return
@@ -364,7 +387,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
         HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
         HEAD_DIM=dim, DIM_PAD=_pow2(dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_dot_precision(cache.dtype), **_launch(num_warps, num_stages))
+        PRECISION=_dot_precision(cache.dtype), DOT_16=dot_16bit, **_launch(num_warps, num_stages))
 
 
 # -- Mamba decode step ---------------------------------------------------------
