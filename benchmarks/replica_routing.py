@@ -259,10 +259,11 @@ class HybridRouter:
         self._last = None
 
     def route(self, tokens, loads) -> tuple[int, int]:
-        hits = {replica: hit for hit, replica in self.index.best(tokens)}
-        held = self.index.held_tokens(self.index.block_keys(tokens)[0]) if self.use_held else None
+        keys = self.index.block_keys(tokens)[0]  # hashed once, for the hit and the held runs
+        hits = {replica: hit for hit, replica in self.index.best_of_keys(keys)}
+        held = self.index.held_tokens(keys) if self.use_held else None
         choice = self.rule.choose(len(tokens), self.replicas, hits, loads, held)
-        self._last = (tokens, hits, held, choice)
+        self._last = (len(tokens), keys, hits, held, choice)
         return choice, hits.get(choice, 0)
 
     def token_prefix_pick(self, loads) -> tuple[int, int]:
@@ -270,10 +271,10 @@ class HybridRouter:
         router would have picked on the same state (its own rule, same queue
         price), and the hit at ours. Exact: the index gives every replica's
         real hit. Outside the timed decision."""
-        tokens, hits, held, choice = self._last
+        prompt_tokens, keys, hits, held, choice = self._last
         if held is None:
-            held = self.index.held_tokens(self.index.block_keys(tokens)[0])
-        pick = self._shadow.choose(len(tokens), self.replicas, held, loads)
+            held = self.index.held_tokens(keys)
+        pick = self._shadow.choose(prompt_tokens, self.replicas, held, loads)
         return hits.get(pick, 0), hits.get(choice, 0)
 
     def observe(self, replica, events) -> None:

@@ -136,5 +136,6 @@ def test_best_over_several_sources_equals_each_managers_own_hit(mix):
         got = index.best(probe)
         assert dict((source, hit) for hit, source in got) == {n: h for n, h in expected.items() if h}
         assert [hit for hit, _ in got] == sorted((h for h in expected.values() if h), reverse=True)
+        assert index.best_of_keys(index.block_keys(probe)[0]) == got  # a router's keys hashed once
         checked += len(got) > 1
     assert checked > 0  # some probes hit on several sources

@@ -211,12 +211,17 @@ class PrefixIndex:
              extra_keys: Sequence | None = None) -> list[tuple[int, object]]:
         """Every source with a hit, as (hit tokens, source), longest first.
         The request's keys are hashed once and looked up once for all."""
-        keys, limit = self.block_keys(token_ids, cache_salt, extra_keys)
-        if limit <= 0 or not self._sources:
+        return self.best_of_keys(self.block_keys(token_ids, cache_salt, extra_keys)[0])
+
+    def best_of_keys(self, keys: list) -> list[tuple[int, object]]:
+        """`best` for a request whose keys (`block_keys(...)[0]`) a caller
+        has already: a router that also reads `held_tokens` then hashes the
+        prompt once."""
+        if not keys or not self._sources:
             return []
         sources = self._sources
         return [(hit, sources[bit.bit_length() - 1])
-                for hit, bit in self._hits(keys, limit, (1 << len(sources)) - 1)]
+                for hit, bit in self._hits(keys, len(keys), (1 << len(sources)) - 1)]
 
     def held_tokens(self, keys: list) -> dict:
         """The token-prefix view: per source, the tokens of the request's

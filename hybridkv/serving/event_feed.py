@@ -114,11 +114,13 @@ class IndexFeed:
     def synced(self, replica) -> bool:
         return replica in self._synced
 
-    def hits(self, token_ids, cache_salt: str | None = None) -> dict:
-        """Replica -> the hit (tokens) a request with these tokens would get there."""
+    def hits(self, token_ids, cache_salt: str | None = None, keys: list | None = None) -> dict:
+        """Replica -> the hit (tokens) a request with these tokens would get
+        there; `keys`: their block keys, where the caller has them."""
         if self.index is None:
             return {}
-        return {replica: hit for hit, replica in self.index.best(token_ids, cache_salt)}
+        ranked = self.index.best_of_keys(keys) if keys is not None else self.index.best(token_ids, cache_salt)
+        return {replica: hit for hit, replica in ranked}
 
 
 class RecentRoutes:
