@@ -251,7 +251,7 @@ class FlashInferPrefill:
         kernel_attention.store(self.ops, cache, k, v, meta.kernel, column)
 
     def attend(self, q, cache, meta: PrefillSplitMetadata, column: int, scale, softcap=None):
-        if meta.flashinfer is None or cache.dtype not in (torch.float16, torch.bfloat16):
+        if meta.flashinfer is None or not supports(meta.kernel.step.spec, cache.dtype):
             return kernel_attention.attend(self.ops, q, cache, meta.kernel, column, scale, softcap)
         out = self.prefill.attend(q, cache, meta.flashinfer, column, scale, softcap)  # the chunks' rows
         kernel_attention.attend_decodes(self.ops, out, q, cache, meta.kernel.step, column, scale, softcap)

@@ -74,9 +74,10 @@ class MambaSsmMamba(TorchMamba):
     def __init__(self, selective_state_update, causal_conv1d_update=None):
         self.selective_state_update = selective_state_update
         self.causal_conv1d_update = causal_conv1d_update
+        self._zero_bias = None
 
     def _zeros(self, dt: torch.Tensor) -> torch.Tensor:
-        zeros = getattr(self, "_zero_bias", None)
+        zeros = self._zero_bias
         if zeros is None or zeros.shape[0] != dt.shape[-1] or zeros.device != dt.device:
             zeros = self._zero_bias = torch.zeros(dt.shape[-1], dtype=torch.float32, device=dt.device)
         return zeros
@@ -107,8 +108,7 @@ def emulated_kernels():
         if dt_bias is None:  # as mamba-ssm 2.3.2 fails: it reads dt_bias's strides whatever it is
             raise TypeError("selective_state_update needs a dt_bias tensor")
         rows = state_batch_indices.long()
-        if dt_bias is not None:
-            dt = dt + dt_bias
+        dt = dt + dt_bias
         if dt_softplus:
             dt = F.softplus(dt)
         h = state[rows].float()

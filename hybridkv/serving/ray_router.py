@@ -86,7 +86,7 @@ class HybridPrefixRouter(RequestRouter):
             queues[r.replica_id.unique_id] = queue or 0
         names = [r.replica_id.unique_id for r in candidate_replicas]
         keys = self._keys(pending_request)  # hashed once, for the hits and the held runs
-        hits = self.feed.hits(token_ids, kwargs.get("cache_salt"), keys or None) if token_ids else {}
+        hits = self.feed.hits(token_ids, kwargs.get("cache_salt"), keys) if token_ids else {}
         held = None
         if keys:
             reports = {n: self.feed.reports.get(n, 0) for n in names}
