@@ -33,16 +33,11 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine_throughput import model_path, weight_bound  # noqa: E402
+from engine_throughput import model_path, sync, weight_bound  # noqa: E402
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 
 MODEL = "gemma3-1b-shape"
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def decoding_engine(path: str, device: str, dry: bool, batch: int, eager: bool) -> Engine:

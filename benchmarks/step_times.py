@@ -25,7 +25,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine_throughput import sync  # noqa: E402
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.files import cache_root  # noqa: E402
@@ -44,11 +47,6 @@ def model_path(dry: bool) -> str:
                                   max_position_embeddings=32768)
         Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def step_times(path: str, device: str, eager: bool, prompts, new_tokens: int) -> dict:
