@@ -54,3 +54,15 @@ def test_fused_linear_is_the_parts_side_by_side():
     fused = Linear.fused(parts)
     x = torch.randn(4, 8)
     assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+@pytest.mark.parametrize("override", [None, "torch"])
+def test_product_nt_is_x_times_w_transposed_for_any_strides(override, monkeypatch):
+    # Attention's products on the CPU (paged_attention._attend_products):
+    # a transposed (strided) right operand, as the value rows are passed.
+    if override:
+        monkeypatch.setenv("HYBRIDKV_LINEAR", override)
+    gen = torch.Generator().manual_seed(0)
+    x, w, wt = torch.randn(9, 24, generator=gen), torch.randn(13, 24, generator=gen), torch.randn(24, 13, generator=gen)
+    torch.testing.assert_close(linear.product_nt(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear.product_nt(x, wt.t()), x @ wt, rtol=1e-5, atol=1e-5)

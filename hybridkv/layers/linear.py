@@ -65,6 +65,30 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn" if ops is not None and _onednn_agrees(*ops) else "torch"
 
 
+_products: dict[tuple, object] = {}
+
+
+def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for x [m, k] and w [n, k], any strides: oneDNN's matmul where
+    `choose` picks it (float32 on the CPU), else torch.mm. Attention's
+    products on the CPU go through here: at its shapes (a few hundred rows
+    of 256) oneDNN runs 2.1-2.3x faster than MKL's GEMM on this project's
+    machines (benchmarks/prefill_tiles.py)."""
+    key = (x.device.type, x.dtype, os.environ.get("HYBRIDKV_LINEAR"))
+    product = _products.get(key)
+    if product is None:
+        if choose(x.device, x.dtype) == "onednn":
+            matmul = _onednn_ops()[0]
+
+            def product(a, b):
+                return matmul(a, b, None, "none", [], "")
+        else:
+            def product(a, b):
+                return torch.mm(a, b.t())
+        _products[key] = product
+    return product(x, w)
+
+
 def spare_memory() -> int:
     """Bytes of memory free now (0 where the system does not say)."""
     try:
