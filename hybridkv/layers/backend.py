@@ -11,8 +11,12 @@ from what they share (step.py: `StepInputs`, and an attention group's
 * "auto" (default; `HYBRIDKV_KERNELS` overrides): the kernels on CUDA when
   triton imports and they pass a self-test on that device (a few small
   launches against dense torch written from the rules: kernel_check.py; a
-  failure warns and keeps the reference); the reference on the CPU;
+  failure warns and keeps the reference); "cpu" on the CPU where its C
+  kernel builds and passes its self-test, else the reference;
 * "torch": the reference everywhere;
+* "cpu": the reference with its decode attention through hybridkv's C
+  kernel, which reads each query's keys in place in the pool
+  (cpu_attention.py, built by cpu_native.py on first use);
 * "triton": the kernels, no self-test; on CPU tensors this needs triton's
   interpreter (`TRITON_INTERPRET=1` set before the kernels are imported),
   which is how the tests run them without a GPU;
@@ -42,7 +46,7 @@ import torch
 from . import kernel_attention, paged_attention
 from .mamba_state import KernelMamba, TorchMamba
 
-CHOICES = ("auto", "torch", "triton", "flashinfer", "triton+flashinfer")
+CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer", "triton+flashinfer")
 
 
 class TorchAttention:
@@ -105,7 +109,11 @@ def choose(name: str | None, device: torch.device | str) -> Backend:
     if name not in CHOICES:
         raise ValueError(f"unknown kernel backend {name!r}: expected one of {', '.join(CHOICES)}")
     device = torch.device(device)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
+        return TORCH
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return cpu_backend(required=name == "cpu")
+    if name == "auto" and device.type != "cuda":
         return TORCH
     if name in ("flashinfer", "triton+flashinfer"):
         return flashinfer_backend(device, prefill_only=name == "triton+flashinfer")
@@ -121,6 +129,34 @@ def choose(name: str | None, device: torch.device | str) -> Backend:
                                "before hybridkv.layers.triton_ops is imported")
         return kernel_backend()
     return kernel_backend() if verified(ops, device) else TORCH
+
+
+_cpu: list[Backend] = []
+
+
+def cpu_backend(required: bool) -> Backend:
+    """The "cpu" backend once its C kernel is built and passes its
+    self-test; otherwise the reference, or an error when it was asked for."""
+    if not _cpu:
+        from . import cpu_attention, cpu_native
+
+        lib = cpu_native.library()
+        if lib is None:
+            if required:
+                raise RuntimeError("the cpu backend needs its C kernel, which could not be built here "
+                                   "(a C compiler with OpenMP: cc, gcc or clang; HYBRIDKV_NATIVE=0 turns it off)")
+            return TORCH
+        attention = cpu_attention.NativeAttention(lib)
+        try:
+            cpu_attention.check(attention)
+        except AssertionError as error:
+            warnings.warn(f"hybridkv: the CPU kernel failed its self-test ({error}); using the torch reference",
+                          RuntimeWarning, stacklevel=3)
+            attention = None
+        _cpu.append(Backend("cpu", attention, TorchMamba()) if attention is not None else TORCH)
+    if required and _cpu[0] is TORCH:
+        raise RuntimeError("hybridkv's CPU kernel failed its self-test here")
+    return _cpu[0]
 
 
 _verified: dict[str, bool] = {}

@@ -1,0 +1,217 @@
+/* hybridkv's CPU kernels, compiled on first use by layers/cpu_native.py
+ * with the system's C compiler and called through ctypes (plain C, no torch
+ * headers: it builds in about a second). OpenMP shares the process's
+ * runtime, the libgomp torch has loaded, so its threads are torch's.
+ *
+ * decode_attention: one query token per row, attended over its own keys
+ * where they lie in the paged pool: no copy of the keys first. The torch
+ * reference (paged_attention.py) gathers every page a decode group reads,
+ * then reads the copy again in two batched products; this reads each key
+ * and value once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Sixteen floats: one AVX-512 register, two AVX2 ones; the compiler picks. */
+#define LANES 16
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vec load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v); /* unaligned */
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline float sum_lanes(vec v)
+{
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++)
+        s += v[i];
+    return s;
+}
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+/* exp(x) for x <= 0 (softmax weights after the maximum is taken off):
+ * 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
+ * series to r^6 (relative error < 2e-7). x below -87 gives e^-87 (~1e-38),
+ * a weight no sum notices. */
+static inline vec exp_nonpositive(vec x)
+{
+    for (int i = 0; i < LANES; i++) /* a max the compiler makes one instruction */
+        x[i] = x[i] < -87.0f ? -87.0f : x[i];
+    /* Truncating y - 0.5 rounds y <= 0 to the nearest integer. */
+    ivec n = __builtin_convertvector(x * 1.44269504f - 0.5f, ivec);
+    vec nf = __builtin_convertvector(n, vec);
+    vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f; /* ln 2 in two parts, the second exact-ish */
+    vec p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    ivec bits = (n + 127) << 23;
+    vec scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Dot products of one key row with four query rows, dim floats each (four
+ * independent sums, so the multiply-adds overlap). */
+static inline void dot4(const float *q0, const float *q1, const float *q2, const float *q3, const float *k,
+                        int64_t dim, float *s)
+{
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t d = 0;
+    for (; d + LANES <= dim; d += LANES) {
+        const vec kv = load(k + d);
+        a0 += load(q0 + d) * kv;
+        a1 += load(q1 + d) * kv;
+        a2 += load(q2 + d) * kv;
+        a3 += load(q3 + d) * kv;
+    }
+    s[0] = sum_lanes(a0), s[1] = sum_lanes(a1), s[2] = sum_lanes(a2), s[3] = sum_lanes(a3);
+    for (; d < dim; d++)
+        s[0] += q0[d] * k[d], s[1] += q1[d] * k[d], s[2] += q2[d] * k[d], s[3] += q3[d] * k[d];
+}
+
+/* Where key position p of a row lies in the pool. */
+static inline const float *slot(const float *cache, const int64_t *row_pages, int64_t p, int64_t block0,
+                                int64_t block_size, int64_t page_stride, int64_t slot_stride)
+{
+    return cache + row_pages[p / block_size - block0] * page_stride + (p % block_size) * slot_stride;
+}
+
+/* One row and up to four of a KV head's query heads (count): scores
+ * [4][n] is scratch. */
+static void attend_heads(const float *const qs[4], float *const os[4], int64_t count, const float *cache,
+                         const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0, int64_t block_size,
+                         int64_t page_stride, int64_t half_stride, int64_t slot_stride, int64_t dim, float scale,
+                         float softcap, float *scores)
+{
+    float s[4];
+    const int64_t last_block = (lo + n - 1) / block_size;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = lo + i;
+        /* The next block's row at this slot, fetched a block ahead: the
+         * pages of a row lie anywhere in the pool, where the hardware's own
+         * prefetch does not follow. */
+        if (p / block_size < last_block) {
+            const char *next = (const char *)slot(cache, row_pages, p + block_size, block0, block_size, page_stride,
+                                                  slot_stride);
+            for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+                __builtin_prefetch(next + b);
+        }
+        /* And this key's value row, for the second pass to find in cache. */
+        const char *value = (const char *)(slot(cache, row_pages, p, block0, block_size, page_stride, slot_stride) +
+                                           half_stride);
+        for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+            __builtin_prefetch(value + b);
+        dot4(qs[0], qs[1], qs[2], qs[3], slot(cache, row_pages, p, block0, block_size, page_stride, slot_stride),
+             dim, s);
+        for (int g = 0; g < 4; g++)
+            scores[g * n + i] = softcap > 0.0f ? tanhf(s[g] * scale / softcap) * softcap : s[g] * scale;
+    }
+    float total[4];
+    for (int g = 0; g < count; g++) {
+        float *sg = scores + g * n, top = sg[0];
+        for (int64_t i = 1; i < n; i++)
+            top = sg[i] > top ? sg[i] : top;
+        vec sum = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const vec e = exp_nonpositive(load(sg + i) - top);
+            store(sg + i, e);
+            sum += e;
+        }
+        total[g] = sum_lanes(sum);
+        for (; i < n; i++) {
+            sg[i] = expf(sg[i] - top);
+            total[g] += sg[i];
+        }
+    }
+    /* Values weighted in slices of four vectors per head (sixteen
+     * accumulators), over keys a block at a time so that a block's value
+     * rows stay in cache while each slice reads its part of them. */
+    const int64_t key_block = 64;
+    int64_t d = 0;
+    for (int g = 0; g < count; g++)
+        memset(os[g], 0, sizeof(float) * (size_t)dim);
+    for (int64_t i0 = 0; i0 < n; i0 += key_block) {
+        const int64_t i1 = i0 + key_block < n ? i0 + key_block : n;
+        for (d = 0; d + 4 * LANES <= dim; d += 4 * LANES) {
+            vec acc[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int j = 0; j < 4; j++)
+                    acc[g][j] = load(os[g] + d + j * LANES);
+            for (int64_t i = i0; i < i1; i++) {
+                const float *v = slot(cache, row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
+                                 half_stride + d;
+                const vec v0 = load(v), v1 = load(v + LANES), v2 = load(v + 2 * LANES), v3 = load(v + 3 * LANES);
+                for (int g = 0; g < 4; g++) {
+                    const vec w = splat(scores[g * n + i]);
+                    acc[g][0] += w * v0, acc[g][1] += w * v1, acc[g][2] += w * v2, acc[g][3] += w * v3;
+                }
+            }
+            for (int g = 0; g < count; g++)
+                for (int j = 0; j < 4; j++)
+                    store(os[g] + d + j * LANES, acc[g][j]);
+        }
+    }
+    for (int g = 0; g < count; g++) {
+        const float inv = 1.0f / total[g];
+        for (int64_t j = 0; j < d; j++)
+            os[g][j] *= inv;
+    }
+    for (; d < dim; d++) {
+        for (int g = 0; g < count; g++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; i++)
+                acc += scores[g * n + i] *
+                       slot(cache, row_pages, lo + i, block0, block_size, page_stride, slot_stride)[half_stride + d];
+            os[g][d] = acc / total[g];
+        }
+    }
+}
+
+/* q [rows, q_heads, dim] float32, contiguous; out the same.
+ * cache: the layer's view of the pool, float32, addressed by its strides
+ * (elements): page, K/V half, slot, head; dim is contiguous.
+ * pages [rows, max_blocks]: each row's pages from the block holding its
+ * first key; first[r] .. last[r] (inclusive) are the key positions row r
+ * reads (last is the query's own position). softcap <= 0: none.
+ * Returns 0, or -1 where memory for the scores could not be had. */
+int decode_attention(const float *q, const float *cache, int64_t page_stride, int64_t half_stride,
+                     int64_t slot_stride, int64_t head_stride, const int64_t *pages, int64_t max_blocks,
+                     const int64_t *first, const int64_t *last, int64_t rows, int64_t q_heads,
+                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale, float softcap,
+                     float *out, int threads)
+{
+    const int64_t groups = q_heads / kv_heads, batches = (groups + 3) / 4;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t hb = 0; hb < kv_heads * batches; hb++) {
+            const int64_t h = hb / batches, g0 = hb % batches * 4;
+            const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
+            const int64_t lo = first[r], n = last[r] - first[r] + 1;
+            float *scores = malloc(sizeof(float) * (size_t)(4 * n));
+            if (scores == NULL) {
+                failed = 1;
+                continue;
+            }
+            const float *qs[4];
+            float *os[4];
+            for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
+                const int64_t head = h * groups + g0 + (g < count ? g : count - 1);
+                qs[g] = q + (r * q_heads + head) * dim;
+                os[g] = out + (r * q_heads + head) * dim;
+            }
+            attend_heads(qs, os, count, cache + h * head_stride, pages + r * max_blocks, lo, n, lo / block_size,
+                         block_size, page_stride, half_stride, slot_stride, dim, scale, softcap, scores);
+            free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}

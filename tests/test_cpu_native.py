@@ -1,0 +1,140 @@
+"""The "cpu" backend: hybridkv's C decode attention (layers/cpu_kernels.c,
+built by cpu_native.py, called by cpu_attention.py) against the torch
+reference it replaces, and what happens where it cannot be built.
+
+The engine-level oracle (tests/test_engine_oracle.py) runs through it as
+well: "auto" picks it on the CPU, so its tokens and logits are checked
+against transformers there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv import Engine, SamplingParams
+from hybridkv.core import FullAttentionSpec, SlidingWindowSpec
+from hybridkv.layers import backend, cpu_attention, cpu_native, paged_attention
+from hybridkv.layers.step import StepInputs, attention_step
+from oracle import model_dir
+
+needs_compiler = pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def native():
+    lib = cpu_native.library()
+    assert lib is not None, "a C compiler is on PATH, so the kernel must build"
+    return cpu_attention.NativeAttention(lib)
+
+
+
+
+@needs_compiler
+@pytest.mark.parametrize("spec", [FullAttentionSpec(2, 80), SlidingWindowSpec(2, 80, sliding_window=7),
+                                  FullAttentionSpec(1, 16), SlidingWindowSpec(3, 64, sliding_window=20)],
+                         ids=["full-gqa3", "window-gqa3", "full-mha-like", "window-gqa2"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_decode_attention_matches_the_reference_on_a_scattered_pool(native, spec, softcap):
+    gen = torch.Generator().manual_seed(1)
+    bs, q_heads = 4, spec.num_kv_heads * (2 if spec.head_size == 64 else 3)
+    lengths = np.array([1, 3, 4, 5, 17, 33, 40])  # tokens before each query, the query included
+    blocks = int(-(-lengths.max() // bs))
+    num_pages = 1 + len(lengths) * blocks
+    # Every slot NaN until written: a kernel that reads a key outside a
+    # query's range gets NaN in its output.
+    cache = torch.full((num_pages, 2, bs, spec.num_kv_heads, spec.head_size), float("nan"))
+    table = torch.zeros(1, len(lengths), blocks, dtype=torch.int32)
+    order = torch.randperm(num_pages - 1, generator=gen) + 1  # page 0 is the null page
+    for r, n in enumerate(lengths):
+        used = -(-n // bs)
+        table[0, r, :used] = order[r * blocks:r * blocks + used].to(torch.int32)
+        for p in range(n):  # every key a query may read, and nothing else
+            if p >= spec.first_visible(int(n - 1)):
+                cache[table[0, r, p // bs], :, p % bs] = torch.randn(2, spec.num_kv_heads, spec.head_size,
+                                                                     generator=gen)
+    inputs = StepInputs.from_host(np.zeros(len(lengths), dtype=np.int64), lengths - 1, np.ones(len(lengths)),
+                                  np.arange(len(lengths)), "cpu")
+    step = attention_step(inputs, table, spec, bs)
+    q = torch.randn(len(lengths), q_heads, spec.head_size, generator=gen)
+    meta = native.build(step)
+    assert isinstance(meta, cpu_attention.NativeMetadata)
+    got = native.attend(q, cache, meta, 0, 0.2, softcap)
+    reference_cache = torch.nan_to_num(cache)  # the reference masks what it gathers; NaN would survive its mask
+    expected = paged_attention.attend(q, reference_cache, paged_attention.build(step), 0, 0.2, softcap)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_the_self_test_catches_a_wrong_kernel(native, monkeypatch):
+    cpu_attention.check(native)
+    monkeypatch.setattr(cpu_attention.NativeAttention, "attend_decodes",
+                        lambda self, q, *args: torch.zeros_like(q))
+    with pytest.raises(AssertionError):
+        cpu_attention.check(native)
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "jamba"])
+def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
+    # Decodes past Gemma's window of 8, Gemma-2's soft-capped attention,
+    # Jamba's attention beside its Mamba layers; a mixed step (decodes with
+    # a prefill chunk) and preemption in a small pool.
+    path = model_dir(tmp_path_factory, family)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 23, 2, 37, 5))]
+
+    def generate(name):
+        engine = Engine(path, kv_cache_memory="96KiB", block_size=4, max_num_batched_tokens=16, progress=False,
+                        backend=name)
+        assert engine.backend.name == name
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.kv.num_free_pages == engine.kv.num_total_pages
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert generate("cpu") == generate("torch")
+
+
+def test_without_a_compiler_auto_keeps_the_reference_and_cpu_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setattr(backend, "_cpu", [])
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang
+    assert cpu_native.compiler() is None
+    assert backend.choose("auto", "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="C compiler"):
+        backend.choose("cpu", "cpu")
+
+
+@needs_compiler
+def test_a_failing_build_warns_and_keeps_the_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(backend, "_cpu", [])
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    monkeypatch.setattr(cpu_native, "FLAGS", [*cpu_native.FLAGS, "-DNOT_A_FLAG", "-fno-such-option"])
+    with pytest.warns(RuntimeWarning, match="building the CPU kernels failed"):
+        assert backend.choose("auto", "cpu").name == "torch"
+    assert not list(tmp_path.iterdir())  # no half-built library left behind
+
+
+def test_hybridkv_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    monkeypatch.setattr(backend, "_cpu", [])
+    assert cpu_native.library() is None
+    assert backend.choose("auto", "cpu").name == "torch"
+
+
+@needs_compiler
+def test_a_build_lands_under_one_name_per_source_and_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    assert cpu_native.library() is not None
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    assert cpu_native.library() is not None
+    assert [p.name for p in tmp_path.iterdir()] == [built[0].name] and built[0].stat().st_mtime_ns == stamp
