@@ -138,3 +138,50 @@ def test_a_build_lands_under_one_name_per_source_and_is_reused(tmp_path, monkeyp
     monkeypatch.setattr(cpu_native, "_loaded", {})
     assert cpu_native.library() is not None
     assert [p.name for p in tmp_path.iterdir()] == [built[0].name] and built[0].stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [3, 700])  # one thread, and enough work for both
+@pytest.mark.parametrize("dim", [40, 256, 72])  # remainders past the vector width
+def test_fused_norms_and_rotary_match_torch(rows, dim):
+    from hybridkv.layers import cpu_fused
+    from hybridkv.layers.norm import RMSNorm
+    from hybridkv.layers.rotary import apply_rotary
+
+    lib = cpu_native.library()
+    gen = torch.Generator().manual_seed(2)
+    for unit_offset in (True, False):
+        norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=gen) * 0.3 + (0.0 if unit_offset else 1.0))
+        fused = RMSNorm(dim, 1e-6, unit_offset=unit_offset)
+        fused.load_state_dict(norm.state_dict())
+        assert cpu_fused.configure(fused, lib) == 1
+        packed = torch.randn(rows, 7 * dim, generator=gen) * 3
+        heads = packed[:, dim:5 * dim].view(rows, 4, dim)  # strided, as q out of the fused q/k/v product
+        cos, sin = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+        torch.testing.assert_close(fused(packed[:, :dim]), norm(packed[:, :dim]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused(heads), norm(heads), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused.rotated(heads, cos, sin), apply_rotary(norm(heads), cos, sin),
+                                   atol=2e-5, rtol=1e-5)
+        assert norm.rotated(heads, cos, sin).shape == heads.shape  # the torch path of the same call
+
+
+@needs_compiler
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows,inter", [(2, 24), (300, 1000)])
+def test_fused_gated_activation_matches_torch(activation, rows, inter):
+    from hybridkv.layers import cpu_fused
+    from hybridkv.modeling.sublayers import GatedMLP
+
+    torch.manual_seed(3)
+    mlp = GatedMLP(16, inter, activation)
+    mlp.fuse()
+    x = torch.randn(rows, 16) * 4  # gates far into both tails of the activation
+    with torch.no_grad():
+        expected = mlp(x)
+        assert cpu_fused.configure(mlp, cpu_native.library()) == 1
+        torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-4)
+    erf = GatedMLP(16, inter, "gelu")
+    erf.fuse()
+    assert cpu_fused.configure(erf, cpu_native.library()) == 0  # GELU's erf form stays torch's

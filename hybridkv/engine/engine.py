@@ -28,6 +28,7 @@ from ..core import KVCacheManager, plan_layout
 from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
+from ..layers import cpu_fused
 from ..layers.backend import choose as choose_backend
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
@@ -123,6 +124,8 @@ class Engine:
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
         self.backend.check_layout(self.layout)  # a backend may not take every layer type
+        if self.backend.name == "cpu":  # its C library also runs norms, rotary and activations (cpu_fused.py)
+            cpu_fused.configure(self.model, self.backend.attention.lib)
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel

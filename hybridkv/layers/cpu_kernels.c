@@ -38,14 +38,25 @@ static inline float sum_lanes(vec v)
 
 static inline vec splat(float x) { return (vec){0} + x; }
 
+/* Lane by lane: a where `mask` (a vector comparison's result), else b. */
+static inline vec select(ivec mask, vec a, vec b)
+{
+    ivec ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    const ivec picked = (mask & ia) | (~mask & ib);
+    vec out;
+    memcpy(&out, &picked, sizeof out);
+    return out;
+}
+
 /* exp(x) for x <= 0 (softmax weights after the maximum is taken off):
  * 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
  * series to r^6 (relative error < 2e-7). x below -87 gives e^-87 (~1e-38),
  * a weight no sum notices. */
 static inline vec exp_nonpositive(vec x)
 {
-    for (int i = 0; i < LANES; i++) /* a max the compiler makes one instruction */
-        x[i] = x[i] < -87.0f ? -87.0f : x[i];
+    x = select(x < -87.0f, splat(-87.0f), x);
     /* Truncating y - 0.5 rounds y <= 0 to the nearest integer. */
     ivec n = __builtin_convertvector(x * 1.44269504f - 0.5f, ivec);
     vec nf = __builtin_convertvector(n, vec);
@@ -214,4 +225,96 @@ int decode_attention(const float *q, const float *cache, int64_t page_stride, in
         }
     }
     return failed ? -1 : 0;
+}
+
+/* ---- Elementwise work fused: each op one pass over its rows where torch
+ * makes several (a norm is a square, a mean, a reciprocal root and two
+ * products; rotary a negation, a concatenation, two products and a sum). */
+
+/* Enough work to be worth waking a second thread for. */
+#define PARALLEL_WORK (1 << 15)
+
+/* x [outer, inner, dim] with strides (outer_stride, inner_stride, 1); out
+ * the same shape, contiguous. Each row of dim: with weight, scaled by
+ * rsqrt(mean(x^2) + eps) * (weight + offset); then, with cos and sin
+ * ([outer, dim], contiguous), rotated half against half (rotary
+ * embeddings, the rotate-half convention; dim even). */
+void norm_rotary(const float *x, int64_t outer, int64_t inner, int64_t dim, int64_t outer_stride,
+                 int64_t inner_stride, const float *weight, float offset, float eps, const float *cos,
+                 const float *sin, float *out, int threads)
+{
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (outer * inner * dim > PARALLEL_WORK)
+    for (int64_t a = 0; a < outer; a++) {
+        for (int64_t b = 0; b < inner; b++) {
+            const float *row = x + a * outer_stride + b * inner_stride;
+            float *o = out + (a * inner + b) * dim;
+            if (weight != NULL) {
+                vec squares = {0};
+                int64_t d = 0;
+                for (; d + LANES <= dim; d += LANES) {
+                    const vec v = load(row + d);
+                    squares += v * v;
+                }
+                float sum = sum_lanes(squares);
+                for (; d < dim; d++)
+                    sum += row[d] * row[d];
+                const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+                for (d = 0; d + LANES <= dim; d += LANES)
+                    store(o + d, load(row + d) * scale * (load(weight + d) + offset));
+                for (; d < dim; d++)
+                    o[d] = row[d] * scale * (weight[d] + offset);
+            } else if (o != row) {
+                memcpy(o, row, sizeof(float) * (size_t)dim);
+            }
+            if (cos != NULL) {
+                const float *c = cos + a * dim, *s = sin + a * dim;
+                int64_t d = 0;
+                for (; d + LANES <= half; d += LANES) {
+                    const vec x1 = load(o + d), x2 = load(o + half + d);
+                    store(o + d, x1 * load(c + d) - x2 * load(s + d));
+                    store(o + half + d, x2 * load(c + half + d) + x1 * load(s + half + d));
+                }
+                for (; d < half; d++) {
+                    const float x1 = o[d], x2 = o[half + d];
+                    o[d] = x1 * c[d] - x2 * s[d];
+                    o[half + d] = x2 * c[half + d] + x1 * s[half + d];
+                }
+            }
+        }
+    }
+}
+
+/* sigmoid(x) from exp of a non-positive argument only: 1 / (1 + e^-x)
+ * for x >= 0, e^x / (1 + e^x) below. */
+static inline vec sigmoid(vec x)
+{
+    const vec e = exp_nonpositive(select(x > 0.0f, -x, x)); /* e^-|x| */
+    const vec s = 1.0f / (1.0f + e);
+    return select(x >= 0.0f, s, e * s);
+}
+
+/* gate_up [rows, 2 * inter] (row stride `stride`): the gate's columns,
+ * then the up projection's. out [rows, inter] = act(gate) * up, act SiLU
+ * (kind 0) or GELU with the tanh approximation (kind 1), where
+ * 0.5 x (1 + tanh(y)) = x * sigmoid(2y). */
+void gated_activation(const float *gate_up, int64_t rows, int64_t inter, int64_t stride, int kind, float *out,
+                      int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter > PARALLEL_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * stride, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t j = 0;
+        for (; j + LANES <= inter; j += LANES) {
+            const vec x = load(g + j);
+            const vec y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x); /* 2 sqrt(2/pi) (...) */
+            store(o + j, x * sigmoid(y) * load(u + j));
+        }
+        for (; j < inter; j++) {
+            const float x = g[j];
+            const float y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x);
+            o[j] = x / (1.0f + expf(-y)) * u[j];
+        }
+    }
 }

@@ -80,6 +80,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
                                      f32, f32, ptr, ctypes.c_int]
+    lib.norm_rotary.restype = None
+    lib.norm_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, f32, f32, ptr, ptr, ptr, ctypes.c_int]
+    lib.gated_activation.restype = None
+    lib.gated_activation.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     return lib
 
 

@@ -33,9 +33,9 @@ class GemmaAttention(PagedSelfAttention):
 
     def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
         q, k, v = self.project(x)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
+        if self.qk_norm:
+            return self.attend(self.q_norm.rotated(q, cos, sin), self.k_norm.rotated(k, cos, sin), v, batch)
         return self.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import cpu_fused
 from ..layers.linear import Linear
 from ..layers.step import StepBatch
 from .base import CacheLayer
@@ -27,12 +28,21 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gate_up_proj: Linear | None = None
         if activation in ("silu", "swish"):
-            self.act = F.silu
+            self.act, self.kind = F.silu, "silu"
         elif activation.startswith("gelu"):
             approximate = "tanh" if "tanh" in activation else "none"
             self.act = lambda x: F.gelu(x, approximate=approximate)
+            self.kind = "gelu_tanh" if approximate == "tanh" else "gelu"
         else:
             raise ValueError(f"unsupported activation {activation!r}")
+
+    native = None  # hybridkv's C library, once cpu_fused.configure binds it (fused gate/up, a kind it computes)
+
+    def bind_native(self, lib) -> bool:
+        if self.gate_up_proj is None or self.kind not in cpu_fused.ACTIVATIONS:
+            return False
+        self.native = lib
+        return True
 
     def fuse(self) -> None:
         """After loading: gate and up as one product (`gate_up_proj`)."""
@@ -42,6 +52,9 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is None:
             out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        elif self.native is not None and x.dim() == 2 and cpu_fused.usable(x):
+            gate_up = self.gate_up_proj(x)
+            out = self.down_proj(cpu_fused.gated_activation(self.native, gate_up, cpu_fused.ACTIVATIONS[self.kind]))
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             out = self.down_proj(self.act(gate) * up)
