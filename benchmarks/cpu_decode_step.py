@@ -5,13 +5,15 @@ the step against the time its matrix products alone take.
 Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
-  engine         as shipped: every weight in oneDNN's packed layout, the tied
-                 LM head included (a second copy, the embedding keeps the
-                 dense one); decode attention as two batched matmuls
-  dense LM head  the tied LM head read dense by oneDNN (what the engine did
-                 before it kept a packed copy)
-  SDPA decode    decode attention through torch's scaled_dot_product_attention
-                 (CPU flash attention) on the gathered keys
+  engine         as shipped: the "cpu" backend (decode attention, norms,
+                 rotary and the gated activation in hybridkv's C kernels),
+                 every weight in oneDNN's packed layout, the tied LM head
+                 included (a second copy, the embedding keeps the dense one)
+  gathered decode  decode attention as the torch reference runs it: every
+                 page a decode group reads gathered (index_select), then two
+                 batched matmuls
+  torch elementwise  norms, rotary and activations as torch ops
+  dense LM head  the tied LM head read dense by oneDNN
 
 Workload per batch B: B prompts of 128 tokens (real text, no shared blocks),
 greedy; each configuration must give the same tokens.
@@ -37,14 +39,6 @@ from report import write_json  # noqa: E402  (beside this script)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def sdpa_decodes(q, k, v, mask, scale, softcap):
-    """The decode attention the engine replaced, for comparison."""
-    from hybridkv.layers import paged_attention
-
-    return paged_attention._attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :],
-                                   scale, softcap).squeeze(2)
 
 
 def steady_steps(engine, prompts, new_tokens) -> tuple[list[float], list[int]]:
@@ -100,7 +94,6 @@ def main() -> None:
 
     import real_gemma3
     from hybridkv import Engine, SamplingParams
-    from hybridkv.layers import paged_attention
     from hybridkv.layers.linear import Linear
 
     torch.set_num_threads(args.threads)
@@ -110,10 +103,23 @@ def main() -> None:
                     max_num_seqs=max(batches), progress=False)
     engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     model = engine.runner.model
-    head, matmul_decodes = model.lm_head, paged_attention._attend_decodes
-    packed_head = head._packed
-    configs = {"engine": (packed_head, matmul_decodes), "dense LM head": (None, matmul_decodes),
-               "SDPA decode": (packed_head, sdpa_decodes)}
+    head, packed_head = model.lm_head, model.lm_head._packed
+    fused = [m for m in model.modules() if getattr(m, "native", None) is not None]
+    native = engine.backend.name == "cpu"
+
+    def switch(gathered=False, elementwise=False, dense_head=False):
+        """Undo the chosen parts of the shipped engine (none: as shipped)."""
+        head._packed = None if dense_head else packed_head
+        for module in fused:
+            module.native = None if elementwise else engine.backend.attention.lib
+        if native:  # the reference's decode groups where the kernel "cannot" read the pool
+            engine.backend.attention.supports = (lambda q, cache: False) if gathered else cpu_attention_supports
+
+    cpu_attention_supports = engine.backend.attention.supports if native else None
+    configs = {"engine": {}, "gathered decode": {"gathered": True}, "torch elementwise": {"elementwise": True},
+               "dense LM head": {"dense_head": True}}
+    if not native:
+        configs.pop("gathered decode"), configs.pop("torch elementwise")  # no C kernels here: nothing to undo
     if packed_head is None or head.weight.numel() == 0:
         configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare
     steps = {(b, name): [] for b in batches for name in configs}
@@ -121,14 +127,14 @@ def main() -> None:
     try:
         for _ in range(repeat):
             for b in batches:
-                for name, (packed, decodes) in configs.items():
-                    head._packed, paged_attention._attend_decodes = packed, decodes
+                for name, undo in configs.items():
+                    switch(**undo)
                     engine.kv.reset_prefix_cache()
                     times, ids = steady_steps(engine, work[b], new_tokens)
                     steps[(b, name)].append(statistics.median(times))
                     first_ids.setdefault(b, {})[name] = ids
     finally:
-        head._packed, paged_attention._attend_decodes = packed_head, matmul_decodes
+        switch()
     for b, ids in first_ids.items():
         if len({tuple(v) for v in ids.values()}) != 1:
             raise SystemExit(f"batch {b}: the configurations gave different tokens: {ids}")

@@ -98,7 +98,7 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
 
 
 def test_without_a_compiler_auto_keeps_the_reference_and_cpu_says_why(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("HYBRIDKV_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(backend, "_cpu", [])
     monkeypatch.setattr(cpu_native, "_loaded", {})
     monkeypatch.setenv("CC", "")
@@ -111,13 +111,13 @@ def test_without_a_compiler_auto_keeps_the_reference_and_cpu_says_why(tmp_path, 
 
 @needs_compiler
 def test_a_failing_build_warns_and_keeps_the_reference(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HYBRIDKV_CACHE", str(tmp_path))
     monkeypatch.setattr(backend, "_cpu", [])
     monkeypatch.setattr(cpu_native, "_loaded", {})
     monkeypatch.setattr(cpu_native, "FLAGS", [*cpu_native.FLAGS, "-DNOT_A_FLAG", "-fno-such-option"])
     with pytest.warns(RuntimeWarning, match="building the CPU kernels failed"):
         assert backend.choose("auto", "cpu").name == "torch"
-    assert not list(tmp_path.iterdir())  # no half-built library left behind
+    assert not list((tmp_path / "native").iterdir())  # no half-built library left behind
 
 
 def test_hybridkv_native_0_turns_it_off(monkeypatch):
@@ -129,15 +129,16 @@ def test_hybridkv_native_0_turns_it_off(monkeypatch):
 
 @needs_compiler
 def test_a_build_lands_under_one_name_per_source_and_is_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HYBRIDKV_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_native, "_loaded", {})
     assert cpu_native.library() is not None
-    built = list(tmp_path.iterdir())
+    built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_native, "_loaded", {})
     assert cpu_native.library() is not None
-    assert [p.name for p in tmp_path.iterdir()] == [built[0].name] and built[0].stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [built[0].name]
+    assert built[0].stat().st_mtime_ns == stamp
 
 
 @needs_compiler

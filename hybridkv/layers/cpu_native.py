@@ -26,6 +26,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from ..files import cache_root
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Reassociating float sums lets the compiler vectorise the dot products;
 # no -ffast-math: it would also assume no infinities or NaNs.
@@ -36,13 +38,9 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept: $HYBRIDKV_CACHE_DIR, else
-    $XDG_CACHE_HOME/hybridkv, else ~/.cache/hybridkv."""
-    explicit = os.environ.get("HYBRIDKV_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hybridkv"
+    """Where built libraries are kept: `native/` under hybridkv's cache
+    root (files.py: ~/.cache/hybridkv, or $HYBRIDKV_CACHE)."""
+    return Path(cache_root()) / "native"
 
 
 def compiler() -> str | None:
