@@ -88,7 +88,8 @@ def test_cpu_decode_step_quick(tmp_path):
     assert "the floor of this design" in text
     # The script itself fails when a configuration changes the tokens.
     assert [row["batch"] for row in data["rows"]] == [1, 2]
-    assert all(row["engine_s"] > 0 and row["SDPA_decode_s"] > 0 for row in data["rows"])
+    assert all(row["engine_s"] > 0 and row["gathered_decode_s"] > 0 and row["torch_elementwise_s"] > 0
+               for row in data["rows"])
     assert data["batch1"]["linears_s"] > 0 and len(data["first_ids"]["1"]) == 6
 
 
