@@ -66,27 +66,27 @@ def choose(device: torch.device, dtype: torch.dtype) -> str:
 
 
 _products: dict[tuple, object] = {}
+# oneDNN builds a primitive (JIT code) for each new shape, ~0.5 ms on this
+# project's machines, then caches it: below this many multiply-adds a
+# product goes to torch.mm, where that cost would outweigh the gain.
+ONEDNN_MIN_PRODUCT = 1 << 22
 
 
 def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for x [m, k] and w [n, k], any strides: oneDNN's matmul where
-    `choose` picks it (float32 on the CPU), else torch.mm. Attention's
-    products on the CPU go through here: at its shapes (a few hundred rows
-    of 256) oneDNN runs 2.1-2.3x faster than MKL's GEMM on this project's
-    machines (benchmarks/prefill_tiles.py)."""
+    `choose` picks it (float32 on the CPU) and the product is big enough
+    (ONEDNN_MIN_PRODUCT), else torch.mm. Attention's products on the CPU go
+    through here: at its shapes (a few hundred rows of 256) oneDNN runs
+    2.1-2.3x faster than MKL's GEMM on this project's machines. Callers
+    keep the number of distinct shapes small (paged_attention buckets them):
+    each new one costs a primitive."""
     key = (x.device.type, x.dtype, os.environ.get("HYBRIDKV_LINEAR"))
-    product = _products.get(key)
-    if product is None:
-        if choose(x.device, x.dtype) == "onednn":
-            matmul = _onednn_ops()[0]
-
-            def product(a, b):
-                return matmul(a, b, None, "none", [], "")
-        else:
-            def product(a, b):
-                return torch.mm(a, b.t())
-        _products[key] = product
-    return product(x, w)
+    onednn = _products.get(key)
+    if onednn is None:
+        onednn = _products[key] = _onednn_ops()[0] if choose(x.device, x.dtype) == "onednn" else False
+    if onednn is False or x.shape[0] * x.shape[1] * w.shape[0] < ONEDNN_MIN_PRODUCT:
+        return torch.mm(x, w.t())
+    return onednn(x, w, None, "none", [], "")
 
 
 def spare_memory() -> int:

@@ -253,18 +253,22 @@ def _attend_products(q, k, v, mask, scale, softcap):
     (benchmarks/prefill_tiles.py)."""
     rows, heads, dim = q.shape
     groups = heads // k.shape[1]
+    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET  # few distinct shapes (linear.product_nt)
+    if padded != rows:
+        q = torch.cat([q, q.new_zeros(padded - rows, heads, dim)])
+        mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])])
     hidden = ~mask[:, None, :]
     out = torch.empty_like(q)
     for h in range(k.shape[1]):
-        query = q[:, h * groups:(h + 1) * groups].reshape(rows * groups, dim)
-        scores = product_nt(query, k[:, h]).view(rows, groups, -1).mul_(scale)
+        query = q[:, h * groups:(h + 1) * groups].reshape(padded * groups, dim)
+        scores = product_nt(query, k[:, h]).view(padded, groups, -1).mul_(scale)
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(rows * groups, -1), v[:, h].t()).view(
-            rows, groups, dim)
-    return out
+        out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(padded * groups, -1), v[:, h].t()).view(
+            padded, groups, dim)
+    return out[:rows]
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column: int,
@@ -286,12 +290,21 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
     """The prefill chunks' part of `attend`, into `out`."""
     for seg in prefills:
         keys, values = _gather(cache, seg.pages[column])  # [L, H, D]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        keys, values, mask = keys.to(q.dtype), values.to(q.dtype), seg.mask
+        if q.device.type == "cpu":  # key ranges padded to few distinct lengths (linear.product_nt)
+            columns = -(-keys.shape[0] // KEY_BUCKET) * KEY_BUCKET
+            if columns != keys.shape[0]:
+                pad = columns - keys.shape[0]
+                keys = torch.cat([keys, keys.new_zeros(pad, *keys.shape[1:])])
+                values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
+                mask = torch.cat([mask, mask.new_zeros(mask.shape[0], pad)], dim=1)
         for first, last, lo, hi in query_tiles(spec, seg):
             rows = slice(seg.start + first, seg.start + last)
             if q.device.type == "cpu":
-                out[rows] = _attend_products(q[rows], keys[lo:hi], values[lo:hi], seg.mask[first:last, lo:hi],
-                                             scale, softcap)
+                width = -(-(hi - lo) // KEY_BUCKET) * KEY_BUCKET
+                lo = min(lo, columns - width)  # widened to the bucket: the keys added are masked
+                out[rows] = _attend_products(q[rows], keys[lo:lo + width], values[lo:lo + width],
+                                             mask[first:last, lo:lo + width], scale, softcap)
                 continue
             query = q[rows].transpose(0, 1).unsqueeze(0)
             result = _attend(query, keys[lo:hi].transpose(0, 1).unsqueeze(0),
@@ -299,6 +312,13 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
                              scale, softcap)
             out[rows] = result[0].transpose(0, 1)
 
+
+# On the CPU a tile's products go to oneDNN, which builds code for each new
+# shape: query rows are padded to a multiple of ROW_BUCKET and key ranges
+# widened to a multiple of KEY_BUCKET (the added keys masked), so that a
+# server sees a few hundred shapes rather than one per prompt length.
+ROW_BUCKET = 16
+KEY_BUCKET = 128
 
 # Queries per prefill tile. torch's CPU flash attention scores every key it
 # is given, masked or not, so a tile's waste is the part of its key range it
