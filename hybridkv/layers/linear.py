@@ -74,8 +74,9 @@ ONEDNN_MIN_PRODUCT = 1 << 22
 
 def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for x [m, k] and w [n, k], any strides: oneDNN's matmul where
-    `choose` picks it (float32 on the CPU) and the product is big enough
-    (ONEDNN_MIN_PRODUCT), else torch.mm. Attention's products on the CPU go
+    `choose` picks it (float32 on the CPU), the product is big enough
+    (ONEDNN_MIN_PRODUCT) and both operands are dense (w may be a
+    transposed dense one), else torch.mm. Attention's products on the CPU go
     through here: at its shapes (a few hundred rows of 256) oneDNN runs
     2.1-2.3x faster than MKL's GEMM on this project's machines. Callers
     keep the number of distinct shapes small (paged_attention buckets them):
@@ -84,7 +85,10 @@ def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     onednn = _products.get(key)
     if onednn is None:
         onednn = _products[key] = _onednn_ops()[0] if choose(x.device, x.dtype) == "onednn" else False
-    if onednn is False or x.shape[0] * x.shape[1] * w.shape[0] < ONEDNN_MIN_PRODUCT:
+    if (onednn is False or x.shape[0] * x.shape[1] * w.shape[0] < ONEDNN_MIN_PRODUCT or not x.is_contiguous()
+            or not (w.is_contiguous() or w.t().is_contiguous())):
+        # (oneDNN reads other strides through a slow reference path: 49 ms
+        # where torch.mm takes 0.2 on a [192, 32] x [32, 768] product.)
         return torch.mm(x, w.t())
     return onednn(x, w, None, "none", [], "")
 

@@ -261,12 +261,15 @@ def _attend_products(q, k, v, mask, scale, softcap):
     out = torch.empty_like(q)
     for h in range(k.shape[1]):
         query = q[:, h * groups:(h + 1) * groups].reshape(padded * groups, dim)
-        scores = product_nt(query, k[:, h]).view(padded, groups, -1).mul_(scale)
+        # One KV head's rows made dense (a copy where there are several
+        # heads): the products run on dense operands (linear.product_nt).
+        keys, values = k[:, h].contiguous(), v[:, h].contiguous()
+        scores = product_nt(query, keys).view(padded, groups, -1).mul_(scale)
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(padded * groups, -1), v[:, h].t()).view(
+        out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(padded * groups, -1), values.t()).view(
             padded, groups, dim)
     return out[:rows]
 
