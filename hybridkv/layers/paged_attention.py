@@ -323,12 +323,11 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
 ROW_BUCKET = 16
 KEY_BUCKET = 128
 
-# Queries per prefill tile. torch's CPU flash attention scores every key it
-# is given, masked or not, so a tile's waste is the part of its key range it
-# may not see: ~half a tile under the causal diagonal, plus what lies below a
-# window's lower edge. With 64-query tiles the real Gemma-3 270M prefills 16
-# prompts of 700 tokens 1.12x faster than with one masked call per chunk
-# (benchmarks/prefill_tiles.py --models gemma3-270m).
+# Queries per prefill tile. A tile scores every key it is given, masked or
+# not (SDPA and the CPU's products alike), so its waste is the part of its
+# key range it may not see: ~half a tile under the causal diagonal, plus
+# what lies below a window's lower edge. benchmarks/prefill_tiles.py
+# measures tiles against one masked call per chunk.
 QUERY_TILE = 64
 
 
