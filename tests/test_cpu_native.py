@@ -90,6 +90,8 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
         engine = Engine(path, kv_cache_memory="96KiB", block_size=4, max_num_batched_tokens=16, progress=False,
                         backend=name)
         assert engine.backend.name == name
+        bound = [m for m in engine.runner.model.modules() if getattr(m, "native", None) is not None]
+        assert bool(bound) == (name == "cpu")  # the runner binds the C norms and activations with the backend
         outs = engine.generate(prompts, params, use_tqdm=False)
         assert engine.kv.num_free_pages == engine.kv.num_total_pages
         return [o.outputs[0].token_ids for o in outs]

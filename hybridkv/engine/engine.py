@@ -28,7 +28,6 @@ from ..core import KVCacheManager, plan_layout
 from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
-from ..layers import cpu_fused
 from ..layers.backend import choose as choose_backend
 from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
@@ -59,7 +58,7 @@ class Engine:
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
                  kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
                  tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch",
+        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch", "cpu",
         "triton", "flashinfer" or "triton+flashinfer" (layers/backend.py),
         chosen once here. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
@@ -124,8 +123,6 @@ class Engine:
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
         self.backend.check_layout(self.layout)  # a backend may not take every layer type
-        if self.backend.name == "cpu":  # its C library also runs norms, rotary and activations (cpu_fused.py)
-            cpu_fused.configure(self.model, self.backend.attention.lib)
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel

@@ -99,6 +99,7 @@ class ModelRunner:
             module.group = view.group
             module.column = view.column
             module.backend = backend
+        backend.bind(model)  # on every rank alike (tensor_parallel.py builds its runners here too)
         self._mamba_metadata: list = []
         self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)

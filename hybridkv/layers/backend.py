@@ -71,12 +71,19 @@ class KernelAttention:
 
 
 class Backend:
-    def __init__(self, name: str, attention, mamba):
+    def __init__(self, name: str, attention, mamba, bind_model=None):
         self.name = name
         self.attention = attention
         self.mamba = mamba
         # Can a fixed-shape decode step through it be captured as a CUDA graph?
         self.capturable = getattr(attention, "capturable", True)
+        self._bind_model = bind_model
+
+    def bind(self, model) -> None:
+        """Give the model's other modules what this backend also runs for
+        them (the "cpu" backend: norms, rotary and activations in C)."""
+        if self._bind_model is not None:
+            self._bind_model(model)
 
     def check_layout(self, layout) -> None:
         """Raise ValueError if the attention side cannot run some group of
@@ -138,7 +145,7 @@ def cpu_backend(required: bool) -> Backend:
     """The "cpu" backend once its C kernel is built and passes its
     self-test; otherwise the reference, or an error when it was asked for."""
     if not _cpu:
-        from . import cpu_attention, cpu_native
+        from . import cpu_attention, cpu_fused, cpu_native
 
         lib = cpu_native.library()
         if lib is None:
@@ -149,11 +156,12 @@ def cpu_backend(required: bool) -> Backend:
         attention = cpu_attention.NativeAttention(lib)
         try:
             cpu_attention.check(attention)
+            backend = Backend("cpu", attention, TorchMamba(), bind_model=lambda model: cpu_fused.configure(model, lib))
         except AssertionError as error:
             warnings.warn(f"hybridkv: the CPU kernel failed its self-test ({error}); using the torch reference",
                           RuntimeWarning, stacklevel=3)
-            attention = None
-        _cpu.append(Backend("cpu", attention, TorchMamba()) if attention is not None else TORCH)
+            backend = TORCH
+        _cpu.append(backend)
     if required and _cpu[0] is TORCH:
         raise RuntimeError("hybridkv's CPU kernel failed its self-test here")
     return _cpu[0]

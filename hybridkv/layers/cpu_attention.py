@@ -13,6 +13,7 @@ step (benchmarks/cpu_decode_step.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -37,7 +38,9 @@ class NativeMetadata:
     decodes: NativeDecodes | None
     step: AttentionStep  # for the reference's decode groups, where the kernel cannot read a pool
 
+    @cached_property
     def reference_decodes(self) -> list[paged_attention.DecodeGroup]:
+        """Built on first need, once for all the group's layers."""
         return paged_attention._decode_groups(self.step)
 
 
@@ -82,7 +85,7 @@ class NativeAttention:
             return paged_attention.attend(q, cache, meta, column, scale, softcap)
         out = torch.empty_like(q)
         if meta.decodes is not None and not self.supports(q, cache):
-            for group in meta.reference_decodes():
+            for group in meta.reference_decodes:
                 keys, values = paged_attention._gather(cache, group.pages[column])
                 out[group.rows] = paged_attention._attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype),
                                                                   group.mask, scale, softcap)

@@ -27,11 +27,11 @@ def usable(x: torch.Tensor) -> bool:
 
 def norm_rotary(lib, x: torch.Tensor, weight: torch.Tensor | None, offset: float, eps: float,
                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., dim] (the last dim contiguous, at most three dims): each row
-    scaled by rsqrt(mean(x^2) + eps) * (weight + offset) where `weight` is
-    given, then rotated (rotate-half) by cos, sin [x.shape[0], dim] where
-    given. A new contiguous tensor."""
-    if x.stride(-1) != 1 or x.dim() > 3:
+    """x [..., dim]: each row scaled by rsqrt(mean(x^2) + eps) * (weight +
+    offset) where `weight` is given, then rotated (rotate-half) by cos, sin
+    [x.shape[0], dim] where given (x then [tokens, heads, dim]). A new
+    contiguous tensor."""
+    if x.stride(-1) != 1:
         x = x.contiguous()
     view = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     outer, inner, dim = view.shape

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dim() <= 3 and cpu_fused.usable(x):
+        if self.native is not None and cpu_fused.usable(x):
             return cpu_fused.norm_rotary(self.native, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps)
         if self.unit_offset:
             return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(), self.eps).type_as(x)
