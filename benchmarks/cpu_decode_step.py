@@ -5,22 +5,28 @@ the step against the time its matrix products alone take.
 Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
-  engine         as shipped: the "cpu" backend (decode attention, norms,
-                 rotary and the gated activation in hybridkv's C kernels),
-                 every weight in oneDNN's packed layout, the tied LM head
-                 included (a second copy, the embedding keeps the dense one)
-  gathered decode  decode attention as the torch reference runs it: every
-                 page a decode group reads gathered (index_select), then two
-                 batched matmuls
-  torch elementwise  norms, rotary and activations as torch ops
+  engine         as shipped: the "cpu" backend. Steps of up to
+                 cpu_decoder.MAX_ROWS sequences run each decoder layer as
+                 one C call (layers/cpu_decoder.py); bigger ones run the
+                 modules, with decode attention, norms, rotary and the
+                 gated activation in hybridkv's C kernels and every weight
+                 in oneDNN's packed layout, the tied LM head included (a
+                 second copy, the embedding keeps the dense one)
+  layer modules  every step through the modules (what bigger steps do)
+  gathered decode  the modules, and decode attention as the torch reference
+                 runs it: every page a decode group reads gathered
+                 (index_select), then two batched matmuls
+  torch elementwise  the modules, with norms, rotary and activations as
+                 torch ops
   dense LM head  the tied LM head read dense by oneDNN
 
 Workload per batch B: B prompts of 128 tokens (real text, no shared blocks),
 greedy; each configuration must give the same tokens.
 
 At batch 1 the floor of a step is reading every weight once: the script
-times the model's own Linear modules called in a row on one token (the
-products a step makes, nothing else) and prints the step beside it.
+times a sum over every Linear's weight (memory's rate on this machine) and
+the model's own Linear modules called in a row on one token (oneDNN's
+products, nothing else), and prints the step beside both.
 
     python benchmarks/cpu_decode_step.py            # batch 1, 16, 64; ~3 min
     python benchmarks/cpu_decode_step.py --quick    # CI smoke run
@@ -66,7 +72,7 @@ def steady_steps(engine, prompts, new_tokens) -> tuple[list[float], list[int]]:
 
 def linears_alone(model, repeat: int) -> float:
     """Seconds to run every Linear of the model once on one token, in a
-    row: the products of a batch-1 step and nothing else."""
+    row: the products of a batch-1 step through the modules, nothing else."""
     import torch
 
     from hybridkv.layers.linear import Linear
@@ -83,6 +89,25 @@ def linears_alone(model, repeat: int) -> float:
     return best
 
 
+def weights_read(model, repeat: int) -> float:
+    """Seconds to read as many bytes as the Linear weights, once, in
+    tensors of their sizes (a sum over each; oneDNN's packed copies cannot
+    be summed): what memory allows a batch-1 step."""
+    import torch
+
+    from hybridkv.layers.linear import Linear
+
+    copies = [torch.ones(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for w in copies:
+                w.sum()
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -94,6 +119,7 @@ def main() -> None:
 
     import real_gemma3
     from hybridkv import Engine, SamplingParams
+    from hybridkv.layers import cpu_decoder
     from hybridkv.layers.linear import Linear
 
     torch.set_num_threads(args.threads)
@@ -107,8 +133,9 @@ def main() -> None:
     fused = [m for m in model.modules() if getattr(m, "native", None) is not None]
     native = engine.backend.name == "cpu"
 
-    def switch(gathered=False, elementwise=False, dense_head=False):
+    def switch(modules=False, gathered=False, elementwise=False, dense_head=False):
         """Undo the chosen parts of the shipped engine (none: as shipped)."""
+        cpu_decoder.MAX_ROWS = 0 if modules or gathered or elementwise else shipped_rows
         head._packed = None if dense_head else packed_head
         for module in fused:
             module.native = None if elementwise else engine.backend.attention.lib
@@ -116,10 +143,13 @@ def main() -> None:
             engine.backend.attention.supports = (lambda q, cache: False) if gathered else cpu_attention_supports
 
     cpu_attention_supports = engine.backend.attention.supports if native else None
-    configs = {"engine": {}, "gathered decode": {"gathered": True}, "torch elementwise": {"elementwise": True},
-               "dense LM head": {"dense_head": True}}
-    if not native:
-        configs.pop("gathered decode"), configs.pop("torch elementwise")  # no C kernels here: nothing to undo
+    shipped_rows = cpu_decoder.MAX_ROWS
+    configs = {"engine": {}, "layer modules": {"modules": True}, "gathered decode": {"gathered": True},
+               "torch elementwise": {"elementwise": True}, "dense LM head": {"dense_head": True}}
+    if not native:  # no C kernels here: nothing to undo
+        configs.pop("layer modules"), configs.pop("gathered decode"), configs.pop("torch elementwise")
+    elif model.model.layers[0].native_decoder is None:
+        configs.pop("layer modules")  # no room for the decoder layers' dense weights: the engine runs the modules
     if packed_head is None or head.weight.numel() == 0:
         configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare
     steps = {(b, name): [] for b in batches for name in configs}
@@ -150,13 +180,16 @@ def main() -> None:
 
     weights = sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, Linear))
     products = linears_alone(model, 3 if args.quick else 20)
+    read = weights_read(model, 3 if args.quick else 20)
     step1 = statistics.median(steps[(1, "engine")])
-    print(f"\nbatch 1: {weights / 1e9:.2f} GB of weights read per step; the model's Linear modules alone on one "
-          f"token take {products * 1e3:.1f} ms ({weights / products / 1e9:.0f} GB/s): the floor of this design")
-    print(f"the engine's step: {step1 * 1e3:.1f} ms, {step1 / products:.2f}x the floor "
-          f"({(step1 - products) * 1e3:.1f} ms of attention, norms, rotary, sampling and scheduling)")
+    print(f"\nbatch 1: {weights / 1e9:.2f} GB of weights read per step. Reading them once (a sum over each) takes "
+          f"{read * 1e3:.1f} ms ({weights / read / 1e9:.0f} GB/s): the floor of this design")
+    print(f"the model's Linear modules alone on one token (oneDNN): {products * 1e3:.1f} ms, "
+          f"{products / read:.2f}x the floor")
+    print(f"the engine's step: {step1 * 1e3:.1f} ms, {step1 / read:.2f}x the floor "
+          f"({(step1 - read) * 1e3:.1f} ms of attention, norms, rotary, sampling, scheduling and slower reads)")
     write_json(args.out, {"threads": args.threads, "repeat": repeat, "new_tokens": new_tokens, "rows": rows,
-                          "batch1": {"weight_bytes": weights, "linears_s": products, "step_s": step1},
+                          "batch1": {"weight_bytes": weights, "read_s": read, "linears_s": products, "step_s": step1},
                           "first_ids": {str(b): v["engine"] for b, v in first_ids.items()}})
 
 

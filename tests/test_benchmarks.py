@@ -88,9 +88,9 @@ def test_cpu_decode_step_quick(tmp_path):
     assert "the floor of this design" in text
     # The script itself fails when a configuration changes the tokens.
     assert [row["batch"] for row in data["rows"]] == [1, 2]
-    assert all(row["engine_s"] > 0 and row["gathered_decode_s"] > 0 and row["torch_elementwise_s"] > 0
-               for row in data["rows"])
-    assert data["batch1"]["linears_s"] > 0 and len(data["first_ids"]["1"]) == 6
+    assert all(row["engine_s"] > 0 and row["layer_modules_s"] > 0 and row["gathered_decode_s"] > 0
+               and row["torch_elementwise_s"] > 0 for row in data["rows"])
+    assert data["batch1"]["linears_s"] > 0 and data["batch1"]["read_s"] > 0 and len(data["first_ids"]["1"]) == 6
 
 
 def test_gpu_suite_dry_run_builds_every_case(tmp_path):

@@ -99,6 +99,69 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
     assert generate("cpu") == generate("torch")
 
 
+@needs_compiler
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral"])
+def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, monkeypatch):
+    # Every eager step runs twice from the same pool: through the modules
+    # (MAX_ROWS 0), then through cpu_decoder's one call per layer; hidden
+    # states and the pool must agree. The pool starts as NaN bytes, so a
+    # slot the C layer should have zeroed (a fresh block's tail) or written
+    # and did not shows up. Gemma-3: q/k norms, windows of 8 keys; Gemma-2:
+    # soft-capped attention, no q/k norms; Mistral: no post norms, SiLU.
+    from hybridkv.layers import cpu_decoder
+
+    path = model_dir(tmp_path_factory, family)
+    engine = Engine(path, kv_cache_memory="96KiB", block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                    progress=False, backend="cpu")
+    model = engine.runner.model
+    assert all(layer.native_decoder is not None for layer in model.model.layers)
+    pool = engine.runner.buffers.pool
+    pool.fill_(255)
+    forward, rows_compared = model.forward, []
+
+    def both(batch):
+        before = pool.clone()
+        monkeypatch.setattr(cpu_decoder, "MAX_ROWS", 0)
+        expected, pool_after = forward(batch), pool.clone()
+        monkeypatch.setattr(cpu_decoder, "MAX_ROWS", 4)
+        if cpu_decoder.plan(batch, model.model.layers) is not None:
+            rows_compared.append(len(batch.input_ids))
+        pool.copy_(before)
+        got = forward(batch)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pool.view(torch.float32), pool_after.view(torch.float32), atol=2e-5, rtol=1e-4,
+                                   equal_nan=True)
+        return got
+
+    monkeypatch.setattr(model, "forward", both)
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 4, 2, 7))]
+    engine.generate(prompts, params, use_tqdm=False)
+    engine.generate(prompts[:1], params, use_tqdm=False)
+    assert {1, 4} <= set(rows_compared)  # decode steps of one row and of several ran through the C layer
+
+
+@needs_compiler
+def test_decoder_layers_are_bound_only_with_room_for_their_dense_weights(tmp_path_factory, monkeypatch):
+    # A bound layer keeps its dense weights beside oneDNN's packed ones; with
+    # no room, the layers stay on the modules, and the tokens are the same.
+    from hybridkv.layers import cpu_decoder
+
+    path = model_dir(tmp_path_factory, "gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 11, 3, 7], [8, 2]]
+    bound = Engine(path, kv_cache_memory="96KiB", block_size=4, progress=False, backend="cpu")
+    monkeypatch.setattr(cpu_decoder, "spare_memory", lambda: 0)
+    unbound = Engine(path, kv_cache_memory="96KiB", block_size=4, progress=False, backend="cpu")
+    assert all(layer.native_decoder is not None for layer in bound.runner.model.model.layers)
+    assert all(layer.native_decoder is None for layer in unbound.runner.model.model.layers)
+    # The Linear layers read packed copies either way; the bound decoders hold the dense ones.
+    assert all(m.weight.numel() == 0 for m in unbound.runner.model.model.layers[0].mlp.modules()
+               if hasattr(m, "_packed") and m._packed is not None)
+    assert [o.outputs[0].token_ids for o in bound.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in unbound.generate(prompts, params, use_tqdm=False)]
+
+
 def test_without_a_compiler_auto_keeps_the_reference_and_cpu_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDKV_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(backend, "_cpu", [])

@@ -29,7 +29,6 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backend import choose as choose_backend
-from ..layers.linear import configure as configure_linears
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -108,12 +107,7 @@ class Engine:
         self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress,
                                              tensor_parallel=parallel)
         self.dtype = next(self.model.parameters()).dtype
-        self.linear_backend = configure_linears(self.model, self.device)  # layers/linear.py
         self.tokenizer = load_tokenizer(model_dir)
-        if self.device.type == "cpu":
-            # host_memory.py: no page faults on each step's big tensors; set
-            # once loading is done, so that its temporaries are given back.
-            keep_large_allocations()
         self.vocab_size = self.config.vocab_size
         context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(max_model_len or context, context)
@@ -134,6 +128,11 @@ class Engine:
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
                                   self.max_model_len, enforce_eager=enforce_eager,
                                   fixed_shape_decode=fixed_shape_decode, parallel=self.parallel)
+        if self.device.type == "cpu":
+            # host_memory.py: no page faults on each step's big tensors; set
+            # once loading is done and the runner has packed the weights,
+            # so that their temporaries and dropped dense copies are given back.
+            keep_large_allocations()
         self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)

@@ -33,6 +33,7 @@ from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
 from ..layers.backend import Backend
 from ..layers.kv_buffers import KVBuffers
+from ..layers.linear import configure as configure_linears
 from ..layers.mamba_state import keep_accepted
 from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
@@ -100,6 +101,9 @@ class ModelRunner:
             module.column = view.column
             module.backend = backend
         backend.bind(model)  # on every rank alike (tensor_parallel.py builds its runners here too)
+        # After binding: the "cpu" backend's decoder layers take the dense
+        # weights that packing the Linear layers for oneDNN would drop.
+        self.linear_backend = configure_linears(model, device)  # layers/linear.py
         self._mamba_metadata: list = []
         self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)

@@ -156,7 +156,6 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
         from ..layers.backend import choose as choose_backend
-        from ..layers.linear import configure as configure_linears
         from ..modeling.loader import load_model
         from .runner import ModelRunner
 
@@ -166,7 +165,6 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
             torch.cuda.set_device(device)
         model, _ = load_model(model_dir, dtype=options["dtype"], device=device, progress=False,
                               tensor_parallel=(rank, world))
-        configure_linears(model, device)
         layout = options["layout"]
         runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
                              options["max_num_seqs"], options["max_model_len"], parallel=Follower())

@@ -81,7 +81,9 @@ class Backend:
 
     def bind(self, model) -> None:
         """Give the model's other modules what this backend also runs for
-        them (the "cpu" backend: norms, rotary and activations in C)."""
+        them (the "cpu" backend: norms, rotary and activations in C, and
+        whole decoder layers for small decode steps). Before the Linear
+        layers are configured: a bound decoder layer keeps their dense weights."""
         if self._bind_model is not None:
             self._bind_model(model)
 
@@ -145,7 +147,7 @@ def cpu_backend(required: bool) -> Backend:
     """The "cpu" backend once its C kernel is built and passes its
     self-test; otherwise the reference, or an error when it was asked for."""
     if not _cpu:
-        from . import cpu_attention, cpu_fused, cpu_native
+        from . import cpu_attention, cpu_decoder, cpu_fused, cpu_native
 
         lib = cpu_native.library()
         if lib is None:
@@ -156,7 +158,8 @@ def cpu_backend(required: bool) -> Backend:
         attention = cpu_attention.NativeAttention(lib)
         try:
             cpu_attention.check(attention)
-            backend = Backend("cpu", attention, TorchMamba(), bind_model=lambda model: cpu_fused.configure(model, lib))
+            backend = Backend("cpu", attention, TorchMamba(), bind_model=lambda model: (
+                cpu_fused.configure(model, lib), cpu_decoder.configure(model, lib)))
         except AssertionError as error:
             warnings.warn(f"hybridkv: the CPU kernel failed its self-test ({error}); using the torch reference",
                           RuntimeWarning, stacklevel=3)

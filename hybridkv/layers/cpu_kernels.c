@@ -186,6 +186,31 @@ static void attend_heads(const float *const qs[4], float *const os[4], int64_t c
     }
 }
 
+/* Row r of a decode batch, the query heads g0 .. g0 + count - 1 of KV
+ * head h (count <= 4); see decode_attention for the arguments. Returns 0,
+ * or -1 where memory for the scores could not be had. */
+static int attend_row(const float *q, const float *cache, int64_t page_stride, int64_t half_stride,
+                      int64_t slot_stride, int64_t head_stride, const int64_t *row_pages, int64_t lo, int64_t hi,
+                      int64_t groups, int64_t h, int64_t g0, int64_t count, int64_t dim,
+                      int64_t block_size, float scale, float softcap, float *out)
+{
+    const int64_t n = hi - lo + 1;
+    float *scores = malloc(sizeof(float) * (size_t)(4 * n));
+    if (scores == NULL)
+        return -1;
+    const float *qs[4];
+    float *os[4];
+    for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
+        const int64_t head = h * groups + g0 + (g < count ? g : count - 1);
+        qs[g] = q + head * dim;
+        os[g] = out + head * dim;
+    }
+    attend_heads(qs, os, count, cache + h * head_stride, row_pages, lo, n, lo / block_size, block_size, page_stride,
+                 half_stride, slot_stride, dim, scale, softcap, scores);
+    free(scores);
+    return 0;
+}
+
 /* q [rows, q_heads, dim] float32, contiguous; out the same.
  * cache: the layer's view of the pool, float32, addressed by its strides
  * (elements): page, K/V half, slot, head; dim is contiguous.
@@ -206,22 +231,9 @@ int decode_attention(const float *q, const float *cache, int64_t page_stride, in
         for (int64_t hb = 0; hb < kv_heads * batches; hb++) {
             const int64_t h = hb / batches, g0 = hb % batches * 4;
             const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
-            const int64_t lo = first[r], n = last[r] - first[r] + 1;
-            float *scores = malloc(sizeof(float) * (size_t)(4 * n));
-            if (scores == NULL) {
-                failed = 1;
-                continue;
-            }
-            const float *qs[4];
-            float *os[4];
-            for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
-                const int64_t head = h * groups + g0 + (g < count ? g : count - 1);
-                qs[g] = q + (r * q_heads + head) * dim;
-                os[g] = out + (r * q_heads + head) * dim;
-            }
-            attend_heads(qs, os, count, cache + h * head_stride, pages + r * max_blocks, lo, n, lo / block_size,
-                         block_size, page_stride, half_stride, slot_stride, dim, scale, softcap, scores);
-            free(scores);
+            failed |= attend_row(q + r * q_heads * dim, cache, page_stride, half_stride, slot_stride, head_stride,
+                                 pages + r * max_blocks, first[r], last[r], groups, h, g0, count, dim,
+                                 block_size, scale, softcap, out + r * q_heads * dim);
         }
     }
     return failed ? -1 : 0;
@@ -239,48 +251,58 @@ int decode_attention(const float *q, const float *cache, int64_t page_stride, in
  * rsqrt(mean(x^2) + eps) * (weight + offset); then, with cos and sin
  * ([outer, dim], contiguous), rotated half against half (rotary
  * embeddings, the rotate-half convention; dim even). */
+/* out = row * rsqrt(mean(row^2) + eps) * (weight + offset), dim floats
+ * (out may be row). */
+static void norm_row(const float *row, const float *weight, float offset, float eps, int64_t dim, float *out)
+{
+    vec squares = {0};
+    int64_t d = 0;
+    for (; d + LANES <= dim; d += LANES) {
+        const vec v = load(row + d);
+        squares += v * v;
+    }
+    float sum = sum_lanes(squares);
+    for (; d < dim; d++)
+        sum += row[d] * row[d];
+    const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (d = 0; d + LANES <= dim; d += LANES)
+        store(out + d, load(row + d) * scale * (load(weight + d) + offset));
+    for (; d < dim; d++)
+        out[d] = row[d] * scale * (weight[d] + offset);
+}
+
+/* o (dim floats, in place) rotated half against half by c and s. */
+static void rotate_row(float *o, const float *c, const float *s, int64_t dim)
+{
+    const int64_t half = dim / 2;
+    int64_t d = 0;
+    for (; d + LANES <= half; d += LANES) {
+        const vec x1 = load(o + d), x2 = load(o + half + d);
+        store(o + d, x1 * load(c + d) - x2 * load(s + d));
+        store(o + half + d, x2 * load(c + half + d) + x1 * load(s + half + d));
+    }
+    for (; d < half; d++) {
+        const float x1 = o[d], x2 = o[half + d];
+        o[d] = x1 * c[d] - x2 * s[d];
+        o[half + d] = x2 * c[half + d] + x1 * s[half + d];
+    }
+}
+
 void norm_rotary(const float *x, int64_t outer, int64_t inner, int64_t dim, int64_t outer_stride,
                  int64_t inner_stride, const float *weight, float offset, float eps, const float *cos,
                  const float *sin, float *out, int threads)
 {
-    const int64_t half = dim / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (outer * inner * dim > PARALLEL_WORK)
     for (int64_t a = 0; a < outer; a++) {
         for (int64_t b = 0; b < inner; b++) {
             const float *row = x + a * outer_stride + b * inner_stride;
             float *o = out + (a * inner + b) * dim;
-            if (weight != NULL) {
-                vec squares = {0};
-                int64_t d = 0;
-                for (; d + LANES <= dim; d += LANES) {
-                    const vec v = load(row + d);
-                    squares += v * v;
-                }
-                float sum = sum_lanes(squares);
-                for (; d < dim; d++)
-                    sum += row[d] * row[d];
-                const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-                for (d = 0; d + LANES <= dim; d += LANES)
-                    store(o + d, load(row + d) * scale * (load(weight + d) + offset));
-                for (; d < dim; d++)
-                    o[d] = row[d] * scale * (weight[d] + offset);
-            } else if (o != row) {
+            if (weight != NULL)
+                norm_row(row, weight, offset, eps, dim, o);
+            else if (o != row)
                 memcpy(o, row, sizeof(float) * (size_t)dim);
-            }
-            if (cos != NULL) {
-                const float *c = cos + a * dim, *s = sin + a * dim;
-                int64_t d = 0;
-                for (; d + LANES <= half; d += LANES) {
-                    const vec x1 = load(o + d), x2 = load(o + half + d);
-                    store(o + d, x1 * load(c + d) - x2 * load(s + d));
-                    store(o + half + d, x2 * load(c + half + d) + x1 * load(s + half + d));
-                }
-                for (; d < half; d++) {
-                    const float x1 = o[d], x2 = o[half + d];
-                    o[d] = x1 * c[d] - x2 * s[d];
-                    o[half + d] = x2 * c[half + d] + x1 * s[half + d];
-                }
-            }
+            if (cos != NULL)
+                rotate_row(o, cos + a * dim, sin + a * dim, dim);
         }
     }
 }
@@ -294,10 +316,16 @@ static inline vec sigmoid(vec x)
     return select(x >= 0.0f, s, e * s);
 }
 
+/* act(x) * up: act SiLU (kind 0) or GELU with the tanh approximation
+ * (kind 1), where 0.5 x (1 + tanh(y)) = x * sigmoid(2y). */
+static inline vec gated(vec x, vec up, int kind)
+{
+    const vec y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x); /* 2 sqrt(2/pi) (...) */
+    return x * sigmoid(y) * up;
+}
+
 /* gate_up [rows, 2 * inter] (row stride `stride`): the gate's columns,
- * then the up projection's. out [rows, inter] = act(gate) * up, act SiLU
- * (kind 0) or GELU with the tanh approximation (kind 1), where
- * 0.5 x (1 + tanh(y)) = x * sigmoid(2y). */
+ * then the up projection's. out [rows, inter] = act(gate) * up (`gated`). */
 void gated_activation(const float *gate_up, int64_t rows, int64_t inter, int64_t stride, int kind, float *out,
                       int threads)
 {
@@ -306,15 +334,180 @@ void gated_activation(const float *gate_up, int64_t rows, int64_t inter, int64_t
         const float *g = gate_up + r * stride, *u = g + inter;
         float *o = out + r * inter;
         int64_t j = 0;
-        for (; j + LANES <= inter; j += LANES) {
-            const vec x = load(g + j);
-            const vec y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x); /* 2 sqrt(2/pi) (...) */
-            store(o + j, x * sigmoid(y) * load(u + j));
-        }
+        for (; j + LANES <= inter; j += LANES)
+            store(o + j, gated(load(g + j), load(u + j), kind));
         for (; j < inter; j++) {
             const float x = g[j];
             const float y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x);
             o[j] = x / (1.0f + expf(-y)) * u[j];
         }
     }
+}
+
+/* ---- A decoder layer's decode step in one call: a few query rows, every
+ * product a matrix-vector one that reads each weight once, all of it in
+ * one parallel region. At batch 1 a step through torch's modules spends
+ * as long between the products as in the elementwise work itself: ~15
+ * calls per layer from Python, each waking the threads again. */
+
+/* The dot products of x with `count` (<= 4) consecutive rows of w, k
+ * floats each (rows past count repeat the last: computed, not kept). */
+static inline void dot_rows(const float *x, const float *w, int64_t k, int64_t count, float *out)
+{
+    const float *w0 = w, *w1 = w + (count > 1) * k, *w2 = w + (count > 2 ? 2 : count - 1) * k,
+                *w3 = w + (count > 3 ? 3 : count - 1) * k;
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t d = 0;
+    for (; d + LANES <= k; d += LANES) {
+        const vec xv = load(x + d);
+        a0 += load(w0 + d) * xv, a1 += load(w1 + d) * xv, a2 += load(w2 + d) * xv, a3 += load(w3 + d) * xv;
+    }
+    float s[4] = {sum_lanes(a0), sum_lanes(a1), sum_lanes(a2), sum_lanes(a3)};
+    for (; d < k; d++)
+        s[0] += x[d] * w0[d], s[1] += x[d] * w1[d], s[2] += x[d] * w2[d], s[3] += x[d] * w3[d];
+    for (int64_t c = 0; c < count; c++)
+        out[c] = s[c];
+}
+
+/* out [rows, n] = x [rows, k] times w [n, k] transposed, plus bias (or
+ * none): the calling thread's share of the columns (a worksharing loop
+ * inside the caller's parallel region; its end is a barrier). Four weight
+ * rows at a time, read once for every row of x. */
+static void products(const float *x, int64_t rows, int64_t k, const float *w, const float *bias, int64_t n,
+                     float *out)
+{
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < n; j += 4) {
+        const int64_t count = n - j < 4 ? n - j : 4;
+        for (int64_t r = 0; r < rows; r++) {
+            float *o = out + r * n + j;
+            dot_rows(x + r * k, w + j * k, k, count, o);
+            if (bias != NULL)
+                for (int64_t c = 0; c < count; c++)
+                    o[c] += bias[j + c];
+        }
+    }
+}
+
+/* The gated MLP's first half: out [rows, inter] = act(gate) * up, gate_up
+ * [2 * inter, k] (the gate's rows, then up's), LANES columns at a time. */
+static void gated_products(const float *x, int64_t rows, int64_t k, const float *gate_up, int64_t inter, int kind,
+                           float *out)
+{
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < inter; j += LANES) {
+        const int64_t count = inter - j < LANES ? inter - j : LANES;
+        for (int64_t r = 0; r < rows; r++) {
+            float g[LANES] = {0}, u[LANES] = {0};
+            for (int64_t c = 0; c < count; c += 4) {
+                const int64_t part = count - c < 4 ? count - c : 4;
+                dot_rows(x + r * k, gate_up + (j + c) * k, k, part, g + c);
+                dot_rows(x + r * k, gate_up + (inter + j + c) * k, k, part, u + c);
+            }
+            float o[LANES];
+            store(o, gated(load(g), load(u), kind));
+            memcpy(out + r * inter + j, o, sizeof(float) * (size_t)count);
+        }
+    }
+}
+
+/* One decoder layer's weights and shape (layers/cpu_decoder.py fills it).
+ * Products' weights are dense [out, in]; a NULL norm or bias is absent. */
+typedef struct {
+    int64_t hidden, q_heads, kv_heads, head_dim, inter, activation;
+    float eps, norm_offset, scale, softcap; /* softcap <= 0: none */
+    const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm;
+    const float *q_norm, *k_norm;
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
+} decoder_layer;
+
+/* x [rows, hidden] (in place: the residual stream) through one layer, each
+ * row one sequence's next token:
+ *   h = norm(x); q, k, v = h Wqkv (+ b); q, k = rotary(norm(q), norm(k));
+ *   k, v stored at (store_pages[r], store_offsets[r]) of the cache;
+ *   attention as decode_attention (pages, first, last, its arguments);
+ *   x += post_norm(attn Wo (+ b)); x += post_norm(down(act(h Wg) * h Wu))
+ *   with h = pre_norm(x)
+ * (a missing post norm is the identity). A block written first here gets
+ * the slots after the new token zeroed, as the torch reference's `store`
+ * does. cos, sin [rows, head_dim]. Returns 0, or -1 where memory for
+ * scratch could not be had. */
+int decode_layer(const decoder_layer *L, float *x, int64_t rows, const float *cos, const float *sin, float *cache,
+                 int64_t page_stride, int64_t half_stride, int64_t slot_stride, int64_t head_stride,
+                 int64_t block_size, const int64_t *store_pages, const int64_t *store_offsets, const int64_t *pages,
+                 int64_t max_blocks, const int64_t *first, const int64_t *last, int threads)
+{
+    const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
+    const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
+    const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
+    const float offset = L->norm_offset, eps = L->eps;
+    float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * H + qkv_width + q_width + L->inter)));
+    if (scratch == NULL)
+        return -1;
+    float *h = scratch, *qkv = h + rows * H, *attn = qkv + rows * qkv_width, *sub = attn + rows * q_width,
+          *act = sub + rows * H;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            norm_row(x + r * H, L->input_norm, offset, eps, H, h + r * H);
+        products(h, rows, H, L->qkv, L->qkv_bias, qkv_width, qkv);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
+                float *row = qkv + r * qkv_width + head * dim;
+                const float *weight = head < L->q_heads ? L->q_norm : L->k_norm;
+                if (weight != NULL)
+                    norm_row(row, weight, offset, eps, dim, row);
+                rotate_row(row, cos + r * dim, sin + r * dim, dim);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *page = cache + store_pages[r] * page_stride;
+            const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
+            for (int64_t head = 0; head < L->kv_heads; head++) {
+                float *slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
+                memcpy(slot0, k + head * dim, sizeof(float) * (size_t)dim);
+                memcpy(slot0 + half_stride, v + head * dim, sizeof(float) * (size_t)dim);
+                for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
+                    memset(page + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
+                    memset(page + half_stride + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
+                }
+            }
+        }
+#pragma omp for schedule(dynamic, 1) collapse(2) reduction(| : failed)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t hb = 0; hb < L->kv_heads * batches; hb++) {
+                const int64_t head = hb / batches, g0 = hb % batches * 4;
+                const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
+                failed |= attend_row(qkv + r * qkv_width, cache, page_stride, half_stride, slot_stride, head_stride,
+                                     pages + r * max_blocks, first[r], last[r], groups, head, g0, count,
+                                     dim, block_size, L->scale, L->softcap, attn + r * q_width);
+            }
+        }
+        products(attn, rows, q_width, L->o, L->o_bias, H, sub);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = sub + r * H, *xr = x + r * H;
+            if (L->post_attention_norm != NULL)
+                norm_row(s, L->post_attention_norm, offset, eps, H, s);
+            for (int64_t d = 0; d < H; d++)
+                xr[d] += s[d];
+            norm_row(xr, L->pre_feedforward_norm, offset, eps, H, h + r * H);
+        }
+        gated_products(h, rows, H, L->gate_up, L->inter, (int)L->activation, act);
+        products(act, rows, L->inter, L->down, NULL, H, sub);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = sub + r * H, *xr = x + r * H;
+            if (L->post_feedforward_norm != NULL)
+                norm_row(s, L->post_feedforward_norm, offset, eps, H, s);
+            for (int64_t d = 0; d < H; d++)
+                xr[d] += s[d];
+        }
+    }
+    free(scratch);
+    return failed ? -1 : 0;
 }

@@ -82,6 +82,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.norm_rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, f32, f32, ptr, ptr, ptr, ctypes.c_int]
     lib.gated_activation.restype = None
     lib.gated_activation.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
+    lib.decode_layer.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                 ctypes.c_int]
     return lib
 
 
