@@ -60,6 +60,10 @@ class Parts:
     q_norm: object = None
     k_norm: object = None
 
+    def norms(self) -> list:
+        return [n for n in (self.input_norm, self.pre_feedforward_norm, self.post_attention_norm,
+                            self.post_feedforward_norm, self.q_norm, self.k_norm) if n is not None]
+
 
 def _dense(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0)
@@ -70,9 +74,7 @@ class NativeDecoder:
     points into (held here, so they outlive the modules' dense copies)."""
 
     def __init__(self, lib, parts: Parts):
-        attn, mlp = parts.attention, parts.mlp
-        norms = [n for n in (parts.input_norm, parts.pre_feedforward_norm, parts.post_attention_norm,
-                             parts.post_feedforward_norm, parts.q_norm, parts.k_norm) if n is not None]
+        attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
         self.lib = lib
         self.attention = attn
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -93,9 +95,7 @@ class NativeDecoder:
     @staticmethod
     def refusal(parts: Parts) -> str | None:
         """Why `decode_layer` cannot run this layer, or None."""
-        attn, mlp = parts.attention, parts.mlp
-        norms = [n for n in (parts.input_norm, parts.pre_feedforward_norm, parts.post_attention_norm,
-                             parts.post_feedforward_norm, parts.q_norm, parts.k_norm) if n is not None]
+        attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
         if attn.qkv_proj is None or mlp.gate_up_proj is None:
             return "projections not fused"
         if attn.reduce is not None or mlp.reduce is not None:

@@ -411,6 +411,15 @@ static void gated_products(const float *x, int64_t rows, int64_t k, const float 
     }
 }
 
+/* x += norm(sub) (sub normed in place; no norm: x += sub), dim floats. */
+static void add_residual(float *x, float *sub, const float *norm, float offset, float eps, int64_t dim)
+{
+    if (norm != NULL)
+        norm_row(sub, norm, offset, eps, dim, sub);
+    for (int64_t d = 0; d < dim; d++)
+        x[d] += sub[d];
+}
+
 /* One decoder layer's weights and shape (layers/cpu_decoder.py fills it).
  * Products' weights are dense [out, in]; a NULL norm or bias is absent. */
 typedef struct {
@@ -490,23 +499,14 @@ int decode_layer(const decoder_layer *L, float *x, int64_t rows, const float *co
         products(attn, rows, q_width, L->o, L->o_bias, H, sub);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            float *s = sub + r * H, *xr = x + r * H;
-            if (L->post_attention_norm != NULL)
-                norm_row(s, L->post_attention_norm, offset, eps, H, s);
-            for (int64_t d = 0; d < H; d++)
-                xr[d] += s[d];
-            norm_row(xr, L->pre_feedforward_norm, offset, eps, H, h + r * H);
+            add_residual(x + r * H, sub + r * H, L->post_attention_norm, offset, eps, H);
+            norm_row(x + r * H, L->pre_feedforward_norm, offset, eps, H, h + r * H);
         }
         gated_products(h, rows, H, L->gate_up, L->inter, (int)L->activation, act);
         products(act, rows, L->inter, L->down, NULL, H, sub);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *s = sub + r * H, *xr = x + r * H;
-            if (L->post_feedforward_norm != NULL)
-                norm_row(s, L->post_feedforward_norm, offset, eps, H, s);
-            for (int64_t d = 0; d < H; d++)
-                xr[d] += s[d];
-        }
+        for (int64_t r = 0; r < rows; r++)
+            add_residual(x + r * H, sub + r * H, L->post_feedforward_norm, offset, eps, H);
     }
     free(scratch);
     return failed ? -1 : 0;
