@@ -59,7 +59,7 @@ def test_engine_throughput_quick(tmp_path):
 
 
 def test_kernels_quick(tmp_path):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     text, data = run("kernels", tmp_path)
     assert "GB/s" in text and data
 
@@ -97,7 +97,7 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     # benchmarks/gpu_suite.sh --dry-run: every part of the GPU run, small and
     # on the CPU (kernels under triton's interpreter), so that the script is
     # known to work before a GPU is lent.
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})

@@ -29,7 +29,7 @@ def test_plan_bad_input_is_a_clear_error(tmp_path, capsys):
 
 
 def test_plan_plot_draws_the_layout(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs the plot extra: pip install -e '.[plot]'")
     out = tmp_path / "layout.png"
     jamba = next(p for p in MODELS if p.endswith("jamba-1.5-mini.json"))
     assert main(["plan", jamba, "--memory", "80GiB", "--plot", str(out)]) == 0

@@ -165,7 +165,7 @@ def test_hybrid_preemption_in_a_tiny_pool_keeps_outputs(family_model):
 def test_hybrid_triton_backend_matches_transformers(family_model):
     # The same batch through hybridkv's Triton kernels (interpreted on a CPU):
     # prefill segments, decodes, Mamba states updated in place in the pool.
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     family, path, reference = family_model
     prompt_list = prompts(3, lengths=(13, 5, 9))
     engine, outs, records = run(path, prompt_list, backend="triton", max_num_batched_tokens=16)
@@ -180,7 +180,7 @@ def test_hybrid_flashinfer_backend_matches_transformers(family_model, tmp_path_f
     # CUDA machine; benchmarks/gpu_wheels.sh), reading the pool.
     if ENGINE["device"] != "cuda":
         pytest.skip("FlashInfer runs on CUDA only (its arguments are checked on the CPU: test_flashinfer_attention.py)")
-    pytest.importorskip("flashinfer")
+    pytest.importorskip("flashinfer", reason="needs the gpu extra: pip install -e '.[gpu]'")
     family = family_model[0]
     path = model_dir(tmp_path_factory, family, head_dim=64)  # FlashInfer's smallest head
     reference = load_reference(path)

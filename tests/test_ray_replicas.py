@@ -15,11 +15,10 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 
-pytest.importorskip("fastapi")
-ray = pytest.importorskip("ray")
-httpx = pytest.importorskip("httpx")
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
 from ray import serve  # noqa: E402
 

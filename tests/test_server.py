@@ -7,15 +7,12 @@ import json
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-
-import torch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.cli import build_parser, main  # noqa: E402

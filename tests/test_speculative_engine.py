@@ -298,7 +298,7 @@ def test_hybrid_speculative_seeded_sampling_is_reproducible(family_model):
 def test_hybrid_speculative_triton_backend_matches_transformers(family_model):
     # The Triton backend keeps decode states in the pool and gathers the
     # verified chunks with the prefills: the rollback must work there too.
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     family, path, reference = family_model
     prompts = quoting_prompts(3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, plan_layout  # noqa: E402
