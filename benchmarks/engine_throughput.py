@@ -319,7 +319,7 @@ def main() -> None:
                   dry=args.dry_run)
     # (On the CPU, dry runs included, there are no graphs: one hybridkv row.)
     graph_modes = [True] if args.device == "cpu" else {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
-    # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/flashinfer_attention.py).
+    # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/backends/flashinfer).
     modes = [(backend, graphs) for backend in (args.backends.split(",") if args.backends else [None])
              for graphs in graph_modes if not (graphs and backend == "flashinfer" and args.device != "cpu")]
     rows = []

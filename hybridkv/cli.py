@@ -1,4 +1,4 @@
-"""The `hybridkv` command: plan | demo | serve."""
+"""The `hybridkv` command: plan | demo | serve | build-kernels."""
 
 from __future__ import annotations
 
@@ -63,8 +63,22 @@ def _serve(args) -> int:
     return 0
 
 
+def _build_kernels(args) -> int:
+    """Compile the cpu backend's C kernels for this machine (an install
+    where a compiler was found did it already)."""
+    from .layers.backends.cpu import build
+
+    try:
+        path = build.build_into(build.cache_dir()) if args.cache else build.build()
+    except (RuntimeError, OSError) as e:
+        print(f"hybridkv build-kernels: error: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
 def _engine_options(args) -> dict:
-    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    return dict(backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
@@ -151,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft tokens verified per step with --speculative-method (default 4)")
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--backend", default=None,
+                       help="the implementation of a step's ops: auto, torch, cpu, triton, flashinfer or "
+                            "triton+flashinfer (default: $HYBRIDKV_BACKEND, else auto; docs/kernels.md)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")
@@ -166,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",
                        help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)
+
+    kernels = sub.add_parser("build-kernels", help="compile the cpu backend's C kernels for this machine")
+    kernels.add_argument("--cache", action="store_true",
+                         help="into the cache folder (~/.cache/hybridkv/native) even if the package folder is "
+                              "writable")
+    kernels.set_defaults(func=_build_kernels)
     return parser
 
 

@@ -91,7 +91,7 @@ def test_hybrid_batch_of_different_lengths_matches_transformers(family_model):
 
 def test_long_prompts_in_one_chunk_match_transformers(family_model):
     # Prompts far longer than the window in one prefill chunk: the attention
-    # of each segment runs in query tiles (layers/paged_attention.py).
+    # of each segment runs in query tiles (the reference backend's attention).
     family, path, reference = family_model
     prompt_list = prompts(2, lengths=(420, 300))
     engine, outs, records = run(path, prompt_list, max_num_batched_tokens=1024)

@@ -1,4 +1,4 @@
-"""hybridkv's Triton kernels (layers/triton_ops.py) against the torch
+"""hybridkv's Triton kernels (layers/backends/triton/ops.py) against the torch
 reference: K/V store, paged attention (decode, prefill, mixed steps) for
 every attention type, the Mamba decode step, and the engine with the
 kernels switched on.
@@ -10,8 +10,8 @@ real-size tests at the end (Gemma-3-27B's attention at 8K and 32K, batch
 64; a Jamba-1.5-Mini Mamba layer).
 
 The interpreter must be switched on before the kernels are decorated, so
-TRITON_INTERPRET is set here, before hybridkv.layers.triton_ops is imported
-(nothing else imports it: layers/backend.py imports it on first use).
+TRITON_INTERPRET is set here, before the kernels are imported (nothing
+imports them before a triton backend is built).
 
 Cache slots no query may read hold NaN, and so does the null page: a kernel
 that loads one of them (a key outside the window, a released block,
@@ -37,8 +37,10 @@ pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, plan_layout  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
-from hybridkv.layers import triton_ops as ops  # noqa: E402
+from hybridkv.layers import backends as backend  # noqa: E402
+from hybridkv.layers.backends.reference import attention as paged_attention  # noqa: E402
+from hybridkv.layers.backends.triton import attention as kernel_attention  # noqa: E402
+from hybridkv.layers.backends.triton import ops  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
 from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
 from oracle import model_dir  # noqa: E402
@@ -60,7 +62,7 @@ gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="real sizes: CUDA only (t
 
 def test_kernels_run_compiled_on_cuda_or_under_the_interpreter():
     assert ops.INTERPRETED == (DEVICE == "cpu"), (
-        "hybridkv.layers.triton_ops was imported before this module chose TRITON_INTERPRET")
+        "hybridkv.layers.backends.triton.ops was imported before this module chose TRITON_INTERPRET")
 
 
 def layer_cache(pages, bs, kv_heads, dim, dtype, layers_per_page=2):
@@ -196,7 +198,8 @@ def check_attention(case, scale, softcap, splits=1, direct=True):
     ref = case.reference(scale, softcap)
     atol, rtol = TOL[case.dtype]
     # 1. Through the kernel backend's metadata and ops.
-    out = kernel_attention.attend(ops, case.q, case.cache, case.kernel_meta, case.column, scale, softcap)
+    out = kernel_attention.TritonAttention(ops).attend(case.q, case.cache, case.kernel_meta, case.column, scale,
+                                                       softcap)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     if not direct:
@@ -329,7 +332,7 @@ def test_fixed_shape_decode_metadata_reads_what_the_exact_one_reads(kind, size):
     assert len(ref_meta.decodes) == 1 and ref_meta.decodes[0].pages.shape[-1] == \
         paged_attention.read_bound(case.spec, 16, case.table.shape[2])
     torch.testing.assert_close(case.reference(0.3, None, meta=ref_meta), exact, atol=2e-6, rtol=1e-5)
-    out = kernel_attention.attend(ops, case.q, case.cache, kernel_meta, case.column, 0.3, None)
+    out = kernel_attention.TritonAttention(ops).attend(case.q, case.cache, kernel_meta, case.column, 0.3, None)
     torch.testing.assert_close(out.float(), exact, atol=2e-5, rtol=1e-5)
 
 
@@ -341,7 +344,7 @@ def test_store_matches_the_reference_and_zeroes_the_rest_of_the_last_block():
     cache[:] = float("nan")  # what another layer type may have left in the pages
     expected = cache.clone()
     paged_attention.store(expected, k, v, case.meta, case.column)
-    kernel_attention.store(ops, cache, k, v, case.kernel_meta, case.column)
+    kernel_attention.TritonAttention(ops).store(cache, k, v, case.kernel_meta, case.column)
     written = ~torch.isnan(cache)
     assert torch.equal(cache[written], expected[written])  # the kernel writes the same slots
     # The reference also zeroes the rest of a sequence's last block after its
@@ -494,12 +497,12 @@ def test_backend_is_chosen_once_auto_is_the_c_kernel_on_cpu_and_triton_there_nee
     assert backend.choose("triton", DEVICE).name == "triton"
     if DEVICE == "cuda":
         assert backend.choose("auto", "cuda").name == "triton"
-    monkeypatch.setenv("HYBRIDKV_KERNELS", "torch")
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "torch")
     assert backend.choose(None, DEVICE).name == "torch"
     monkeypatch.setattr(ops, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         backend.choose("triton", "cpu")
-    with pytest.raises(ValueError, match="unknown kernel backend"):
+    with pytest.raises(ValueError, match="unknown backend"):
         backend.choose("cuda", DEVICE)
 
 
@@ -514,7 +517,7 @@ import os, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hybridkv.layers import triton_ops as ops
+from hybridkv.layers.backends.triton import ops
 
 def compile(fn, args, consts, **options):
     signature, attrs, consts = {}, {}, dict(consts)
@@ -648,7 +651,7 @@ def test_real_size_jamba_1_5_mini_mamba_decode_step():
 
 
 def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
-    from hybridkv.layers import kernel_check
+    from hybridkv.layers.backends.triton import check as kernel_check
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel_check.check(ops, device)  # the kernels agree with the dense rules

@@ -28,7 +28,7 @@ from ..core import KVCacheManager, plan_layout
 from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
-from ..layers.backend import choose as choose_backend
+from ..layers.backends import choose as choose_backend
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -57,9 +57,10 @@ class Engine:
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
                  kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
                  tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch", "cpu",
-        "triton", "flashinfer" or "triton+flashinfer" (layers/backend.py),
-        chosen once here. `enforce_eager`: no
+        """`backend`: "auto" (default, or $HYBRIDKV_BACKEND), "torch", "cpu",
+        "triton", "flashinfer" or "triton+flashinfer" (layers/backends/),
+        chosen once here; how it prepared the model and how many steps ran
+        each route is in `stats["backend"]`. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
         shapes (None: where CUDA graphs capture them).
         `speculative_method="ngram"`: each decoding step also verifies up to
@@ -116,7 +117,7 @@ class Engine:
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
-        self.backend.check_layout(self.layout)  # a backend may not take every layer type
+        self.backend.check_layout(self.layout, self.device)  # a backend may not take every layer type
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel
@@ -527,6 +528,7 @@ class Engine:
             "steps": self.num_steps,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "backend": {**self.runner.prepare_report.as_dict(), "routes": dict(self.runner.routes)},
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,
             "prefix_hit_rate": cache.hit_rate,

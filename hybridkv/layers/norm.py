@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_fused
 from .rotary import apply_rotary
 
 
@@ -23,23 +22,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
-    native = None  # hybridkv's C library, once cpu_fused.configure binds it
-
-    def bind_native(self, lib) -> bool:
-        self.native = lib
-        return True
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and cpu_fused.usable(x):
-            return cpu_fused.norm_rotary(self.native, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps)
         if self.unit_offset:
             return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(), self.eps).type_as(x)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
     def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The norm of x [tokens, heads, dim], then rotary embeddings
-        (layers/rotary.py): one pass where the C library is bound."""
-        if self.native is not None and x.dim() == 3 and cpu_fused.usable(x):
-            return cpu_fused.norm_rotary(self.native, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps,
-                                         cos, sin)
+        (layers/rotary.py); a backend may do both in one pass."""
         return apply_rotary(self(x), cos, sin)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
-from ..layers.mamba_ops import causal_conv, selective_scan
 from ..layers.norm import RMSNorm
 from ..layers.step import StepBatch, capturing
 from .base import CacheLayer, CausalLM
@@ -76,8 +75,8 @@ class JambaMamba(CacheLayer, nn.Module):
         return dt, self.b_layernorm(B), self.c_layernorm(C)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        meta = batch.mamba[self.group]
-        ops = self.backend.mamba
+        meta = batch.recurrent[self.group]
+        ops = self.ops
         xz = self.in_proj(h)
         x_all, gate_all = xz[:, :self.inner], xz[:, self.inner:]
         weight = self.conv1d.weight[:, 0, :]
@@ -89,7 +88,7 @@ class JambaMamba(CacheLayer, nn.Module):
             x = ops.conv_step(meta, self.layer_name, x_all[tokens], weight, self.conv1d.bias)
             dt, B, C = self._ssm_inputs(x)
             y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
-        if meta.prefills:  # chunks of several tokens: the reference scan on gathered states
+        if meta.prefills:  # chunks of several tokens, side by side
             self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
         if meta.verifies:  # chunks that verify drafts: also keep each token's state
             self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
@@ -97,21 +96,13 @@ class JambaMamba(CacheLayer, nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
-        conv_state, ssm_state = meta.state_views(self.layer_name)
+        ops = self.ops
         rows, tokens, lengths, valid = _padded_prefills(chunks, x_all.device)
-        x_in = x_all[tokens]
-        before = conv_state[rows]
-        x, new_conv = causal_conv(x_in, lengths, before, weight, self.conv1d.bias)
-        x = F.silu(x)
+        x = ops.conv_prefill(meta, self.layer_name, rows, x_all[tokens], lengths, weight, self.conv1d.bias, keep)
         dt, B, C = self._ssm_inputs(x)
-        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
-        conv_state[rows] = new_conv.to(conv_state.dtype)
-        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        y = ops.ssm_prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
         gate = gate_all[tokens].float()
         y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
-        if keep:  # in meta.verifies order, longest first (keep_accepted picks one state per chunk)
-            meta.verify_states[self.layer_name] = (torch.cat([before.to(x_in.dtype), x_in.transpose(1, 2)], 2),
-                                                   per_token)
 
 
 class JambaMoE(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import cpu_decoder
+from ..layers.decoder import DecoderParts
 from ..layers.step import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -32,10 +32,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    native_decoder = None  # a cpu_decoder.NativeDecoder once the "cpu" backend binds one
-
-    def native_parts(self) -> cpu_decoder.Parts:
-        return cpu_decoder.Parts(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
+    def parts(self) -> DecoderParts:
+        return DecoderParts(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
 
     def forward(self, x, cos_sin, batch):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
@@ -57,9 +55,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        native = cpu_decoder.plan(batch, self.model.layers)  # a small decode step: each layer one C call
         for layer in self.model.layers:
-            x = layer(x, cos_sin, batch) if native is None else layer.native_decoder(x, cos_sin, native)
+            x = layer(x, cos_sin, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

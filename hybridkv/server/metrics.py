@@ -99,6 +99,11 @@ class ServerMetrics:
         yield counter("hybridkv_generation_tokens", "Tokens generated", s["generated_tokens"])
         yield counter("hybridkv_prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"])
         yield counter("hybridkv_engine_steps", "Engine steps run", s["steps"])
+        routes = CounterMetricFamily("hybridkv_engine_step_routes", "Engine steps per route: the backend and the "
+                                     "way it ran the step (e.g. cpu:decoder-layers)", labels=["route"])
+        for route, n in sorted(s["backend"]["routes"].items()):
+            routes.add_metric([route], n)
+        yield routes
         yield counter("hybridkv_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
                       s["spec_draft_tokens"])
         yield counter("hybridkv_spec_decode_accepted_tokens", "Draft tokens the model agreed with (speculative "

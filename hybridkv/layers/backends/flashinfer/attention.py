@@ -2,7 +2,7 @@
 CUDA device, 16-bit caches), reading hybridkv's pool in place.
 
 A layer's cache is a view of the pool, `[pages, 2, block_size, kv_heads,
-head_dim]` (kv_buffers.py): `cache[:, 0]` and `cache[:, 1]` are FlashInfer's
+head_dim]` (layers/kv_buffers.py): `cache[:, 0]` and `cache[:, 1]` are FlashInfer's
 "NHD" paged K and V, `[pages, page_size, heads, dim]`, with the pool's page
 stride between pages (FlashInfer reads the page stride from the tensors, so
 no copy is made). A request's pages are its table row in the layer's column.
@@ -18,15 +18,15 @@ kernel counts key positions from the first page it is given, and its
   `window_left = W - 1` masks the first page's older slots;
 * chunked local attention has a per-request start that no single window
   expresses unless chunks start on block boundaries, and a prefill chunk may
-  cross a chunk boundary: not taken (`supports` says no, and the engine
-  refuses the backend for such a model: `check_layout`).
+  cross a chunk boundary: not taken (the backend's capabilities leave it
+  out, and the engine refuses the backend for such a model).
 
 Decode steps go through `BatchDecodeWithPagedKVCacheWrapper`, prefill
 chunks through `BatchPrefillWithPagedKVCacheWrapper` (causal: FlashInfer
 aligns a chunk's last query with the last key, which is where it is here).
 The plans are made per step and per column (the layers of one column read
 the same pages), from host data, so a step through FlashInfer is eager: not
-captured as a CUDA graph (`capturable = False`).
+captured as a CUDA graph (the backend declares `capturable=False`).
 
 `emulate` is FlashInfer's documented semantics written in torch: the tests
 check, on the CPU, that our arguments under those semantics give the
@@ -41,9 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernel_attention
-from .dtypes import TORCH_DTYPES
-from .step import AttentionStep
+from ...step import AttentionStep
+from ..base import AttentionOps
+from ..triton import attention as triton_attention
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's scratch for split-KV plans, per wrapper kind
 
@@ -153,24 +153,16 @@ def chunk_args(meta: FlashInferMetadata, column: int) -> PagedArgs:
                       step.block_size)
 
 
-class FlashInferAttention:
-    """The attention side of the "flashinfer" backend (layers/backend.py)."""
+class FlashInferAttention(AttentionOps):
+    """The attention side of the "flashinfer" backend."""
 
     name = "flashinfer"
-    capturable = False
     build = staticmethod(build)
 
     def __init__(self, flashinfer, device: torch.device):
         self.flashinfer = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: dict = {}  # (column, kind) -> wrapper, kept across steps (their buffers are reused)
-
-    def check_layout(self, layout) -> None:
-        refused = [g.spec for g in layout.groups
-                   if not g.recurrent and not supports(g.spec, TORCH_DTYPES[g.spec.dtype])]
-        if refused:
-            raise ValueError(f"the flashinfer backend takes full and sliding-window layers with 16-bit caches; "
-                             f"this model has {refused[0]}: use backend='triton' or 'torch'")
 
     def store(self, cache, k, v, meta: FlashInferMetadata, column: int) -> None:
         # No slot past a request's last key is ever read (last_page_len),
@@ -218,11 +210,11 @@ class FlashInferAttention:
 
 @dataclass
 class PrefillSplitMetadata:
-    kernel: object  # kernel_attention.KernelMetadata: stores and decodes
+    kernel: object  # triton_attention.KernelMetadata: stores and decodes
     flashinfer: FlashInferMetadata | None  # an eager step's prefill chunks (its decodes left to the kernel)
 
 
-class FlashInferPrefill:
+class FlashInferPrefill(AttentionOps):
     """The attention side of the "triton+flashinfer" backend: hybridkv's
     kernels store K/V and run every decode (so fixed-shape decode steps are
     still captured as CUDA graphs, and an eager step plans nothing for its
@@ -234,10 +226,10 @@ class FlashInferPrefill:
     not take (chunked-local, float32) stays on the kernels whole."""
 
     name = "triton+flashinfer"
-    capturable = True
 
     def __init__(self, flashinfer, device: torch.device, ops):
         self.ops = ops
+        self.kernels = triton_attention.TritonAttention(ops)
         self.prefill = FlashInferAttention(flashinfer, device)
 
     def build(self, step: AttentionStep) -> PrefillSplitMetadata:
@@ -245,16 +237,16 @@ class FlashInferPrefill:
         meta = build(step) if chunked else None
         if meta is not None:
             meta.decode_tokens = None
-        return PrefillSplitMetadata(kernel_attention.build(step), meta)
+        return PrefillSplitMetadata(triton_attention.build(step), meta)
 
     def store(self, cache, k, v, meta: PrefillSplitMetadata, column: int) -> None:
-        kernel_attention.store(self.ops, cache, k, v, meta.kernel, column)
+        self.kernels.store(cache, k, v, meta.kernel, column)
 
     def attend(self, q, cache, meta: PrefillSplitMetadata, column: int, scale, softcap=None):
         if meta.flashinfer is None or not supports(meta.kernel.step.spec, cache.dtype):
-            return kernel_attention.attend(self.ops, q, cache, meta.kernel, column, scale, softcap)
+            return self.kernels.attend(q, cache, meta.kernel, column, scale, softcap)
         out = self.prefill.attend(q, cache, meta.flashinfer, column, scale, softcap)  # the chunks' rows
-        kernel_attention.attend_decodes(self.ops, out, q, cache, meta.kernel.step, column, scale, softcap)
+        triton_attention.attend_decodes(self.ops, out, q, cache, meta.kernel.step, column, scale, softcap)
         return out
 
 

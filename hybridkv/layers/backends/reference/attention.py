@@ -1,14 +1,14 @@
 """Paged attention, torch reference: store the new tokens' K/V at their
 slots, then attend through the group's block table. Exact and simple on
-purpose: it is the oracle of the Triton kernels (layers/kernel_attention.py).
+purpose: it is the oracle of every other backend's attention.
 
 A layer's cache is a view `[pages, 2, block_size, kv_heads, head_dim]` (K
-then V) of the shared pool (kv_buffers.py). A block of a group may span
+then V) of the shared pool (layers/kv_buffers.py). A block of a group may span
 several pages; the layer reads the column of the block table that holds its
 pages (`column`). Block tables are the runner's persistent ones: `[width,
 table rows, max_blocks]`, one row per running sequence, from key position 0.
 What every backend shares (where the new K/V goes, each query's first key,
-the split into decodes and chunks) comes built in `AttentionStep` (step.py);
+the split into decodes and chunks) comes built in `AttentionStep` (layers/step.py);
 this file adds what only the reference needs: tails to zero, the pages each
 decode group or prefill chunk gathers, and their masks.
 
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .linear import product_nt
-from .step import AttentionStep
+from ...linear import product_nt
+from ...step import AttentionStep
 
 # Decode queries attended together: bigger groups mean fewer calls, smaller
 # ones less padding read when lengths differ. Split a group in two (at most
@@ -119,7 +119,7 @@ def _decode_group(step: AttentionStep, tokens: torch.Tensor, table_rows: torch.T
     return DecodeGroup(tokens, pages, mask)
 
 
-def _decode_groups(step: AttentionStep) -> list[DecodeGroup]:
+def decode_group_list(step: AttentionStep) -> list[DecodeGroup]:
     """The decodes in one group over the bound every position keeps at
     fixed shapes; eagerly, in groups of similar lengths (`decode_groups`)."""
     decodes, host, bs = step.inputs.decodes, step.inputs.host, step.block_size
@@ -137,7 +137,7 @@ def _decode_groups(step: AttentionStep) -> list[DecodeGroup]:
     return groups
 
 
-def _prefill_segments(step: AttentionStep) -> list[PrefillSegment]:
+def prefill_segments(step: AttentionStep) -> list[PrefillSegment]:
     host, spec, bs = step.inputs.host, step.spec, step.block_size
     if step.inputs.chunks is None:
         return []
@@ -155,7 +155,7 @@ def _prefill_segments(step: AttentionStep) -> list[PrefillSegment]:
     return segments
 
 
-def _tails(step: AttentionStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def tails(step: AttentionStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(pages, slots) of the slots after each sequence's last new token in
     its block, to zero: in a fixed-shape step every sequence's
     (unconditionally, no data-dependent shape); in an eager one only those
@@ -178,8 +178,8 @@ def _tails(step: AttentionStep) -> tuple[torch.Tensor | None, torch.Tensor | Non
 
 def build(step: AttentionStep) -> AttentionMetadata:
     """The group's metadata for one step, from what every backend shares."""
-    return AttentionMetadata(step.spec, step.store_pages, step.store_offsets, *_tails(step), _decode_groups(step),
-                             _prefill_segments(step))
+    return AttentionMetadata(step.spec, step.store_pages, step.store_offsets, *tails(step), decode_group_list(step),
+                             prefill_segments(step))
 
 
 def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, column: int) -> None:
@@ -217,7 +217,7 @@ def _attend(q, k, v, mask, scale, softcap):
     return torch.matmul(probs, v)
 
 
-def _attend_decodes(q, k, v, mask, scale, softcap):
+def attend_decodes(q, k, v, mask, scale, softcap):
     """One query per sequence: q [R, Hq, D]; k, v [R, L, H, D]; mask [R, L].
     Two batched matmuls with each KV head's queries side by side, rather
     than SDPA (whose CPU flash attention tiles a query length of 1): as fast
@@ -234,7 +234,7 @@ def _attend_decodes(q, k, v, mask, scale, softcap):
     return torch.matmul(probs, v.transpose(1, 2)).view(rows, q.shape[1], dim)  # [R, H, G, D] -> [R, Hq, D]
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor):
+def gather(cache: torch.Tensor, pages: torch.Tensor):
     """K and V rows of `pages` ([..., blocks]) as [..., blocks * block_size,
     kv_heads, head_dim] each: one row copy per page (index_select), no more."""
     num_pages, _, bs, heads, dim = cache.shape
@@ -281,8 +281,8 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column
     (`_attend_products`), through SDPA elsewhere (flash attention on CUDA)."""
     out = torch.empty_like(q)
     for group in meta.decodes:
-        keys, values = _gather(cache, group.pages[column])  # [R, L, H, D]
-        out[group.rows] = _attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype), group.mask, scale,
+        keys, values = gather(cache, group.pages[column])  # [R, L, H, D]
+        out[group.rows] = attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype), group.mask, scale,
                                           softcap)
     attend_prefills(q, cache, meta.spec, meta.prefills, column, scale, softcap, out)
     return out
@@ -292,7 +292,7 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
                     scale: float, softcap: float | None, out: torch.Tensor) -> None:
     """The prefill chunks' part of `attend`, into `out`."""
     for seg in prefills:
-        keys, values = _gather(cache, seg.pages[column])  # [L, H, D]
+        keys, values = gather(cache, seg.pages[column])  # [L, H, D]
         keys, values, mask = keys.to(q.dtype), values.to(q.dtype), seg.mask
         if q.device.type == "cpu":  # key ranges padded to few distinct lengths (linear.product_nt)
             columns = -(-keys.shape[0] // KEY_BUCKET) * KEY_BUCKET

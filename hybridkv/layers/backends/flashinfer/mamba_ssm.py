@@ -2,13 +2,13 @@
 causal-conv1d's `causal_conv1d_update` (each optional; install mamba-ssm's
 Triton kernels without its CUDA build: `MAMBA_SKIP_CUDA_BUILD=TRUE pip
 install mamba-ssm`; causal-conv1d builds from source), for the "flashinfer"
-backend (layers/backend.py).
+backend.
 
 Both kernels update a state tensor in place at batch indices. A Mamba state
 here is one block of the pool, but a block may be made of pages that are
 not one run (core/page_allocator.py: a wide block can be put together from
 pieces), so no single strided tensor reaches every state in place. The
-states are gathered first, as the reference does (mamba_state.TorchMamba),
+states are gathered first, as the reference does (backends/reference),
 and the kernels update the gathered rows in place (`state_batch_indices`),
 which `finish` writes back: one read and one write of each state more than
 hybridkv's own Triton kernels, which follow the pages.
@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mamba_state import MambaMetadata, TorchMamba
+from ...recurrent_state import MambaMetadata
+from ..reference.recurrent import ReferenceRecurrent
 
 
 def load_kernels():
@@ -67,9 +68,11 @@ def _triton_kernel_alone():
         return None
 
 
-class MambaSsmMamba(TorchMamba):
-    """Gathered states (TorchMamba's build and finish), the step ops by
+class MambaSsmRecurrent(ReferenceRecurrent):
+    """Gathered states (the reference's build and finish), the step ops by
     mamba-ssm / causal-conv1d where present (the reference where not)."""
+
+    name = "mamba-ssm"
 
     def __init__(self, selective_state_update, causal_conv1d_update=None):
         self.selective_state_update = selective_state_update

@@ -2,12 +2,13 @@
 (decode and prefill / mixed batches) and the Mamba decode step, reading and
 writing the pool in place.
 
-They compute what `paged_attention.py` and `mamba_ops.py` compute (the torch
+They compute what the reference backend and `mamba_ops.py` compute (the torch
 reference, their oracle) without gathering: every program follows the block
 table itself. Importing this module decorates the kernels, and triton reads
 `TRITON_INTERPRET` at that moment: set it to 1 *before* the import to run
 them on CPU tensors under triton's interpreter (that is how the tests run
-them; `layers/backend.py` imports this module only when a kernel is used).
+them; `backends/triton/__init__.py` imports this module only when the
+backend is built).
 
 Conventions shared by the kernels:
 

@@ -1,11 +1,18 @@
-/* hybridkv's CPU kernels, compiled on first use by layers/cpu_native.py
- * with the system's C compiler and called through ctypes (plain C, no torch
- * headers: it builds in about a second). OpenMP shares the process's
- * runtime, the libgomp torch has loaded, so its threads are torch's.
+/* hybridkv's CPU kernels: plain C (no torch headers: it builds in about a
+ * second), compiled for the machine at install time or by `hybridkv
+ * build-kernels` (build.py), called through ctypes (library.py). OpenMP
+ * shares the process's runtime, the libgomp torch has loaded, so its
+ * threads are torch's.
+ *
+ * The boundary is this file: library.py reads the structs and the
+ * signatures of the exported (non-static) functions below and declares
+ * them to ctypes from here, and checks the structs' sizes against
+ * `struct_sizes` when it loads the library; check.py tests every exported
+ * function against torch before the backend uses any.
  *
  * decode_attention: one query token per row, attended over its own keys
  * where they lie in the paged pool: no copy of the keys first. The torch
- * reference (paged_attention.py) gathers every page a decode group reads,
+ * reference (backends/reference) gathers every page a decode group reads,
  * then reads the copy again in two batched products; this reads each key
  * and value once.
  */
@@ -186,15 +193,33 @@ static void attend_heads(const float *const qs[4], float *const os[4], int64_t c
     }
 }
 
+/* One layer's paged K/V cache as the kernels address it: float32, strides
+ * in floats (page, K/V half, slot, head; head_dim contiguous). */
+typedef struct {
+    float *data;
+    int64_t page_stride, half_stride, slot_stride, head_stride;
+    int64_t block_size, kv_heads, head_dim;
+} paged_cache;
+
+/* A step's decode rows: each reads key positions first[r] .. last[r]
+ * (inclusive; last is the query's own position) through pages[r] (its
+ * pages from the block holding its first key, max_blocks per row). A
+ * decoder layer also stores each row's new K/V at (store_pages[r],
+ * store_offsets[r]); attention alone leaves those NULL. */
+typedef struct {
+    int64_t rows, max_blocks;
+    const int64_t *pages, *first, *last;
+    const int64_t *store_pages, *store_offsets;
+} decode_rows;
+
 /* Row r of a decode batch, the query heads g0 .. g0 + count - 1 of KV
  * head h (count <= 4); see decode_attention for the arguments. Returns 0,
  * or -1 where memory for the scores could not be had. */
-static int attend_row(const float *q, const float *cache, int64_t page_stride, int64_t half_stride,
-                      int64_t slot_stride, int64_t head_stride, const int64_t *row_pages, int64_t lo, int64_t hi,
-                      int64_t groups, int64_t h, int64_t g0, int64_t count, int64_t dim,
-                      int64_t block_size, float scale, float softcap, float *out)
+static int attend_row(const float *q, const paged_cache *c, const decode_rows *d, int64_t r, int64_t groups,
+                      int64_t h, int64_t g0, int64_t count, float scale, float softcap, float *out)
 {
-    const int64_t n = hi - lo + 1;
+    const int64_t lo = d->first[r], hi = d->last[r], n = hi - lo + 1, dim = c->head_dim;
+    const int64_t block_size = c->block_size;
     float *scores = malloc(sizeof(float) * (size_t)(4 * n));
     if (scores == NULL)
         return -1;
@@ -205,35 +230,28 @@ static int attend_row(const float *q, const float *cache, int64_t page_stride, i
         qs[g] = q + head * dim;
         os[g] = out + head * dim;
     }
-    attend_heads(qs, os, count, cache + h * head_stride, row_pages, lo, n, lo / block_size, block_size, page_stride,
-                 half_stride, slot_stride, dim, scale, softcap, scores);
+    attend_heads(qs, os, count, c->data + h * c->head_stride, d->pages + r * d->max_blocks, lo, n, lo / block_size,
+                 block_size, c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores);
     free(scores);
     return 0;
 }
 
-/* q [rows, q_heads, dim] float32, contiguous; out the same.
- * cache: the layer's view of the pool, float32, addressed by its strides
- * (elements): page, K/V half, slot, head; dim is contiguous.
- * pages [rows, max_blocks]: each row's pages from the block holding its
- * first key; first[r] .. last[r] (inclusive) are the key positions row r
- * reads (last is the query's own position). softcap <= 0: none.
- * Returns 0, or -1 where memory for the scores could not be had. */
-int decode_attention(const float *q, const float *cache, int64_t page_stride, int64_t half_stride,
-                     int64_t slot_stride, int64_t head_stride, const int64_t *pages, int64_t max_blocks,
-                     const int64_t *first, const int64_t *last, int64_t rows, int64_t q_heads,
-                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale, float softcap,
-                     float *out, int threads)
+/* q [rows, q_heads, head_dim] float32, contiguous; out the same: each
+ * row's query heads attended over its keys (`decode_rows`) in the cache.
+ * softcap <= 0: none. Returns 0, or -1 where memory for the scores could
+ * not be had. */
+int decode_attention(const paged_cache *cache, const decode_rows *rows, const float *q, int64_t q_heads,
+                     float scale, float softcap, float *out, int threads)
 {
-    const int64_t groups = q_heads / kv_heads, batches = (groups + 3) / 4;
+    const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t hb = 0; hb < kv_heads * batches; hb++) {
+    for (int64_t r = 0; r < rows->rows; r++) {
+        for (int64_t hb = 0; hb < cache->kv_heads * batches; hb++) {
             const int64_t h = hb / batches, g0 = hb % batches * 4;
             const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
-            failed |= attend_row(q + r * q_heads * dim, cache, page_stride, half_stride, slot_stride, head_stride,
-                                 pages + r * max_blocks, first[r], last[r], groups, h, g0, count, dim,
-                                 block_size, scale, softcap, out + r * q_heads * dim);
+            failed |= attend_row(q + r * q_heads * dim, cache, rows, r, groups, h, g0, count, scale, softcap,
+                                 out + r * q_heads * dim);
         }
     }
     return failed ? -1 : 0;
@@ -420,7 +438,7 @@ static void add_residual(float *x, float *sub, const float *norm, float offset, 
         x[d] += sub[d];
 }
 
-/* One decoder layer's weights and shape (layers/cpu_decoder.py fills it).
+/* One decoder layer's weights and shape (decoder.py fills it).
  * Products' weights are dense [out, in]; a NULL norm or bias is absent. */
 typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, inter, activation;
@@ -434,18 +452,20 @@ typedef struct {
  * row one sequence's next token:
  *   h = norm(x); q, k, v = h Wqkv (+ b); q, k = rotary(norm(q), norm(k));
  *   k, v stored at (store_pages[r], store_offsets[r]) of the cache;
- *   attention as decode_attention (pages, first, last, its arguments);
+ *   attention as decode_attention over the rows' keys (`decode_rows`);
  *   x += post_norm(attn Wo (+ b)); x += post_norm(down(act(h Wg) * h Wu))
  *   with h = pre_norm(x)
  * (a missing post norm is the identity). A block written first here gets
  * the slots after the new token zeroed, as the torch reference's `store`
  * does. cos, sin [rows, head_dim]. Returns 0, or -1 where memory for
  * scratch could not be had. */
-int decode_layer(const decoder_layer *L, float *x, int64_t rows, const float *cos, const float *sin, float *cache,
-                 int64_t page_stride, int64_t half_stride, int64_t slot_stride, int64_t head_stride,
-                 int64_t block_size, const int64_t *store_pages, const int64_t *store_offsets, const int64_t *pages,
-                 int64_t max_blocks, const int64_t *first, const int64_t *last, int threads)
+int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, float *x, const float *cos,
+                 const float *sin, int threads)
 {
+    const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
+    const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
+    const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
+    float *cache = c->data;
     const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
     const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
@@ -491,9 +511,8 @@ int decode_layer(const decoder_layer *L, float *x, int64_t rows, const float *co
             for (int64_t hb = 0; hb < L->kv_heads * batches; hb++) {
                 const int64_t head = hb / batches, g0 = hb % batches * 4;
                 const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
-                failed |= attend_row(qkv + r * qkv_width, cache, page_stride, half_stride, slot_stride, head_stride,
-                                     pages + r * max_blocks, first[r], last[r], groups, head, g0, count,
-                                     dim, block_size, L->scale, L->softcap, attn + r * q_width);
+                failed |= attend_row(qkv + r * qkv_width, c, d, r, groups, head, g0, count, L->scale, L->softcap,
+                                     attn + r * q_width);
             }
         }
         products(attn, rows, q_width, L->o, L->o_bias, H, sub);
@@ -510,4 +529,13 @@ int decode_layer(const decoder_layer *L, float *x, int64_t rows, const float *co
     }
     free(scratch);
     return failed ? -1 : 0;
+}
+
+/* The sizes of the structs above, in the order they are declared, for the
+ * loader to check against its own (library.py). */
+void struct_sizes(int64_t *out)
+{
+    out[0] = (int64_t)sizeof(paged_cache);
+    out[1] = (int64_t)sizeof(decode_rows);
+    out[2] = (int64_t)sizeof(decoder_layer);
 }

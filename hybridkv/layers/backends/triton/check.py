@@ -1,7 +1,7 @@
 """A quick self-test of the Triton kernels on the device they are about to
 run on, against dense torch computations written straight from the rules.
 
-`backend.verified` runs it once per device before "auto" hands any real
+`backends.triton.verified` runs it once per device before "auto" hands any real
 work to the kernels: if a kernel disagrees (a compiler or driver quirk the
 CPU interpreter cannot show), the engine warns and keeps the torch
 reference, rather than serving wrong tokens. It takes a few small launches.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-from .mamba_ops import causal_conv_step, selective_scan_step
+from ....core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
+from ...mamba_ops import causal_conv_step, selective_scan_step
 
 _TOLERANCE = 2e-3  # float32 inputs; the kernels' dots may run in tf32
 

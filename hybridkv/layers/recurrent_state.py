@@ -1,9 +1,10 @@
-"""Where a Mamba layer's per-request state lives during a step, and the
-one-token update on it: the torch reference works on states gathered from
-the pool into one tensor and scatters them back after the forward
-(`finish`); the Triton kernels update decode states in the pool in place,
-from their read pages to their write pages. Prefill chunks go through the
-reference scan (mamba_ops.py) on gathered states either way.
+"""Where a recurrent (Mamba) layer's per-request state lives during a step,
+shared by every backend's recurrent side (backends/base.py, RecurrentOps):
+the reference gathers every sequence's state from the pool into one tensor
+and scatters them back after the forward (`finish`); the Triton kernels
+update decode states in the pool in place, from their read pages to their
+write pages. Prefill chunks run on gathered states in every backend
+(`GatheredPrefill`: the reference scan of mamba_ops.py).
 
 Per request the manager gives a read block (None: the zero state, read as
 the null page, which stays zero) and a write block (the same block when the
@@ -22,9 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .dtypes import TORCH_DTYPES
 from .kv_buffers import KVBuffers
-from .mamba_ops import causal_conv_step, selective_scan_step
+from .mamba_ops import causal_conv, selective_scan
 from .step import StepInputs
 
 
@@ -48,21 +48,21 @@ class MambaMetadata:
     # Sequences verifying drafts: chunks like prefills, but the layers keep
     # each token's state (`verify_states`) until keep_accepted picks one.
     verifies: list["Verified"] = field(default_factory=list)
-    verify_states: dict = field(default_factory=dict)  # layer name -> (conv window, per-token SSM states)
+    verify_states: dict = field(default_factory=dict)  # layer name -> [conv window, per-token SSM states]
 
     def state_views(self, layer_name: str) -> list[torch.Tensor]:
         """The layer's conv and SSM states inside `states` (typed views)."""
         return self.buffers.state_views(self.states, layer_name)
 
 
-def _gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
+def gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
     """States read from their pages, `[R, state bytes]`. A sequence with no
     state yet reads the null page, which holds zeros (nothing ever writes
     it): the zero state without a pass to clear it."""
     return buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
 
 
-def _chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Verified]]:
+def chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Verified]]:
     """The step's chunks as (state row, first token row, count), `state_rows`
     giving each chunk's row of the gathered states: prefill chunks, and the
     verified ones, longest first (the order the scan takes them in)."""
@@ -74,89 +74,53 @@ def _chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Ver
     return [c for c, v in zip(chunks, verifying) if not v], sorted(verified, key=lambda v: -v.count)
 
 
-def _metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows) -> MambaMetadata:
+def metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows) -> MambaMetadata:
     """What both backends share: the states of table rows `gathered` (their
     read pages) and where they go, the decodes' token rows, the chunks, each
     at its row `chunk_rows[i]` of the gathered states (host)."""
     decodes = inputs.decodes
-    meta = MambaMetadata(buffers, _gather(buffers, read[gathered]), write[gathered],
+    meta = MambaMetadata(buffers, gather(buffers, read[gathered]), write[gathered],
                          None if decodes is None else decodes.tokens,
                          0 if decodes is None else decodes.tokens.shape[0])
     if not inputs.fixed_shape:
-        meta.prefills, meta.verifies = _chunk_lists(inputs.host, chunk_rows)
+        meta.prefills, meta.verifies = chunk_lists(inputs.host, chunk_rows)
     return meta
 
 
-def _finish(meta: MambaMetadata) -> None:
+def finish(meta: MambaMetadata) -> None:
     """Write the gathered states to their write pages."""
     rows = meta.write_pages.shape[0]
     if rows:
         meta.buffers.pool[meta.write_pages] = meta.states.view(rows, meta.write_pages.shape[1], -1)
 
 
-class TorchMamba:
-    """Reference: every sequence's state gathered, updated, scattered back."""
+class GatheredPrefill:
+    """The parts of RecurrentOps every backend runs on gathered states:
+    the chunked prefill (mamba_ops.py's scan, side by side), `finish`, and
+    the rollback after verified drafts."""
 
-    def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
-        host = inputs.host
-        meta = _metadata(inputs, buffers, read, write, inputs.table_rows, None if host is None else host.chunks)
-        if inputs.decodes is not None:
-            meta.step_rows = inputs.decodes.seqs  # a sequence's state is row i: its index in the step
-        return meta
+    finish = staticmethod(finish)
 
-    finish = staticmethod(_finish)
-
-    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias) -> torch.Tensor:
-        """One token's conv for each step row, SiLU applied; updates the conv state."""
+    def conv_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, lengths, weight, bias, keep=False):
         conv_state = meta.state_views(layer_name)[0]
-        rows = meta.step_rows
-        y, new_state = causal_conv_step(x, conv_state[rows], weight, bias)
-        conv_state[rows] = new_state.to(conv_state.dtype)
+        before = conv_state[rows]
+        y, new_conv = causal_conv(x, lengths, before, weight, bias)
+        conv_state[rows] = new_conv.to(conv_state.dtype)
+        if keep:  # in meta.verifies order (keep_accepted picks one state per chunk)
+            meta.verify_states.setdefault(layer_name, [None, None])[0] = \
+                torch.cat([before.to(x.dtype), x.transpose(1, 2)], 2)
         return F.silu(y)
 
-    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
-        """One token's selective-state update for each step row; float32
-        `(C . h + D x) * silu(gate)`; updates the SSM state."""
+    def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
         ssm_state = meta.state_views(layer_name)[1]
-        rows = meta.step_rows
-        y, new_state = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
-        ssm_state[rows] = new_state.to(ssm_state.dtype)
-        return (y + x.float() * D) * F.silu(gate.float())
+        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
+        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        if keep:
+            meta.verify_states.setdefault(layer_name, [None, None])[1] = per_token
+        return y
 
-
-class KernelMamba:
-    """Triton: decode states stay in the pool (the kernels read and write
-    their pages); only prefill rows are gathered and written back."""
-
-    def __init__(self, ops):
-        self.ops = ops
-
-    def build(self, inputs: StepInputs, buffers: KVBuffers, read, write, zero) -> MambaMetadata:
-        decodes, chunks = inputs.decodes, inputs.chunks
-        # Only the chunks run on gathered states (the reference scan).
-        gathered = inputs.table_rows[:0] if chunks is None else chunks.table_rows
-        meta = _metadata(inputs, buffers, read, write, gathered, range(gathered.shape[0]))
-        if decodes is not None:
-            rows = decodes.table_rows
-            meta.step_pages = (read[rows], write[rows], zero[rows])
-        return meta
-
-    finish = staticmethod(_finish)
-
-    def _part(self, meta, layer_name, index):
-        layout = meta.buffers.layout
-        view = layout.layer_views[layer_name]
-        spec = layout.groups[view.group].spec
-        return view.offset + view.part_offsets[index], TORCH_DTYPES[spec.dtypes[index]]
-
-    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias) -> torch.Tensor:
-        offset, dtype = self._part(meta, layer_name, 0)
-        return self.ops.mamba_conv_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, weight, bias,
-                                        silu=True)
-
-    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
-        offset, dtype = self._part(meta, layer_name, 1)
-        return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
+    def keep_accepted(self, meta: MambaMetadata, accepted: list[int]) -> None:
+        keep_accepted(meta, accepted)
 
 
 def keep_accepted(meta: MambaMetadata, accepted: list[int]) -> None:

@@ -1,9 +1,9 @@
-"""Paged attention through hybridkv's Triton kernels (triton_ops.py): the
-same store and attend as the reference (paged_attention.py), reading the
+"""Paged attention through hybridkv's Triton kernels (ops.py): the
+same store and attend as the reference (backends/reference), reading the
 pages in place through the persistent block tables instead of gathering.
 
 The kernels take the step as every backend shares it (`AttentionStep`,
-step.py): per token its position and first visible key, the decodes' token
+layers/step.py): per token its position and first visible key, the decodes' token
 and table rows, the chunks' starts, lengths and table rows. Their own part
 is the store slot of each new token. In a fixed-shape step every value is a
 tensor computed on the device and every launch size comes from shapes: the
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .step import AttentionStep
+from ...step import AttentionStep
+from ..base import AttentionOps
 
 
 @dataclass
@@ -63,20 +64,27 @@ def decode_block_n(kind: str, head_dim: int, element_size: int) -> int:
     return 32 if kind == "sliding_window" else 128
 
 
-def store(ops, cache, k, v, meta: KernelMetadata, column: int) -> None:
-    ops.store_kv(cache, k, v, meta.slots[column])
+class TritonAttention(AttentionOps):
+    name = "triton"
 
+    def __init__(self, ops):
+        self.ops = ops
 
-def attend(ops, q, cache, meta: KernelMetadata, column: int, scale, softcap):
-    out = torch.empty_like(q)
-    attend_decodes(ops, out, q, cache, meta.step, column, scale, softcap)
-    step = meta.step
-    chunks = step.inputs.chunks
-    if chunks is not None:
-        ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, step.table[column],
-                                    chunks.table_rows, step.inputs.positions, step.first_key,
-                                    max_length=chunks.longest, scale=scale, softcap=softcap)
-    return out
+    build = staticmethod(build)
+
+    def store(self, cache, k, v, meta: KernelMetadata, column: int) -> None:
+        self.ops.store_kv(cache, k, v, meta.slots[column])
+
+    def attend(self, q, cache, meta: KernelMetadata, column: int, scale, softcap=None):
+        out = torch.empty_like(q)
+        attend_decodes(self.ops, out, q, cache, meta.step, column, scale, softcap)
+        step = meta.step
+        chunks = step.inputs.chunks
+        if chunks is not None:
+            self.ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, step.table[column],
+                                             chunks.table_rows, step.inputs.positions, step.first_key,
+                                             max_length=chunks.longest, scale=scale, softcap=softcap)
+        return out
 
 
 def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, softcap) -> None:

@@ -1,0 +1,341 @@
+"""One conformance suite for every backend that runs on this machine: the
+same step-level cases through each backend's declared ops
+(layers/backends/base.py), each equal to the torch reference's.
+
+Backends: "cpu" (its C kernels), "triton" (under triton's interpreter on
+the CPU), FlashInfer's attention through its documented semantics
+(tests/fake_flashinfer.py: its argument conversion), and the reference
+itself (against dense torch written from the read rule, so the oracle is
+checked too). Cases: decodes, prefill chunks continuing after cached
+tokens and mixed steps; full, sliding-window and chunked-local layers;
+soft-capping; GQA; fixed-shape decode steps; float32 and bfloat16 caches;
+Mamba states stepped, prefilled and rolled back after verified drafts.
+Slots no query of the step may see hold NaN for a backend that declares it
+loads only visible keys, so one that reads outside a query's range shows
+it; the others (the reference and what reuses it) gather whole blocks and
+mask them, so there the slots hold large finite garbage (the stores keep
+them finite in the engine), which an unmasked read would show instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of the kernels
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec, plan_layout  # noqa: E402
+from hybridkv.layers.backends import choose  # noqa: E402
+from hybridkv.layers.backends.reference import ReferenceBackend  # noqa: E402
+from hybridkv.layers.kv_buffers import KVBuffers  # noqa: E402
+from hybridkv.layers.step import StepBatch, StepInputs, attention_step  # noqa: E402
+
+
+def _flashinfer_fake():
+    import fake_flashinfer
+
+    from hybridkv.layers.backends.flashinfer import FlashInferBackend
+    from hybridkv.layers.backends.flashinfer.attention import FlashInferAttention
+
+    class Fake:
+        name = "flashinfer"
+        attention = FlashInferAttention(fake_flashinfer.module(), torch.device("cpu"))
+        recurrent = None
+        kinds = ("full", "sliding_window")
+        dtypes = (torch.bfloat16, torch.float16)
+        capabilities = FlashInferBackend.capabilities
+    return Fake()
+
+
+def available() -> list[str]:
+    names = ["torch", "cpu"]
+    try:
+        import triton  # noqa: F401
+
+        names.append("triton")
+    except ImportError:
+        pass
+    return names + ["flashinfer"]
+
+
+def backend(name: str):
+    if name == "flashinfer":
+        return _flashinfer_fake()
+    if name == "cpu":
+        return choose("cpu", "cpu")  # a RuntimeError (a failure) where the C kernels are not built
+    if name == "triton":
+        return choose("triton", "cpu")
+    return ReferenceBackend()
+
+
+BACKENDS = available()
+
+
+def runs(b, spec, dtype) -> bool:
+    """Whether backend `b` declares it runs layers of `spec` with `dtype` caches."""
+    if hasattr(b, "kinds"):  # the FlashInfer stand-in
+        return spec.kind in b.kinds and dtype in b.dtypes
+    return b.refusal(spec, torch.device("cpu")) is None
+
+
+# -- attention ------------------------------------------------------------------------
+# (cached tokens, new tokens) per sequence: a fresh chunk, a chunk after
+# cached tokens across block boundaries, decodes long past a window, at a
+# block's first slot, and the very first token.
+MIXED = [(0, 9), (37, 21), (70, 1), (32, 1), (0, 1)]
+DECODES = [(70, 1), (32, 1), (0, 1), (5, 1)]
+SPECS = {"full": FullAttentionSpec(2, 16), "window-5": SlidingWindowSpec(2, 16, sliding_window=5),
+         "window-23": SlidingWindowSpec(2, 16, sliding_window=23), "chunked-24": ChunkedLocalSpec(2, 16, chunk_size=24)}
+
+
+class AttentionCase:
+    """Sequences' blocks on random pages of one layer's cache, released
+    blocks as the null page, table rows shuffled; every slot NaN except the
+    keys some query of the step may read."""
+
+    def __init__(self, spec, step, dtype, bs=8, q_heads=4, seed=0, fixed=False):
+        gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        rng = np.random.default_rng(seed)
+        self.spec, self.step, self.dtype, self.bs = spec, step, dtype, bs
+        kv_heads, dim = spec.num_kv_heads, spec.head_size
+        blocks = [-(-(cached + count) // bs) for cached, count in step]
+        self.cache = torch.full((1 + sum(blocks) + 2, 2, bs, kv_heads, dim), float("nan"), dtype=dtype)
+        free = rng.permutation(np.arange(1, self.cache.shape[0]))
+        rows = rng.permutation(len(step) + 2)[:len(step)]
+        table = np.zeros((1, len(step) + 2, max(blocks) + 1), dtype=np.int64)
+        taken = 0
+        for (cached, count), nb, row in zip(step, blocks, rows):
+            pages = free[taken:taken + nb].copy()
+            taken += nb
+            live = spec.first_visible(cached)
+            pages[(np.arange(nb) + 1) * bs <= live] = 0  # released blocks: the null page
+            table[0, row, :nb] = pages
+            for pos in range(live, cached):  # the cached keys a query may read
+                self.cache[pages[pos // bs], :, pos % bs] = torch.randn(2, kv_heads, dim, generator=gen).to(dtype)
+        self.table = torch.from_numpy(table)
+        tokens = sum(count for _, count in step)
+        self.q = torch.randn(tokens, q_heads, dim, generator=gen).to(dtype)
+        self.k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+        self.v = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+        counts = np.array([c for _, c in step])
+        inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]), counts,
+                                      rows, "cpu")
+        if fixed:
+            assert all(c == 1 for c in counts)
+            inputs = StepInputs.fixed(inputs.input_ids, inputs.positions, inputs.table_rows,
+                                      torch.arange(len(step)))
+        self.inputs = inputs
+        self.attention_step = attention_step(inputs, self.table, spec, bs)
+
+    def run(self, ops, scale, softcap, poison=True):
+        """(output, cache after the store) through `ops`; unseen slots NaN
+        (`poison`), else large finite garbage."""
+        cache = self.cache.clone()
+        if not poison:
+            gen = torch.Generator().manual_seed(self.seed + 1)
+            garbage = (torch.randn(cache.shape, generator=gen) * 1e3).to(cache.dtype)
+            cache = torch.where(cache.isnan(), garbage, cache)
+        meta = ops.build(self.attention_step)
+        ops.store(cache, self.k, self.v, meta, 0)
+        return ops.attend(self.q, cache, meta, 0, scale, softcap), cache
+
+    def dense(self, scale, softcap):
+        """Dense torch from the read rule: query at p reads keys
+        first_visible(p) .. p, the new ones included."""
+        out = torch.empty(self.q.shape, dtype=torch.float32)
+        row, groups = 0, self.q.shape[1] // self.spec.num_kv_heads
+        cache = self.cache.float()
+        table = self.table[0]
+        for seq, (cached, count) in enumerate(self.step):
+            keys = torch.empty(cached + count, *self.k.shape[1:])
+            values = torch.empty_like(keys)
+            table_row = int(self.inputs.table_rows[seq])
+            for pos in range(cached):
+                page = int(table[table_row, pos // self.bs])
+                keys[pos], values[pos] = cache[page, 0, pos % self.bs], cache[page, 1, pos % self.bs]
+            keys[cached:], values[cached:] = self.k[row:row + count].float(), self.v[row:row + count].float()
+            for i in range(count):
+                p = cached + i
+                lo = self.spec.first_visible(p)
+                k = keys[lo:p + 1].repeat_interleave(groups, 1)
+                v = values[lo:p + 1].repeat_interleave(groups, 1)
+                s = torch.einsum("hd,nhd->hn", self.q[row + i].float(), k) * scale
+                if softcap:
+                    s = torch.tanh(s / softcap) * softcap
+                out[row + i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+            row += count
+        return out
+
+
+TOLERANCE = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
+@pytest.mark.parametrize("shape", ["mixed", "decodes", "fixed-shape"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_equals_the_reference(name, spec, shape, softcap, dtype):
+    spec = SPECS[spec]
+    b = backend(name)
+    if not runs(b, spec, dtype):
+        pytest.skip(f"{name} declares it does not run {spec.kind} attention on {dtype} caches")
+    case = AttentionCase(spec, MIXED if shape == "mixed" else DECODES, dtype, fixed=shape == "fixed-shape")
+    expected, expected_cache = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
+    got, cache = case.run(b.attention, 0.3, softcap, poison=b.capabilities.reads_only_visible_keys)
+    assert got.dtype == case.q.dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+    # The new K/V is where the reference put it.
+    pages, offsets = case.attention_step.store_pages[0], case.attention_step.store_offsets
+    assert torch.equal(cache[pages, :, offsets], expected_cache[pages, :, offsets])
+
+
+def test_the_backends_that_say_they_load_only_visible_keys_are_poisoned():
+    # (so the NaN cases above test something for them)
+    declared = {name: backend(name).capabilities.reads_only_visible_keys for name in BACKENDS}
+    assert declared["torch"] is False  # it gathers whole blocks (FlashInfer whole pages) and masks them
+    if "triton" in declared:
+        assert declared["triton"] is True
+
+
+@pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_reference_equals_dense_attention_from_the_read_rule(spec, softcap):
+    case = AttentionCase(SPECS[spec], MIXED, torch.float32, seed=3)
+    got, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
+    torch.testing.assert_close(got, case.dense(0.3, softcap), atol=3e-5, rtol=1e-4)
+
+
+# -- recurrent states ---------------------------------------------------------------
+class RecurrentCase:
+    """A Mamba layer's states in a pool (two layers share each block), the
+    step's sequences reading their states from read pages (or the zero
+    state) and writing to write pages; every page no one reads NaN, the
+    null page zero."""
+
+    def __init__(self, step, verifying=None, seed=0, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        self.channels, self.state, self.width = 24, 8, 4
+        spec = MambaSpec(shapes=((self.channels, self.width - 1), (self.channels, self.state)),
+                         dtypes=("float32", "float32"))
+        self.layout = plan_layout({"layers.0": spec, "layers.1": spec}, memory_bytes=1 << 20, block_size=4)
+        self.buffers = KVBuffers(self.layout)
+        group = self.layout.groups[0]
+        per = group.pages_per_block
+        self.step = step
+        n = len(step)
+        pages = torch.randperm(self.layout.num_pages - 1, generator=gen)[:2 * n * per] + 1
+        self.read = pages[:n * per].view(n, per).clone()
+        self.write = pages[n * per:].view(n, per).clone()
+        self.zero = torch.tensor([cached == 0 for cached, _ in step])
+        self.read[self.zero] = 0
+        self.buffers.pool.view(torch.uint8).fill_(255)  # NaN float32 bytes
+        self.buffers.pool[0] = 0
+        states = torch.randn(n, per * self.layout.page_size_bytes // 4, generator=gen) * 0.5
+        for r in range(n):
+            if not self.zero[r]:
+                self.buffers.pool[self.read[r]] = states[r].view(torch.uint8).view(per, -1)
+        tokens = sum(c for _, c in step)
+        self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]),
+                                           np.array([c for _, c in step]), np.arange(n), "cpu", verifying)
+        self.A = -torch.rand(self.channels, self.state, generator=gen) - 0.1
+        self.D = torch.randn(self.channels, generator=gen)
+        self.weight = torch.randn(self.channels, self.width, generator=gen)
+        self.bias = torch.randn(self.channels, generator=gen)
+        # Each sequence's token inputs depend on the sequence and the token
+        # only, so a shorter step sees the same first tokens.
+        rows = []
+        for r, (_, count) in enumerate(step):
+            g = torch.Generator().manual_seed(1000 * seed + r)
+            rows.append([torch.randn(16, size, generator=g)[:count] for size in
+                         (self.channels, self.channels, self.state, self.state, self.channels)])
+        self.x, dt, self.B, self.C, self.gate = (torch.cat(parts) for parts in zip(*rows))
+        self.dt = torch.nn.functional.softplus(dt)
+
+    def run(self, ops, accepted=None):
+        """Both layers through `ops` as a Mamba mixer calls them: outputs
+        [tokens, channels] per layer, and the pool after `finish` (and
+        `keep_accepted` where drafts were verified)."""
+        pool_before = self.buffers.pool.clone()
+        meta = ops.build(self.inputs, self.buffers, self.read, self.write, self.zero)
+        outs = []
+        for layer in ("layers.0", "layers.1"):
+            y = torch.zeros(self.x.shape[0], self.channels)
+            if meta.num_steps:
+                t = meta.step_tokens
+                x = ops.conv_step(meta, layer, self.x[t], self.weight, self.bias)
+                y[t] = ops.ssm_step(meta, layer, x, self.dt[t], self.A, self.B[t], self.C[t], self.D, self.gate[t])
+            for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
+                if not chunks:
+                    continue
+                # All of a kind in one call, side by side, padded (as a mixer does; with `keep`
+                # the verified chunks in meta.verifies order).
+                rows = torch.tensor([row for row, _, _ in chunks])
+                lengths = torch.tensor([count for _, _, count in chunks])
+                at = torch.stack([start + torch.arange(int(lengths.max())).clamp(max=count - 1)
+                                  for _, start, count in chunks])
+                x = ops.conv_prefill(meta, layer, rows, self.x[at], lengths, self.weight, self.bias, keep)
+                out = ops.ssm_prefill(meta, layer, rows, x, self.dt[at], self.A, self.B[at], self.C[at], lengths,
+                                      keep)
+                full = (out + x.float() * self.D) * torch.nn.functional.silu(self.gate[at])
+                for i, (_, start, count) in enumerate(chunks):
+                    y[start:start + count] = full[i, :count]
+            outs.append(y)
+        ops.finish(meta)
+        if meta.verifies:
+            ops.keep_accepted(meta, accepted)
+        pool = self.buffers.pool.clone()
+        self.buffers.pool.copy_(pool_before)
+        return outs, pool
+
+
+RECURRENT_STEPS = {"decodes": [(5, 1), (0, 1), (12, 1)], "mixed": [(0, 7), (9, 1), (4, 5), (0, 1)]}
+
+
+@pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flashinfer"])
+@pytest.mark.parametrize("shape", list(RECURRENT_STEPS))
+def test_recurrent_states_equal_the_reference(name, shape):
+    case = RecurrentCase(RECURRENT_STEPS[shape])
+    expected, expected_pool = case.run(ReferenceBackend().recurrent)
+    got, pool = case.run(backend(name).recurrent)
+    for g, e in zip(got, expected):
+        assert not g.isnan().any()
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    written = case.write.reshape(-1)
+    torch.testing.assert_close(pool[written].view(torch.float32), expected_pool[written].view(torch.float32),
+                               atol=1e-4, rtol=1e-4)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[written] = False
+    assert torch.equal(pool[others], expected_pool[others])  # nothing but the write pages changed
+
+
+@pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flashinfer"])
+def test_a_rollback_keeps_the_state_after_the_last_accepted_draft(name):
+    # Two sequences verify drafts (4 and 3 tokens); keeping 1 and 2 of them
+    # must leave what a plain run of the accepted tokens leaves.
+    step = [(6, 4), (3, 3), (8, 1)]
+    verifying = np.array([True, True, False])
+    case = RecurrentCase(step, verifying, seed=5)
+    _, pool = case.run(backend(name).recurrent, accepted=[1, 2])
+    shorter = RecurrentCase([(6, 2), (3, 3), (8, 1)], seed=5)
+    _, expected = shorter.run(ReferenceBackend().recurrent)
+    for r in range(2):
+        pages = case.write[r]
+        torch.testing.assert_close(pool[pages].view(torch.float32), expected[pages].view(torch.float32),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_every_backend_that_should_run_here_runs():
+    # The suite's parameters come from what imports; the cpu backend must
+    # be among them wherever a compiler is (a skip here would hide it).
+    from hybridkv.layers.backends.cpu import build
+
+    if build.compiler() is not None:
+        assert backend("cpu").name == "cpu"
+    assert "torch" in BACKENDS
