@@ -50,9 +50,10 @@ class FlashInferBackend(Backend):
         from . import attention
         from .mamba_ssm import MambaSsmRecurrent, load_kernels
 
+        flashinfer = _flashinfer()  # not installed: say what to install first
         if device.type != "cuda":
             raise RuntimeError("FlashInfer's kernels run on CUDA devices only")
-        ops = attention.FlashInferAttention(_flashinfer(), device)
+        ops = attention.FlashInferAttention(flashinfer, device)
         attention.check(ops, device)  # a mismatch raises: the caller asked for this backend
         mamba_kernels = load_kernels()
         if mamba_kernels is not None:
@@ -86,10 +87,11 @@ class TritonFlashInferBackend(Backend):
         from ..triton.recurrent import TritonRecurrent
         from . import attention
 
+        flashinfer = _flashinfer()
         if device.type != "cuda":
             raise RuntimeError("FlashInfer's kernels run on CUDA devices only")
         ops = _verified_kernels(device)
-        prefill = attention.FlashInferPrefill(_flashinfer(), device, ops)
+        prefill = attention.FlashInferPrefill(flashinfer, device, ops)
         attention.check(prefill.prefill, device)
         super().__init__(prefill, TritonRecurrent(ops))
 
