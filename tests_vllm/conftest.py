@@ -34,31 +34,21 @@ CONNECTOR = {"kv_connector": "HybridkvConnector", "kv_connector_module_path": "h
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
-def build_tiny_gemma3(path: str, seed: int = 0, sliding_window: int = 32) -> str:
-    """A random Gemma-3 text model vLLM's CPU attention runs (head_dim 64):
-    five sliding-window layers and one full-attention layer."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                              sliding_window=sliding_window, max_position_embeddings=2048,
-                              layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                              bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(seed)
-    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory) -> str:
-    return build_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3")))
+def tiny_gemma3() -> str:
+    """A random Gemma-3 text model vLLM's CPU attention runs (head_dim 64):
+    five sliding-window layers (window 32) and one full-attention layer."""
+    from hybridkv.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("vllm-tiny-gemma3")
 
 
 @pytest.fixture(scope="session")
 def other_tiny_gemma3(tmp_path_factory) -> str:
     """The same architecture with other weights: another model's KV."""
-    return build_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3-other")), seed=1)
+    from hybridkv.tiny_models import build_model
+
+    return build_model("vllm-tiny-gemma3", str(tmp_path_factory.mktemp("other") / "model"), seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +97,16 @@ class Served:
         self.settle()
         served = (self.tiers.stats["hit_tokens"] - before) if self.tiers else 0
         return list(out.token_ids), logprobs, served
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """The prompts as one batch: their tokens."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                 SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                 use_tqdm=False)
+        self.settle()
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     def settle(self) -> None:
         """Run engine steps until the stores of finished requests are done

@@ -153,24 +153,47 @@ def test_salts_never_cross(serve, tiny_gemma3):
     assert_same(again, cold)
 
 
-def test_blocks_leaving_the_pool_are_stored(serve, tiny_gemma3):
-    """A request that generates past its window releases the window at its
-    prompt's end; vLLM keeps it cached (a later request can end its hit
-    there) in the free queue, and the connector stores it from there
-    before it is evicted. A request that shares only the prompt then hits
-    from the tiers: the full group's blocks stored at finish, the sliding
-    groups' from the free queue."""
-    vllm = serve(tiny_gemma3, {"host_memory": "64MiB"}, **SMALL_POOL)
+def test_a_finished_request_leaves_its_prompt_window(serve, tiny_gemma3):
+    """A request that generates past its window has released the window at
+    its prompt's end; vLLM keeps it cached (a later request can end its hit
+    there), and the connector stores that copy when the request finishes,
+    beside the blocks the request still holds. A request that shares only
+    the prompt then hits from the tiers."""
+    vllm = serve(tiny_gemma3, {"host_memory": "64MiB"})
     prompt = PROMPT[:96]
     vllm.generate(prompt, max_tokens=80)
     stored = vllm.tiers.stats["stored_blocks"]
-    assert all(n >= 2 for n in stored[:5]), stored  # the last window, and the one at the prompt's end
+    assert stored[:5] == [2] * 5, stored  # the last window, and the window at the prompt's end
     vllm.drop_pool_cache()
     follow_up = prompt + [11, 12, 13]
     served = vllm.generate(follow_up)
-    assert served[2] == 64  # the sliding groups kept their window at 64 (vLLM's hit boundary for a 96-token prompt)
-    cold = serve(tiny_gemma3, **SMALL_POOL).generate(follow_up)
+    assert served[2] == 64  # where vLLM's own cache would end the hit of a 96-token prompt
+    cold = serve(tiny_gemma3).generate(follow_up)
     assert_same(served, cold)
+
+
+def test_blocks_about_to_be_evicted_are_stored(serve, tiny_gemma3):
+    """Five requests decode together in a pool of 64 blocks (vLLM preempts
+    some, and the tiers serve them back): the windows they release at their
+    prompts' ends go to the free queue, cached, and the connector stores
+    them from there (pinned until copied) before the pool reuses them. A
+    block freed and reused within one scheduling pass escapes (here one
+    prompt's window in three groups): that is a later miss, never wrong KV.
+    Each prompt followed by new tokens is then served by the tiers where
+    they hold its window, and always as a cold run computes it."""
+    prompts = [[200 + d] + PROMPT[d * 5:d * 5 + 120] for d in range(5)]
+    follow_ups = [p + [20 + d, 21] for d, p in enumerate(prompts)]
+    plain = serve(tiny_gemma3, **SMALL_POOL)
+    cold = [plain.generate(f) for f in follow_ups]
+    vllm = serve(tiny_gemma3, {"host_memory": "64MiB"}, **SMALL_POOL)
+    vllm.generate_many(prompts, max_tokens=100)
+    assert vllm.tiers.stats["stores_evicting"] >= 5
+    assert vllm.tiers.stats["hit_tokens"] > 0  # preempted requests came back from the tiers
+    vllm.drop_pool_cache()
+    served = [vllm.generate(follow_up) for follow_up in follow_ups]
+    assert sum(s[2] == 96 for s in served) >= 4
+    for run, reference in zip(served, cold):
+        assert_same(run, reference)
 
 
 def test_a_small_pool_overflows_into_the_tiers(serve, tiny_gemma3):

@@ -55,7 +55,7 @@ class TierScheduler:
         self.pending: dict[tuple[int, bytes], int] = {}  # stores sent, not yet reported -> their step
         self.pins: deque[tuple[int, list]] = deque()  # (step, pinned pool blocks) until the workers copied them
         self.stats = {"hit_tokens": 0, "loaded_blocks": [0] * len(held), "stored_blocks": [0] * len(held),
-                      "failed_loads": 0}
+                      "stores_finished": 0, "stores_evicting": 0, "failed_loads": 0}
 
     # -- hits ---------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -119,31 +119,48 @@ class TierScheduler:
 
     # -- stores -------------------------------------------------------------
     def finished(self, request, block_ids: tuple) -> bool:
-        """vLLM's request_finished_all_groups: store the request's blocks that
-        the tiers lack; True (free later) if there are any."""
+        """vLLM's request_finished_all_groups: store the request's blocks
+        that the tiers lack; True (free them later) if it holds any of them.
+        Where a group released a block (a window that moved on), the pool's
+        cached copy is stored if vLLM kept one, which it does where a later
+        hit can end (the window at the prompt's end): pinned until copied."""
         if self.loading.pop(request.request_id, None) is not None:
             return False  # finished before its load was done: nothing of it is computed yet
         bs = self.groups.block_size
         keys = self.groups.keys(request.block_hashes, request.num_computed_tokens // bs)  # computed, whole blocks
-        full = len(keys)
-        stores = []
+        held_stores, pinned = [], []
         for g, ids in enumerate(block_ids):
-            for j in range(min(full, len(ids))):
-                if ids[j]:
-                    stores.extend(self._store(g, keys[j], ids[j]))
-        if not stores:
+            for j, key in enumerate(keys):
+                block_id = ids[j] if j < len(ids) else 0
+                if block_id:
+                    held_stores.extend(self._store(g, key, block_id))
+                elif key not in self.held[g] and self.block_pool is not None:
+                    cached = self.block_pool.get_cached_block(key, [g])
+                    stores = self._store(g, key, cached[0].block_id) if cached else []
+                    if stores:
+                        pinned.append(cached[0])
+                        self.plan.stores.extend(stores)
+        self._pin(pinned)
+        if not held_stores:
             return False
-        self.plan.stores.extend(stores)
+        self.plan.stores.extend(held_stores)
         self.plan.released.append(request.request_id)
         return True
 
-    def _store(self, group: int, key: bytes, block_id: int) -> list:
+    def _store(self, group: int, key: bytes, block_id: int, reason: str = "finished") -> list:
         item = (group, key)
         if key in self.held[group] or item in self.pending:
             return []
         self.pending[item] = self.step
         self.stats["stored_blocks"][group] += 1
+        self.stats["stores_" + reason] += 1
         return [(group, key, block_id)]
+
+    def _pin(self, blocks: list) -> None:
+        """Keep `blocks` out of the free queue until the workers copied them."""
+        if blocks:
+            self.block_pool.touch(blocks)
+            self.pins.append((self.step, blocks))
 
     def _pin_evictable(self) -> None:
         """Pin the cached blocks the pool will evict next (the first
@@ -161,13 +178,11 @@ class TierScheduler:
                 continue  # not cached, or a partial block
             group, key = get_group_id(tag), get_block_hash(tag)
             if group < len(self.held):
-                stores = self._store(group, key, block.block_id)
+                stores = self._store(group, key, block.block_id, reason="evicting")
                 if stores:
                     found.append(block)
                     self.plan.stores.extend(stores)
-        if found:
-            self.block_pool.touch(found)  # out of the free queue until copied
-            self.pins.append((self.step, found))
+        self._pin(found)
 
     def _unpin(self, step: int) -> None:
         """The workers copied the blocks pinned up to `step`: back to the
