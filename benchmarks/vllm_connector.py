@@ -129,11 +129,11 @@ def over_subscribed(model: str, docs: list[list[int]], revisits: int, pool_docum
     probe = Served(model, None, max_model_len, blocks=None)
     groups = probe.scheduler.kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec).__name__.removesuffix("Spec") for g in groups]
-    page = groups[0].kv_cache_spec.page_size_bytes
+    block_bytes = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups) / len(groups)  # mean
     probe.close()
     blocks_per_document = len(groups) * -(-length // BLOCK)  # at most: every group keeps every block
     pool = max(int(pool_documents * blocks_per_document), len(groups) * (max_model_len // BLOCK + 2))
-    working_set = len(docs) * blocks_per_document * page
+    working_set = int(len(docs) * blocks_per_document * block_bytes)
     configs = {
         "vLLM alone": None,
         "host": {"host_memory": 2 * working_set},
@@ -162,7 +162,7 @@ def over_subscribed(model: str, docs: list[list[int]], revisits: int, pool_docum
         row = {"config": name, "mean_ttft_s": statistics.mean(times), "p90_ttft_s": times[int(0.9 * (len(times) - 1))],
                "requests_per_s": len(asks) / wall, "prompt_tok_per_s": prompt_tokens / wall,
                "cached_fraction": cached / prompt_tokens, "tier_tokens": 0, "tier_tokens_by_kind": {},
-               "pool_blocks": pool, "pool_bytes": pool * page,
+               "pool_blocks": pool, "pool_bytes": int(pool * block_bytes),
                "working_set_bytes": working_set}
         if served.tiers is not None:
             stats = served.tiers.stats
@@ -174,6 +174,7 @@ def over_subscribed(model: str, docs: list[list[int]], revisits: int, pool_docum
             row["failed_loads"] = stats["failed_loads"]
         row["pool_tokens"] = cached - row["tier_tokens"]
         rows.append(row)
+        print(f"{name}: mean TTFT {1e3 * row['mean_ttft_s']:.1f} ms", file=sys.stderr, flush=True)
         served.close()
     base = rows[0]["mean_ttft_s"]
     for row in rows:
@@ -218,7 +219,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny random Gemma-3, a few short documents (CI)")
     args = parser.parse_args()
     if args.quick:
-        args.documents, args.length, args.revisits, args.restart_length, args.pairs = 8, 100, 8, 200, 1
+        args.documents, args.length, args.revisits, args.restart_length, args.pairs = 12, 100, 8, 200, 1
+        args.pool_documents = 1.5
     try:
         import vllm
     except ImportError:

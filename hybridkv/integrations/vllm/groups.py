@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -96,8 +97,7 @@ class TierGroups:
         hash_block = kv_cache_config.hash_block_size or block
         if block % hash_block:
             raise ValueError(f"vLLM's hash block size {hash_block} does not divide the block size {block}")
-        alignment = kv_cache_config.cache_hit_alignment_tokens or block
-        alignment = alignment * block // _gcd(alignment, block)  # whole blocks
+        alignment = math.lcm(kv_cache_config.cache_hit_alignment_tokens or block, block)  # whole blocks
         layout = KVCacheLayout(
             groups=tuple(KVCacheGroup(index=i, spec=spec, layer_names=tuple(g.layer_names), block_size=block,
                                       pages_per_block=len(g.layer_names), block_bytes=len(g.layer_names) * page,
@@ -141,12 +141,6 @@ class TierGroups:
         return self.managers[group].hit_start(hit_blocks)
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
     """What made the KV the disk tier keeps, as hybridkv's `kv_identity`
     digests it: the weights (the model folder's weight files, or a file's
@@ -164,7 +158,9 @@ def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
                                             vllm_config.parallel_config)
     path = _weights_path(model_config.model, model_config.revision)
     extra = {
-        "engine": "vllm", "version": vllm.__version__, "model": model_config.model,
+        # A hub id names the weights only where the local cache has none to
+        # fingerprint; a local folder is its files, wherever it lies.
+        "engine": "vllm", "version": vllm.__version__, "model": None if path else model_config.model,
         "revision": model_config.revision, "quantization": model_config.quantization,
         "kv_cache_dtype": str(cache_config.cache_dtype), "hash": str(cache_config.prefix_caching_hash_algo),
         "specs": list(groups.vllm_specs),
