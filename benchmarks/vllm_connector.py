@@ -236,10 +236,11 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     first = rows[0]
+    pool_mib, working_mib = first["pool_bytes"] / 2**20, first["working_set_bytes"] / 2**20
     print(f"\nvLLM {vllm.__version__} (CPU build), {'tiny random Gemma-3' if args.quick else 'Gemma-3 270M'}, "
-          f"float32, blocks of {BLOCK}; pool {first['pool_blocks']} blocks ({first['pool_bytes'] / 2**20:.1f} MiB), "
-          f"working set {first['working_set_bytes'] / 2**20:.1f} MiB ({first['working_set_bytes'] / first['pool_bytes']:.1f}x); "
-          f"{args.documents} documents of {args.length} tokens, {args.revisits} revisits")
+          f"float32, blocks of {BLOCK}; pool {first['pool_blocks']} blocks ({pool_mib:.1f} MiB), working set "
+          f"{working_mib:.1f} MiB ({working_mib / pool_mib:.1f}x); {args.documents} documents of {args.length} "
+          f"tokens, {args.revisits} revisits")
     print(f"\n{'config':<11} {'mean TTFT ms':>12} {'p90 ms':>8} {'vs vLLM':>8} {'req/s':>6} {'prompt tok/s':>12} "
           f"{'cached':>7} {'pool tok':>9} {'tier tok':>9}  tier tokens by group kind")
     for row in rows:

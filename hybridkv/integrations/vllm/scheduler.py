@@ -81,7 +81,7 @@ class TierScheduler:
         lookup = self.lookups.pop(request.request_id, None)
         if num_external_tokens == 0 or lookup is None:
             return
-        local, hit = lookup
+        _, hit = lookup
         bs = self.groups.block_size
         start = (hit - num_external_tokens) // bs  # the local hit, as vLLM took it
         keys = self.groups.keys(request.block_hashes, hit // bs)
