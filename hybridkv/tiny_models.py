@@ -49,6 +49,9 @@ MODELS = {
     "tiny-jamba": ("jamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
                                  mamba_d_state=16, mamba_dt_rank=8)),
+    # head_dim 64, what vLLM's CPU attention runs: the vLLM connector's tests and benchmark.
+    "vllm-tiny-gemma3": ("gemma3", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32)),
     "small-gemma3": ("gemma3", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=12,
                                     num_attention_heads=6, num_key_value_heads=2, head_dim=32, sliding_window=128)),
     "small-jamba": ("jamba", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=8, num_attention_heads=6,

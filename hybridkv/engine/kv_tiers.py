@@ -43,11 +43,12 @@ _HEADER = struct.Struct("<4sHHII32sB")  # magic, version, group, width, page siz
 _TRAILER = struct.Struct("<I")  # CRC-32 of header, key and pages
 
 
-def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout) -> bytes:
+def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = "") -> bytes:
     """What made the KV: the weights (each weight file's name, size and
     first MiB, where safetensors keeps its header of names, shapes and
-    offsets), the dtype, and the layout (page size, block size, groups).
-    A 32-byte digest."""
+    offsets), the dtype, and the layout (page size, block size, groups);
+    `extra`: anything else that shapes the KV or its keys (another engine's
+    name, version and cache options). A 32-byte digest."""
     h = hashlib.sha256(f"hybridkv-kv-v{FORMAT_VERSION}".encode())
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")) +
                        glob.glob(os.path.join(model_dir, "config.json"))):
@@ -57,6 +58,8 @@ def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout) -> bytes:
             h.update(f.read(1 << 20))
     groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
     h.update(json.dumps([dtype, layout.page_size_bytes, layout.block_size, repr(groups)]).encode())
+    if extra:
+        h.update(extra.encode())
     return h.digest()
 
 
@@ -245,14 +248,25 @@ class TieredStore:
     """The tiers below one engine's pool, as the manager sees them
     (core/tiers.py's KVTier): host memory, then disk; either may be off."""
 
-    def __init__(self, pool: torch.Tensor, layout: KVCacheLayout, *, host_bytes: int = 0,
-                 disk_dir: str | None = None, disk_bytes: int = 0, identity: bytes | None = None):
+    def __init__(self, pool: torch.Tensor | None, layout: KVCacheLayout, *, host_bytes: int = 0,
+                 disk_dir: str | None = None, disk_bytes: int = 0, identity: bytes | None = None,
+                 pin: bool | None = None):
+        # `pool`: the engine's pages, which put / load / flush copy from and
+        # to. None for an owner that copies pages itself and hands the store
+        # their content (keep, fetch): another engine's worker. `pin`: pin
+        # the host slab (DMA copies); by default, when the pool is on a GPU.
         self.pool = pool
         page = layout.page_size_bytes
-        self.host = HostTier(host_bytes // page, page, pool.device.type == "cuda") if host_bytes >= page else None
+        if pin is None:
+            pin = pool is not None and pool.device.type == "cuda"
+        self.host = HostTier(host_bytes // page, page, pin) if host_bytes >= page else None
         self.disk = DiskTier(disk_dir, identity, page, disk_bytes) if disk_dir else None
         self.index: list[dict] = [{} for _ in layout.groups]
         self.changed = lambda: None  # set by the manager
+        # Called with ((group, key), TierRef or None) whenever an index entry
+        # is set again (the tier that holds the block now, or gone): for an
+        # owner that mirrors the index elsewhere (another engine's scheduler).
+        self.moved = None
         self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
         self.store_bytes_by_group = [0] * len(layout.groups)  # what each layer type costs the tiers
         self.load_seconds = 0.0  # reading hits back and copying them into the pool
@@ -263,7 +277,11 @@ class TieredStore:
 
     # -- the manager's side ------------------------------------------------------
     def put(self, group: int, key: bytes, pages) -> None:
-        content = self.pool[list(pages)].cpu()
+        self.keep(group, key, self.pool[list(pages)].cpu())
+
+    def keep(self, group: int, key: bytes, content: torch.Tensor) -> None:
+        """Store a block's content ([width, page size] bytes, on the host):
+        host memory, else disk."""
         self.counters["stores"] += 1
         self.counters["store_bytes"] += content.numel()
         self.store_bytes_by_group[group] += content.numel()
@@ -296,6 +314,8 @@ class TieredStore:
         elif self.index[group].pop(key, None) is not None:
             self.counters["evictions"] += 1
             self.changed()
+        if self.moved is not None:
+            self.moved(item, self.index[group].get(key))
 
     def fetch(self, ref: TierRef):
         started = time.perf_counter()
