@@ -130,7 +130,7 @@ def print_table(row: dict) -> None:
     print(f"  TTFT mean / p90          {row['ttft_mean_ms']:8.1f} ms / {row['ttft_p90_ms']:.1f} ms")
     print(f"  prefix-cache hit rate    {100 * row['hit_rate']:9.1f} % of prompt tokens")
     print(f"  peak KV pages per group  {', '.join(f'{k} {p}' for k, p in zip(groups, row['peak_pages_by_group']))}")
-    released = [(k, p) for k, p in zip(groups, row["released_pages_by_group"]) if k != "full" and k != "mamba"]
+    released = [(k, p) for k, p in zip(groups, row["released_pages_by_group"]) if k in ("sliding_window", "chunked_local")]
     if released:
         print(f"  pages released mid-request (left the window): "
               f"{', '.join(f'{k} {p}' for k, p in released)}")

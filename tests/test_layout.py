@@ -30,7 +30,7 @@ def test_hybrid_layout_of_every_model_wastes_under_one_percent(path):
     assert len(layout.groups) <= 2 * distinct
     for group in layout.groups:
         rounding = layout.group_rounding_bytes(group)
-        if group.kind == "mamba":
+        if group.recurrent:
             assert rounding <= MAX_STATE_ROUNDING * group.block_bytes
         else:
             # Attention blocks keep block_size tokens and fill their pages exactly.
@@ -47,7 +47,7 @@ def _check_views(layout):
         spans = []
         for name in group.layer_names:
             view = layout.layer_views[name]
-            if group.kind == "mamba":
+            if group.recurrent:
                 start = view.offset
             else:
                 assert view.offset + group.layer_bytes <= page
