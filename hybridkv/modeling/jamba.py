@@ -18,24 +18,10 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch, capturing
 from .base import CacheLayer, CausalLM
 from .sublayers import GatedMLP, PagedSelfAttention
-
-
-def _padded_prefills(prefills, device):
-    """The step's prefill chunks side by side, longest first (a stable sort:
-    chunks already in that order keep it): state rows, token rows [chunks,
-    longest] (padding repeats a chunk's last token), lengths, and which
-    entries are real tokens."""
-    prefills = sorted(prefills, key=lambda p: -p[2])
-    rows = torch.tensor([row for row, _, _ in prefills], device=device)
-    starts = torch.tensor([start for _, start, _ in prefills], device=device)
-    lengths = torch.tensor([count for _, _, count in prefills], device=device)
-    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
-    valid = offsets < lengths[:, None]
-    tokens = starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
-    return rows, tokens, lengths, valid
 
 
 class JambaMamba(CacheLayer, nn.Module):
@@ -97,7 +83,7 @@ class JambaMamba(CacheLayer, nn.Module):
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
         ops = self.ops
-        rows, tokens, lengths, valid = _padded_prefills(chunks, x_all.device)
+        rows, tokens, lengths, valid = padded_chunks(chunks, x_all.device)
         x = ops.conv_prefill(meta, self.layer_name, rows, x_all[tokens], lengths, weight, self.conv1d.bias, keep)
         dt, B, C = self._ssm_inputs(x)
         y = ops.ssm_prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
