@@ -19,8 +19,9 @@ from torch import nn
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.recurrent_state import padded_chunks
-from ..layers.step import StepBatch, capturing
+from ..layers.step import StepBatch
 from .base import CacheLayer, CausalLM
+from .experts import mix_experts
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -105,20 +106,7 @@ class JambaMoE(nn.Module):
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        if capturing(x):
-            # A captured or traced step: every expert on every token, weighted
-            # by its routing weight (zero where not chosen), so that no shape
-            # depends on the routing. At decode sizes the experts' weights are
-            # read once either way; eagerly, only the chosen experts run.
-            for e, expert in enumerate(self.experts):
-                weight = (weights * (chosen == e)).sum(-1, keepdim=True)
-                out += expert(x) * weight
-        else:
-            for e in torch.unique(chosen).tolist():
-                token_idx, slot = torch.where(chosen == e)
-                y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, y.to(out.dtype))
+        out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
         return out if self.reduce is None else self.reduce(out)
 
 
