@@ -24,8 +24,9 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "mistral": ("MistralForCausalLM",),
     "ministral": ("MinistralForCausalLM",),
     "mixtral": (), "gpt_oss": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
-    "qwen3_moe": (), "bamba": (), "granitemoehybrid": (), "nemotron_h": (), "qwen3_next": (), "falcon_h1": (),
-    "lfm2": (),
+    "qwen3_moe": (), "bamba": ("BambaForCausalLM",), "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
+    "nemotron_h": ("NemotronHForCausalLM",), "qwen3_next": (), "falcon_h1": ("FalconH1ForCausalLM",),
+    "lfm2": ("Lfm2ForCausalLM",),
 }
 # config.json architecture -> model_type, for the architectures the engine runs.
 ENGINE_ARCHITECTURES = {arch: model_type for model_type, archs in MODEL_TYPES.items() for arch in archs}
@@ -115,8 +116,9 @@ _MAMBA2_NAMES["falcon_h1"] = _MAMBA2_NAMES["bamba"]
 def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
     """One of 'full', 'sliding', 'chunked', 'recurrent', 'none' per layer, or
     'parallel' (attention and a recurrent mixer side by side: Falcon-H1)."""
-    n = _need(cfg, "num_hidden_layers", model_type)
     types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    # (transformers 5 saves Nemotron-H without num_hidden_layers: its block list says it)
+    n = len(types) if types and cfg.get("num_hidden_layers") is None else _need(cfg, "num_hidden_layers", model_type)
     if model_type == "nemotron_h":
         pattern = cfg.get("hybrid_override_pattern")
         if pattern:
@@ -127,6 +129,9 @@ def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
         return ["full" if i % period == offset else "recurrent" for i in range(n)]
     if model_type == "falcon_h1":
         return ["parallel"] * n
+    if model_type == "lfm2" and not types:  # (LFM2's first configs name the attention layers by index)
+        indices = cfg.get("full_attn_idxs")
+        return ["full" if indices is None or i in indices else "recurrent" for i in range(n)]
     if model_type == "bamba" and not types:
         indices = set(cfg.get("attn_layer_indices") or ())
         return ["full" if i in indices else "recurrent" for i in range(n)]
