@@ -60,6 +60,9 @@ def _mix(name):
     ("jamba-1.5-mini.json", {"mamba": 28, "full": 4}),
     ("nemotron-h-8b.json", {"mamba2": 24, "full": 4}),
     ("qwen3-next-80b-a3b.json", {"gated_delta": 36, "full": 12}),
+    ("granite-4.0-h-tiny.json", {"mamba2": 36, "full": 4}),
+    ("lfm2-1.2b.json", {"short_conv": 10, "full": 6}),
+    ("falcon-h1-0.5b.json", {"mamba2": 36, "full": 36}),
     ("llama-3.1-8b.json", {"full": 32}),
 ])
 def test_hybrid_layer_mix_read_from_real_configs(name, expected):
