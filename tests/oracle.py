@@ -66,6 +66,13 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
         for name, param in model.named_parameters():
             if name.endswith(("A_log", "mamba.D", "mixer.D", "dt_bias")) or "dt_proj.bias" in name:
                 param.add_(0.3 * torch.randn_like(param))
+            if family in RECURRENT_FAMILIES and name.endswith(("mamba.D", "mixer.D")):
+                # Mamba-2: the skip term D x small beside what the state carries
+                # (a state written wrong must show in the logits, not drown in D x),
+                # and steps dt = softplus(dt_bias + ...) of 0.1-2, not the init's 0.001-0.1.
+                param.mul_(0.1)
+            if family in RECURRENT_FAMILIES and name.endswith("dt_bias"):
+                param.copy_(torch.randn_like(param))
     model = model.to(dtype).eval()
     model.save_pretrained(path)
     return path
@@ -79,7 +86,8 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
 RECURRENT_FAMILIES = ("nemotron_h", "granite_hybrid", "bamba", "falcon_h1", "lfm2")
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
                mamba_chunk_size=8)
-_COMMON = dict(vocab_size=211, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+_COMMON = dict(vocab_size=211, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=0.1)  # (projections wide enough that B, C and the conv window carry weight)
 
 
 def recurrent_family(family: str):
@@ -112,7 +120,7 @@ def recurrent_family(family: str):
         return tf.FalconH1ForCausalLM(config)
     if family == "lfm2":
         config = tf.Lfm2Config(**_COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
-                               intermediate_size=96, block_multiple_of=32, conv_bias=True, initializer_range=0.1)
+                               intermediate_size=96, block_multiple_of=32, conv_bias=True)
         return tf.Lfm2ForCausalLM(config)
     raise ValueError(family)
 
