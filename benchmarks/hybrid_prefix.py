@@ -130,7 +130,7 @@ def main() -> None:
     conversations = make_conversations(num)
     specs = specs_from_config(load_config(os.path.join(MODELS, args.model)))
     layout = plan_layout(specs, args.budget)
-    mamba = next(g for g in layout.groups if g.kind == "mamba")
+    mamba = next(g for g in layout.groups if g.recurrent)
     state_mib = mamba.pages_per_block * layout.page_size_bytes / 2**20
     print(f"{args.model}, KV budget {args.budget} ({layout.num_pages:,} pages; one Mamba state = {state_mib:.1f} MiB), "
           f"{num} conversations")

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .tiny_models import MODELS as TINY_MODELS
+
 CONTEXTS = (1024, 8192, 32768, 131072)
 
 
@@ -35,7 +37,8 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from .demo import main as demo_main
 
-    demo_main(tiny=args.tiny, num_requests=args.requests, max_tokens=args.max_tokens, progress=not args.no_progress)
+    demo_main(tiny=args.tiny or bool(args.model), num_requests=args.requests, max_tokens=args.max_tokens,
+              progress=not args.no_progress, models=args.model)
     return 0
 
 
@@ -129,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="serve a batch of questions on the real Gemma-3 270M (or --tiny models)")
     demo.add_argument("--tiny", action="store_true",
                       help="the built-in tiny Gemma-3 and Jamba models (random weights) instead of the real model")
+    demo.add_argument("--model", action="append", choices=sorted(n for n in TINY_MODELS if n.startswith("tiny-")),
+                      help="with --tiny: this built-in model (repeatable; default tiny-gemma3 and tiny-jamba)")
     demo.add_argument("--requests", type=int, default=32, help="requests per tiny model (default 32)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--no-progress", action="store_true")

@@ -1,7 +1,8 @@
-"""Small random models to run everything without a download: a Gemma-3-style
-and a Jamba-style model with seeded weights and a byte-level BPE tokenizer
-trained on a built-in corpus, saved as ordinary Hugging Face folders (built
-with transformers' own classes) in a cache folder.
+"""Small random models to run everything without a download: one of every
+family the engine runs (Gemma-3, Jamba, Nemotron-H, Granite-4.0-H, Bamba,
+Falcon-H1, LFM2) with seeded weights and a byte-level BPE tokenizer trained
+on a built-in corpus, saved as ordinary Hugging Face folders (built with
+transformers' own classes) in a cache folder.
 
     path = tiny_model_dir("tiny-gemma3")   # builds it on first use
 """
@@ -57,7 +58,32 @@ MODELS = {
     "small-jamba": ("jamba", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=8, num_attention_heads=6,
                                   num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
                                   mamba_d_state=16, mamba_dt_rank=12)),
+    # The Mamba-2 hybrids (8 heads of 16 channels, state 16, conv 4) and LFM2's short convolutions.
+    "tiny-nemotron-h": ("nemotron_h", dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "linear_attention", "mlp"],
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4)),
+    "tiny-granite-4h": ("granitemoehybrid", dict(
+        hidden_size=64, intermediate_size=64, shared_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "mamba", "attention", "mamba"],
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0)),
+    "tiny-bamba": ("bamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_d_state=16)),
+    "tiny-falcon-h1": ("falcon_h1", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128,
+                                         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)),
+    "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
+                               num_key_value_heads=2, block_multiple_of=32,
+                               layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"])),
 }
+# (transformers' config and model class of each family above but Gemma-3's and Jamba's)
+FAMILY_CLASSES = {"nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+                  "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+                  "bamba": ("BambaConfig", "BambaForCausalLM"),
+                  "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+                  "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}
 
 
 def sample_text(rng: random.Random, words: int) -> str:
@@ -101,10 +127,15 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
         config = Gemma3TextConfig(**ids, **sizes, query_pre_attn_scalar=sizes["head_dim"],
                                   final_logit_softcapping=30.0, sliding_window_pattern=6)
         model = Gemma3ForCausalLM(config)
-    else:
+    elif family == "jamba":
         config = JambaConfig(**ids, **sizes, expert_layer_period=2, expert_layer_offset=1, num_experts_per_tok=2,
                              mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False)
         model = JambaForCausalLM(config)
+    else:
+        import transformers
+
+        config_class, model_class = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
+        model = model_class(config_class(**ids, **sizes))
     model = model.to(TORCH_DTYPES[dtype]).eval()
     tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(os.path.abspath(path)) or ".")
     try:

@@ -9,7 +9,8 @@ itself (against dense torch written from the read rule, so the oracle is
 checked too). Cases: decodes, prefill chunks continuing after cached
 tokens and mixed steps; full, sliding-window and chunked-local layers;
 soft-capping; GQA; fixed-shape decode steps; float32 and bfloat16 caches;
-Mamba states stepped, prefilled and rolled back after verified drafts.
+recurrent states of every kind (Mamba-1, Mamba-2's SSD, the gated short
+conv) stepped, prefilled and rolled back after verified drafts.
 Slots no query of the step may see hold NaN for a backend that declares it
 loads only visible keys, so one that reads outside a query's range shows
 it; the others (the reference and what reuses it) gather whole blocks and
@@ -29,8 +30,8 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec, plan_layout  # noqa: E402
-from hybridkv.layers.backends import choose  # noqa: E402
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, RecurrentSpec, SlidingWindowSpec, plan_layout  # noqa: E402
+from hybridkv.layers.backends import PrepareReport, choose  # noqa: E402
 from hybridkv.layers.backends.reference import ReferenceBackend  # noqa: E402
 from hybridkv.layers.kv_buffers import KVBuffers  # noqa: E402
 from hybridkv.layers.step import StepBatch, StepInputs, attention_step  # noqa: E402
@@ -213,17 +214,73 @@ def test_the_reference_equals_dense_attention_from_the_read_rule(spec, softcap):
 
 
 # -- recurrent states ---------------------------------------------------------------
-class RecurrentCase:
-    """A Mamba layer's states in a pool (two layers share each block), the
-    step's sequences reading their states from read pages (or the zero
-    state) and writing to write pages; every page no one reads NaN, the
-    null page zero."""
+def _mamba(ops, meta, layer, inputs, rows_of, chunks_of, keep):
+    """A Mamba-1 mixer's calls: conv, then the selective scan, gated."""
+    x, dt, B, C, gate = inputs
+    if rows_of is not None:  # one token for each decode row
+        t = rows_of
+        xc = ops.conv_step(meta, layer, x[t], W["weight"], W["bias"])
+        return ops.ssm_step(meta, layer, xc, dt[t], W["A"], B[t], C[t], W["D"], gate[t])
+    rows, at, lengths = chunks_of
+    xc = ops.conv_prefill(meta, layer, rows, x[at], lengths, W["weight"], W["bias"], keep)
+    out = ops.ssm_prefill(meta, layer, rows, xc, dt[at], W["A"], B[at], C[at], lengths, keep)
+    return (out + xc.float() * W["D"]) * torch.nn.functional.silu(gate[at])
 
-    def __init__(self, step, verifying=None, seed=0, dtype=torch.float32):
+
+def _mamba2(ops, meta, layer, inputs, rows_of, chunks_of, keep):
+    """A Mamba-2 mixer's calls: conv over x, B and C, then the SSD update."""
+    xbc, dt = inputs
+    heads, head_dim, groups, state = W["heads"], W["head_dim"], W["groups"], W["state"]
+    split = [heads * head_dim, groups * state, groups * state]
+    if rows_of is not None:
+        t = rows_of
+        x, B, C = ops.conv_step(meta, layer, xbc[t], W["weight2"], W["bias2"]).split(split, -1)
+        y = ops.ssd_step(meta, layer, x.reshape(-1, heads, head_dim), dt[t], W["A2"], B.reshape(-1, groups, state),
+                         C.reshape(-1, groups, state), W["D2"])
+        return y.reshape(y.shape[0], -1)
+    rows, at, lengths = chunks_of
+    r, n = at.shape
+    x, B, C = ops.conv_prefill(meta, layer, rows, xbc[at], lengths, W["weight2"], W["bias2"], keep).split(split, -1)
+    y = ops.ssd_prefill(meta, layer, rows, x.reshape(r, n, heads, head_dim), dt[at], W["A2"],
+                        B.reshape(r, n, groups, state), C.reshape(r, n, groups, state), W["D2"], lengths, keep)
+    return y.reshape(r, n, -1)
+
+
+def _short_conv(ops, meta, layer, inputs, rows_of, chunks_of, keep):
+    """A gated short convolution's calls (LFM2)."""
+    b, c, x = inputs
+    if rows_of is not None:
+        t = rows_of
+        return ops.short_conv_step(meta, layer, b[t], c[t], x[t], W["weight3"], W["bias"])
+    rows, at, lengths = chunks_of
+    return ops.short_conv_prefill(meta, layer, rows, b[at], c[at], x[at], lengths, W["weight3"], W["bias"], keep)
+
+
+_g = torch.Generator().manual_seed(0)
+W = dict(A=-torch.rand(24, 8, generator=_g) - 0.1, D=torch.randn(24, generator=_g),
+         weight=torch.randn(24, 4, generator=_g), bias=torch.randn(24, generator=_g),
+         heads=4, head_dim=6, groups=2, state=8, A2=-torch.rand(4, generator=_g) - 0.1, D2=torch.randn(4, generator=_g),
+         weight2=torch.randn(56, 4, generator=_g), bias2=torch.randn(56, generator=_g),
+         weight3=torch.randn(24, 3, generator=_g))
+# kind -> (state shapes, per-token input widths, the mixer's calls, output width)
+KINDS = {
+    "mamba": (((24, 3), (24, 8)), (24, 24, 8, 8, 24), _mamba, 24),
+    "mamba2": (((56, 3), (4, 6, 8)), (56, 4), _mamba2, 24),
+    "short_conv": (((24, 2),), (24, 24, 24), _short_conv, 24),
+}
+
+
+class RecurrentCase:
+    """A recurrent layer's states in a pool (two layers share each block),
+    the step's sequences reading their states from read pages (or the zero
+    state) and writing to write pages; every page no one reads NaN, the
+    null page zero. `kind` picks the mixer whose ops the layers call."""
+
+    def __init__(self, step, verifying=None, seed=0, kind="mamba"):
         gen = torch.Generator().manual_seed(seed)
-        self.channels, self.state, self.width = 24, 8, 4
-        spec = MambaSpec(shapes=((self.channels, self.width - 1), (self.channels, self.state)),
-                         dtypes=("float32", "float32"))
+        shapes, widths, self.mixer, self.width = KINDS[kind]
+        self.kind = kind
+        spec = RecurrentSpec(shapes=shapes, dtypes=("float32",) * len(shapes), kind=kind)
         self.layout = plan_layout({"layers.0": spec, "layers.1": spec}, memory_bytes=1 << 20, block_size=4)
         self.buffers = KVBuffers(self.layout)
         group = self.layout.groups[0]
@@ -244,33 +301,30 @@ class RecurrentCase:
         tokens = sum(c for _, c in step)
         self.inputs = StepInputs.from_host(np.zeros(tokens, dtype=np.int64), np.array([c for c, _ in step]),
                                            np.array([c for _, c in step]), np.arange(n), "cpu", verifying)
-        self.A = -torch.rand(self.channels, self.state, generator=gen) - 0.1
-        self.D = torch.randn(self.channels, generator=gen)
-        self.weight = torch.randn(self.channels, self.width, generator=gen)
-        self.bias = torch.randn(self.channels, generator=gen)
         # Each sequence's token inputs depend on the sequence and the token
         # only, so a shorter step sees the same first tokens.
         rows = []
         for r, (_, count) in enumerate(step):
             g = torch.Generator().manual_seed(1000 * seed + r)
-            rows.append([torch.randn(16, size, generator=g)[:count] for size in
-                         (self.channels, self.channels, self.state, self.state, self.channels)])
-        self.x, dt, self.B, self.C, self.gate = (torch.cat(parts) for parts in zip(*rows))
-        self.dt = torch.nn.functional.softplus(dt)
+            rows.append([torch.randn(16, size, generator=g)[:count] for size in widths])
+        self.token_inputs = [torch.cat(parts) for parts in zip(*rows)]
+        if kind == "mamba":  # dt after softplus
+            self.token_inputs[1] = torch.nn.functional.softplus(self.token_inputs[1])
+        if kind == "mamba2":
+            self.token_inputs[1] = torch.nn.functional.softplus(self.token_inputs[1])
 
     def run(self, ops, accepted=None):
-        """Both layers through `ops` as a Mamba mixer calls them: outputs
-        [tokens, channels] per layer, and the pool after `finish` (and
+        """Both layers through `ops` as the kind's mixer calls them: outputs
+        [tokens, width] per layer, and the pool after `finish` (and
         `keep_accepted` where drafts were verified)."""
         pool_before = self.buffers.pool.clone()
-        meta = ops.build(self.inputs, self.buffers, self.read, self.write, self.zero)
+        meta = ops.build(self.inputs, self.buffers, self.read, self.write, self.zero, kind=self.kind)
         outs = []
+        tokens = self.token_inputs[0].shape[0]
         for layer in ("layers.0", "layers.1"):
-            y = torch.zeros(self.x.shape[0], self.channels)
+            y = torch.zeros(tokens, self.width)
             if meta.num_steps:
-                t = meta.step_tokens
-                x = ops.conv_step(meta, layer, self.x[t], self.weight, self.bias)
-                y[t] = ops.ssm_step(meta, layer, x, self.dt[t], self.A, self.B[t], self.C[t], self.D, self.gate[t])
+                y[meta.step_tokens] = self.mixer(ops, meta, layer, self.token_inputs, meta.step_tokens, None, False)
             for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
                 if not chunks:
                     continue
@@ -280,10 +334,7 @@ class RecurrentCase:
                 lengths = torch.tensor([count for _, _, count in chunks])
                 at = torch.stack([start + torch.arange(int(lengths.max())).clamp(max=count - 1)
                                   for _, start, count in chunks])
-                x = ops.conv_prefill(meta, layer, rows, self.x[at], lengths, self.weight, self.bias, keep)
-                out = ops.ssm_prefill(meta, layer, rows, x, self.dt[at], self.A, self.B[at], self.C[at], lengths,
-                                      keep)
-                full = (out + x.float() * self.D) * torch.nn.functional.silu(self.gate[at])
+                full = self.mixer(ops, meta, layer, self.token_inputs, None, (rows, at, lengths), keep)
                 for i, (_, start, count) in enumerate(chunks):
                     y[start:start + count] = full[i, :count]
             outs.append(y)
@@ -300,8 +351,9 @@ RECURRENT_STEPS = {"decodes": [(5, 1), (0, 1), (12, 1)], "mixed": [(0, 7), (9, 1
 
 @pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flashinfer"])
 @pytest.mark.parametrize("shape", list(RECURRENT_STEPS))
-def test_recurrent_states_equal_the_reference(name, shape):
-    case = RecurrentCase(RECURRENT_STEPS[shape])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_recurrent_states_equal_the_reference(name, shape, kind):
+    case = RecurrentCase(RECURRENT_STEPS[shape], kind=kind)
     expected, expected_pool = case.run(ReferenceBackend().recurrent)
     got, pool = case.run(backend(name).recurrent)
     for g, e in zip(got, expected):
@@ -316,19 +368,74 @@ def test_recurrent_states_equal_the_reference(name, shape):
 
 
 @pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flashinfer"])
-def test_a_rollback_keeps_the_state_after_the_last_accepted_draft(name):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_rollback_keeps_the_state_after_the_last_accepted_draft(name, kind):
     # Two sequences verify drafts (4 and 3 tokens); keeping 1 and 2 of them
     # must leave what a plain run of the accepted tokens leaves.
     step = [(6, 4), (3, 3), (8, 1)]
     verifying = np.array([True, True, False])
-    case = RecurrentCase(step, verifying, seed=5)
+    case = RecurrentCase(step, verifying, seed=5, kind=kind)
     _, pool = case.run(backend(name).recurrent, accepted=[1, 2])
-    shorter = RecurrentCase([(6, 2), (3, 3), (8, 1)], seed=5)
+    shorter = RecurrentCase([(6, 2), (3, 3), (8, 1)], seed=5, kind=kind)
     _, expected = shorter.run(ReferenceBackend().recurrent)
     for r in range(2):
         pages = case.write[r]
         torch.testing.assert_close(pool[pages].view(torch.float32), expected[pages].view(torch.float32),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_the_reference_prefill_of_every_kind_equals_its_steps():
+    # The reference itself: a chunk prefilled in one call leaves the state
+    # and outputs of the same tokens fed one decode step at a time (for
+    # Mamba-2 the chunked SSD scan against its recurrence).
+    for kind in KINDS:
+        whole = RecurrentCase([(5, 9)], kind=kind, seed=2)
+        outs, pool = whole.run(ReferenceBackend().recurrent)
+        case = RecurrentCase([(5, 1)], kind=kind, seed=2)
+        ops = ReferenceBackend().recurrent
+        steps = []
+        buffers = case.buffers
+        before = buffers.pool.clone()
+        read = case.read
+        for t in range(9):
+            inputs = StepInputs.from_host(np.zeros(1, dtype=np.int64), np.array([5 + t]), np.array([1]),
+                                          np.arange(1), "cpu")
+            meta = ops.build(inputs, buffers, read, case.write, case.zero, kind=kind)
+            token = [part[t:t + 1] for part in whole.token_inputs]
+            steps.append(case.mixer(ops, meta, "layers.0", token, torch.tensor([0]), None, False))
+            case.mixer(ops, meta, "layers.1", token, torch.tensor([0]), None, False)
+            ops.finish(meta)
+            read = case.write
+        torch.testing.assert_close(torch.cat(steps), outs[0], atol=1e-4, rtol=1e-4)
+        written = case.write.reshape(-1)
+        torch.testing.assert_close(buffers.pool[written].view(torch.float32), pool[written].view(torch.float32),
+                                   atol=1e-4, rtol=1e-4)
+        buffers.pool.copy_(before)
+
+
+def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
+    # Declared, not probed: a recurrent side names the kinds it steps its
+    # own way; the layers of any other kind get the reference's ops on
+    # gathered states, and the report says which.
+    from types import SimpleNamespace
+
+    specs = {f"model.layers.{i}": RecurrentSpec(shapes, ("float32",) * len(shapes), kind=kind)
+             for i, (kind, (shapes, *_)) in enumerate(KINDS.items())}
+    layout = plan_layout(specs, memory_bytes=1 << 20, block_size=4)
+    layers = {name: SimpleNamespace() for name in specs}
+    model = SimpleNamespace(cache_layers=lambda: layers)
+    for name in BACKENDS:
+        if name == "flashinfer":
+            continue
+        b = backend(name)
+        report = PrepareReport(b.name)
+        b.bind_ops(model, layout, report)
+        missing = sorted(set(KINDS) - b.recurrent.kinds)
+        assert [k for k in KINDS if any(f"for {k} layers" in d for d in report.declined)] == missing, report
+        if name == "triton":
+            assert missing == ["mamba2", "short_conv"]
+        else:
+            assert missing == []
 
 
 def test_every_backend_that_should_run_here_runs():

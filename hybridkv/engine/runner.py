@@ -260,7 +260,7 @@ class ModelRunner:
             g = group.index
             if group.recurrent:
                 batch.recurrent[g] = backend.recurrent.build(inputs, self.buffers, tables.read[g], tables.write[g],
-                                                             tables.zero[g])
+                                                             tables.zero[g], kind=group.kind)
             else:
                 step = attention_step(inputs, tables.attention[g], group.spec, group.block_size)
                 batch.attention[g] = backend.attention.build(step)

@@ -20,6 +20,8 @@ def inverse_frequencies(config, layer_type: str | None = None, head_dim: int | N
         return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Only the first part of each head may rotate (Bamba: half of it).
+    dim = int(dim * params.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
     return inv_freq, 1.0
 
@@ -45,5 +47,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, rotary dim]. With a
+    rotary dim below head_dim only the first channels of each head rotate."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

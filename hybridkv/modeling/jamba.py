@@ -18,24 +18,11 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.step import StepBatch, capturing
+from ..layers.recurrent_state import padded_chunks
+from ..layers.step import StepBatch
 from .base import CacheLayer, CausalLM
+from .experts import mix_experts
 from .sublayers import GatedMLP, PagedSelfAttention
-
-
-def _padded_prefills(prefills, device):
-    """The step's prefill chunks side by side, longest first (a stable sort:
-    chunks already in that order keep it): state rows, token rows [chunks,
-    longest] (padding repeats a chunk's last token), lengths, and which
-    entries are real tokens."""
-    prefills = sorted(prefills, key=lambda p: -p[2])
-    rows = torch.tensor([row for row, _, _ in prefills], device=device)
-    starts = torch.tensor([start for _, start, _ in prefills], device=device)
-    lengths = torch.tensor([count for _, _, count in prefills], device=device)
-    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
-    valid = offsets < lengths[:, None]
-    tokens = starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
-    return rows, tokens, lengths, valid
 
 
 class JambaMamba(CacheLayer, nn.Module):
@@ -97,7 +84,7 @@ class JambaMamba(CacheLayer, nn.Module):
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
         ops = self.ops
-        rows, tokens, lengths, valid = _padded_prefills(chunks, x_all.device)
+        rows, tokens, lengths, valid = padded_chunks(chunks, x_all.device)
         x = ops.conv_prefill(meta, self.layer_name, rows, x_all[tokens], lengths, weight, self.conv1d.bias, keep)
         dt, B, C = self._ssm_inputs(x)
         y = ops.ssm_prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
@@ -119,20 +106,7 @@ class JambaMoE(nn.Module):
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        if capturing(x):
-            # A captured or traced step: every expert on every token, weighted
-            # by its routing weight (zero where not chosen), so that no shape
-            # depends on the routing. At decode sizes the experts' weights are
-            # read once either way; eagerly, only the chosen experts run.
-            for e, expert in enumerate(self.experts):
-                weight = (weights * (chosen == e)).sum(-1, keepdim=True)
-                out += expert(x) * weight
-        else:
-            for e in torch.unique(chosen).tolist():
-                token_idx, slot = torch.where(chosen == e)
-                y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, y.to(out.dtype))
+        out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -9,10 +9,15 @@ mamba-ssm), one package each under `backends/`. It has two sides:
   per group per step, from the `AttentionStep` every backend shares),
   `store` a layer's new K/V, `attend` its queries;
 * `RecurrentOps`: `build` a recurrent group's metadata (where each
-  sequence's state is read and written), the one-token `conv_step` and
-  `ssm_step` of a decode, the chunked `conv_prefill` and `ssm_prefill` of
-  prefill chunks, `finish` (the states go to their write pages: the copy
-  that makes a checkpoint) and `keep_accepted` (speculative rollback).
+  sequence's state is read and written), per mixer kind a one-token op for
+  a decode and a chunked op for prefill chunks (the causal conv every kind
+  but the short conv opens with: `conv_step` / `conv_prefill`; Mamba-1's
+  `ssm_step` / `ssm_prefill`, Mamba-2's `ssd_step` / `ssd_prefill`, the
+  gated short conv's `short_conv_step` / `short_conv_prefill`), `finish`
+  (the states go to their write pages: the copy that makes a checkpoint)
+  and `keep_accepted` (speculative rollback). It declares the kinds whose
+  state updates it runs its own way (`kinds`); every other kind's layers
+  run the reference's ops on gathered states, and `prepare` says so.
 
 and declares, rather than lets callers probe, what it runs: devices, cache
 dtypes, attention kinds, soft-capping, whether its fixed-shape decode step
@@ -36,6 +41,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+
+from ...core.specs import RECURRENT_KINDS
 
 log = logging.getLogger("hybridkv.backend")
 
@@ -81,16 +88,31 @@ class AttentionOps(ABC):
 
 
 class RecurrentOps(ABC):
-    """The recurrent side of a backend (Mamba layers). A request's state
-    lives in the pool; `build` says where each sequence's is read and
-    written. The prefill ops run the step's chunks side by side on the
-    states `build` gathered (rows `rows` of `meta.states`)."""
+    """The recurrent side of a backend. A request's state lives in the
+    pool; `build` says where each sequence's is read and written. The
+    prefill ops run the step's chunks side by side on the states `build`
+    gathered (rows `rows` of `meta.states`), padded to the longest (chunk
+    r's tokens first `lengths[r]`, longest first). Every op of a layer
+    moves that layer's state on; with `keep` (the step's verified chunks,
+    all of them in one call, in `meta.verifies` order) a prefill op also
+    keeps what `keep_accepted` needs to go back to any of their tokens.
+
+    A new recurrent kind adds its two ops here (one token, chunks), their
+    reference on gathered states (layers/recurrent_state.py and
+    backends/reference/recurrent.py), and its name to core/specs.py's
+    RECURRENT_KINDS; a backend that runs it its own way adds the kind to
+    its `kinds`."""
 
     name: str = "?"
+    # The recurrent kinds whose state updates this side runs its own way
+    # (kernels); groups of other kinds get gathered states and the
+    # reference's ops (`build(..., kind)` decides), which prepare reports.
+    kinds: frozenset = frozenset(RECURRENT_KINDS)
 
     @abstractmethod
-    def build(self, inputs, buffers, read, write, zero):
-        """The group's metadata for one step (layers/recurrent_state.py)."""
+    def build(self, inputs, buffers, read, write, zero, kind: str = "mamba"):
+        """The metadata of one recurrent group of `kind` for one step
+        (layers/recurrent_state.py)."""
 
     @abstractmethod
     def finish(self, meta) -> None:
@@ -98,32 +120,55 @@ class RecurrentOps(ABC):
         copy that leaves a checkpoint where the manager asked for one)."""
 
     @abstractmethod
-    def conv_step(self, meta, layer_name: str, x, weight, bias) -> torch.Tensor:
-        """One token's causal conv for each decode row, SiLU applied; the
-        conv state moves on by one."""
+    def keep_accepted(self, meta, accepted: list[int]) -> None:
+        """After a step that verified drafts: the state after each
+        sequence's last kept token goes to its write pages."""
 
+    # -- the causal conv (state part 0: the K-1 inputs before the next token)
+    @abstractmethod
+    def conv_step(self, meta, layer_name: str, x, weight, bias) -> torch.Tensor:
+        """One token's depthwise causal conv for each decode row, SiLU
+        applied; the conv state moves on by one."""
+
+    @abstractmethod
+    def conv_prefill(self, meta, layer_name: str, rows, x, lengths, weight, bias, keep: bool = False):
+        """Chunks `x [R, L, I]` from the conv states of `rows`: the SiLU'd
+        conv outputs."""
+
+    # -- Mamba-1: a selective scan per channel (state part 1: [I, N])
     @abstractmethod
     def ssm_step(self, meta, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
         """One token's selective-state update for each decode row:
         float32 `(C . h + D x) * silu(gate)`; the SSM state moves on."""
 
     @abstractmethod
-    def conv_prefill(self, meta, layer_name: str, rows, x, lengths, weight, bias, keep: bool = False):
-        """Chunks `x [R, L, I]` (chunk r's tokens first `lengths[r]`) from
-        the conv states of `rows`, longest first: the SiLU'd conv outputs.
-        With `keep` (the step's verified chunks, all of them in one call, in
-        `meta.verifies` order) it also keeps what `keep_accepted` needs."""
-
-    @abstractmethod
     def ssm_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, lengths, keep: bool = False):
-        """The selective scan of chunks from the SSM states of `rows`
-        (as `conv_prefill`): y [R, L, I] float32; with `keep`, each token's
-        state is kept for `keep_accepted`."""
+        """The selective scan of chunks from the SSM states of `rows`:
+        y [R, L, I] float32 (`C . h`; the layer adds D x and the gate)."""
+
+    # -- Mamba-2 (SSD): a scalar decay per head (state part 1: [H, P, N])
+    @abstractmethod
+    def ssd_step(self, meta, layer_name: str, x, dt, A, B, C, D) -> torch.Tensor:
+        """One token for each decode row (layers/ssd_ops.py): x [R, H, P],
+        dt [R, H] (after softplus and clamp), A [H], B and C [R, G, N], D
+        [H]; float32 `h C + D x` [R, H, P]; the state moves on."""
 
     @abstractmethod
-    def keep_accepted(self, meta, accepted: list[int]) -> None:
-        """After a step that verified drafts: the state after each
-        sequence's last kept token goes to its write pages."""
+    def ssd_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep: bool = False):
+        """The chunked SSD scan of chunks from the states of `rows`: x [R,
+        L, H, P], dt [R, L, H], B and C [R, L, G, N]; y [R, L, H, P]
+        float32 (`h C + D x`)."""
+
+    # -- the gated short convolution (LFM2; its state is the conv window only)
+    @abstractmethod
+    def short_conv_step(self, meta, layer_name: str, b, c, x, weight, bias) -> torch.Tensor:
+        """One token for each decode row: `c * conv(b * x)` (no
+        activation), the window moving on by `b * x`."""
+
+    @abstractmethod
+    def short_conv_prefill(self, meta, layer_name: str, rows, b, c, x, lengths, weight, bias,
+                           keep: bool = False) -> torch.Tensor:
+        """Chunks `[R, L, D]` from the windows of `rows`: `c * conv(b * x)`."""
 
 
 @dataclass
@@ -188,7 +233,9 @@ class Backend:
         return report
 
     def bind_ops(self, model, layout, report: PrepareReport) -> None:
-        """Every cache layer gets the side of the backend it calls (`ops`)."""
+        """Every cache layer gets the side of the backend it calls (`ops`);
+        recurrent layers of a kind the recurrent side has no kernels for are
+        reported: they run the reference's ops on gathered states."""
         counts = {"attention": 0, "recurrent": 0}
         for name, layer in model.cache_layers().items():
             recurrent = layout.groups[layout.layer_views[name].group].recurrent
@@ -197,6 +244,9 @@ class Backend:
         for side, n in counts.items():
             if n:
                 report.done.append(f"{n} {side} layers call {getattr(self, side).name}")
+        for kind in sorted({g.kind for g in layout.groups if g.recurrent} - self.recurrent.kinds):
+            report.declined.append(f"{self.recurrent.name} kernels for {kind} layers (it has none): their states "
+                                   f"are gathered and stepped by the reference's ops")
 
     def route(self, batch) -> str:
         """How this step runs, named; the runner counts it. Backends that

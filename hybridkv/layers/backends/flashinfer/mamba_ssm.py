@@ -73,6 +73,7 @@ class MambaSsmRecurrent(ReferenceRecurrent):
     mamba-ssm / causal-conv1d where present (the reference where not)."""
 
     name = "mamba-ssm"
+    kinds = frozenset({"mamba"})  # Mamba-2's update (ssd_step) and the others: the reference's
 
     def __init__(self, selective_state_update, causal_conv1d_update=None):
         self.selective_state_update = selective_state_update
