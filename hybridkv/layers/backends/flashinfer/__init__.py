@@ -50,9 +50,10 @@ class FlashInferBackend(Backend):
         from . import attention
         from .mamba_ssm import MambaSsmRecurrent, load_kernels
 
+        flashinfer = _flashinfer()  # first: without it, the message says what to install
         if device.type != "cuda":
             raise RuntimeError("FlashInfer's kernels run on CUDA devices only")
-        ops = attention.FlashInferAttention(_flashinfer(), device)
+        ops = attention.FlashInferAttention(flashinfer, device)
         attention.check(ops, device)  # a mismatch raises: the caller asked for this backend
         mamba_kernels = load_kernels()
         if mamba_kernels is not None:
