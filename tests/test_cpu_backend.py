@@ -40,7 +40,8 @@ def lib():
                                   FullAttentionSpec(1, 16), SlidingWindowSpec(3, 64, sliding_window=20)],
                          ids=["full-gqa3", "window-gqa3", "full-mha-like", "window-gqa2"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, softcap):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, softcap, sinks):
     gen = torch.Generator().manual_seed(1)
     bs, q_heads = 4, spec.num_kv_heads * (2 if spec.head_size == 64 else 3)
     lengths = np.array([1, 3, 4, 5, 17, 33, 40])  # tokens before each query, the query included
@@ -62,12 +63,13 @@ def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, s
                                   np.arange(len(lengths)), "cpu")
     step = attention_step(inputs, table, spec, bs)
     q = torch.randn(len(lengths), q_heads, spec.head_size, generator=gen)
+    sinks = torch.randn(q_heads, generator=gen) * 3 if sinks else None  # gpt-oss's attention sinks
     ops = CpuAttention(lib)
     meta = ops.build(step)
     assert isinstance(meta, CpuMetadata)
-    got = ops.attend(q, cache, meta, 0, 0.2, softcap)
+    got = ops.attend(q, cache, meta, 0, 0.2, softcap, sinks)
     reference_cache = torch.nan_to_num(cache)  # the reference masks what it gathers; NaN would survive its mask
-    expected = reference.attend(q, reference_cache, reference.build(step), 0, 0.2, softcap)
+    expected = reference.attend(q, reference_cache, reference.build(step), 0, 0.2, softcap, sinks)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
@@ -116,13 +118,37 @@ def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
 
             def wrong(*args):
                 status = fn(*args)
-                out = args[{"decode_attention": 6, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[name]]
+                out = args[{"decode_attention": 7, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[name]]
                 ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)  # the first float
                 return status
             return wrong
 
     with pytest.raises(AssertionError, match=broken):
         check.check(Broken())
+
+
+@needs_compiler
+@pytest.mark.parametrize("broken", ["decode_attention", "decode_layer"])
+def test_the_self_test_catches_attention_sinks_ignored(lib, broken):
+    class NoSinks:  # the library with one function reading no sinks
+        def __init__(self):
+            self.structs = lib.structs
+
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            if name != broken:
+                return fn
+
+            def wrong(*args):
+                if name == "decode_attention":
+                    return fn(*args[:6], None, *args[7:])
+                layer = type(args[0]).from_buffer_copy(args[0])
+                layer.sinks = None
+                return fn(layer, *args[1:])
+            return wrong
+
+    with pytest.raises(AssertionError, match=broken):
+        check.check(NoSinks())
 
 
 # -- the engine through it ------------------------------------------------------------
