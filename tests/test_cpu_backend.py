@@ -153,11 +153,13 @@ def test_the_self_test_catches_attention_sinks_ignored(lib, broken):
 
 # -- the engine through it ------------------------------------------------------------
 @needs_compiler
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "jamba"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "jamba", "gpt_oss"])
 def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
     # Decodes past Gemma's window of 8, Gemma-2's soft-capped attention,
-    # Jamba's attention beside its Mamba layers; a mixed step (decodes with
-    # a prefill chunk) and preemption in a small pool.
+    # Jamba's attention beside its Mamba layers, gpt-oss's attention sinks
+    # in the C decode kernel (its experts keep its layers off the one-call
+    # path, which the report says); a mixed step (decodes with a prefill
+    # chunk) and preemption in a small pool.
     path = model_dir(tmp_path_factory, family)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 23, 2, 37, 5))]
@@ -172,6 +174,9 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
         assert engine.kv.num_free_pages == engine.kv.num_total_pages
         routes = engine.stats["backend"]["routes"]
         assert sum(routes.values()) == engine.stats["steps"] and all(r.startswith(name + ":") for r in routes)
+        if family == "gpt_oss" and name == "cpu":
+            assert "one-call decoder layers: a mixture-of-experts feed-forward" in engine.stats["backend"]["declined"]
+            assert "cpu:decoder-layers" not in routes
         return [o.outputs[0].token_ids for o in outs]
 
     assert generate("cpu") == generate("torch")

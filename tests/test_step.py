@@ -45,7 +45,7 @@ def decode_ready_engine(name: str, **kw) -> tuple[Engine, int]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-jamba"])
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-jamba", "tiny-gpt-oss"])
 def test_hybrid_fixed_shape_decode_step_traces_as_one_graph_and_matches_eager(name, backend):
     # fullgraph=True fails on any graph break: a .item() or .tolist(), a
     # Python branch on a tensor's value, an op whose output shape depends on
@@ -67,7 +67,10 @@ def test_hybrid_fixed_shape_decode_step_traces_as_one_graph_and_matches_eager(na
     with torch.inference_mode():
         traced = compiled(size)
     torch.testing.assert_close(traced[:3], eager[:3], atol=1e-5, rtol=1e-5)
-    if backend == "torch":
+    # (gpt-oss's traced step runs every expert on every row, the eager one
+    # each expert on its own rows: a product over one row (a matrix-vector
+    # kernel) rounds differently from the same row in a bigger product.)
+    if backend == "torch" and name != "tiny-gpt-oss":
         assert torch.equal(pool[:runner.layout.num_pages], after_eager[:runner.layout.num_pages])
     else:
         pages = runner.layout.num_pages  # the pool's bytes, read as the float32 K/V and states they hold

@@ -23,7 +23,8 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "llama": ("LlamaForCausalLM",),
     "mistral": ("MistralForCausalLM",),
     "ministral": ("MinistralForCausalLM",),
-    "mixtral": (), "gpt_oss": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
+    "gpt_oss": ("GptOssForCausalLM",),
+    "mixtral": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
     "qwen3_moe": (), "bamba": (), "granitemoehybrid": (), "nemotron_h": (), "qwen3_next": (),
 }
 # config.json architecture -> model_type, for the architectures the engine runs.

@@ -21,6 +21,7 @@ def _model_classes():
     the model types whose architectures the engine runs (hf_config's
     MODEL_TYPES, which names the architectures)."""
     from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
+    from .gpt_oss import GptOssForCausalLM
     from .jamba import JambaForCausalLM
     from .llama import LlamaForCausalLM
 
@@ -35,6 +36,7 @@ def _model_classes():
         "llama": (LlamaForCausalLM, {}),
         "mistral": (LlamaForCausalLM, {}),
         "ministral": (LlamaForCausalLM, {}),
+        "gpt_oss": (GptOssForCausalLM, {}),
     }
 
 
