@@ -4,8 +4,9 @@ and show what the hybrid cache did.
 By default on the real Gemma-3 270M (the `gemma` extra: a GGUF file,
 converted once into the cache on first use): real completions, one prompt
 longer than its 512-token sliding window. `--tiny` (or a machine without the
-model package) runs the built-in tiny Gemma-3-style and Jamba-style models
-instead (random weights, built on the fly: the text is noise)."""
+model package) runs the built-in tiny Gemma-3-style, Jamba-style and
+gpt-oss-style models instead (random weights, built on the fly: the text is
+noise)."""
 
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progr
         print_completions(row)
         print_table(row)
         return [row]
-    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in ("tiny-gemma3", "tiny-jamba")]
+    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss")]
     for row in rows:
         print_table(row)
     print("\n(random weights: the text is noise; the numbers are what matters)")
