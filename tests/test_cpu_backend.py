@@ -102,53 +102,48 @@ def test_a_struct_that_differs_from_the_library_is_refused_at_load(monkeypatch):
         library.Kernels(build.built_library())
 
 
+def library_with(lib, name: str, replace):
+    """The library with its function `name` replaced by `replace(fn)`."""
+    class StandIn:
+        structs = lib.structs
+
+        def __getattr__(self, attr):
+            fn = getattr(lib, attr)
+            return replace(fn) if attr == name else fn
+    return StandIn()
+
+
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
 
-    class Broken:  # the library with one function answering zeros
-        def __init__(self):
-            self.structs = lib.structs
-
-        def __getattr__(self, name):
-            fn = getattr(lib, name)
-            if name != broken:
-                return fn
-
-            def wrong(*args):
-                status = fn(*args)
-                out = args[{"decode_attention": 7, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[name]]
-                ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)  # the first float
-                return status
-            return wrong
+    def answering_zeros(fn):  # its first float output zeroed
+        def wrong(*args):
+            status = fn(*args)
+            out = args[{"decode_attention": 7, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[broken]]
+            ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
+            return status
+        return wrong
 
     with pytest.raises(AssertionError, match=broken):
-        check.check(Broken())
+        check.check(library_with(lib, broken, answering_zeros))
 
 
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "decode_layer"])
 def test_the_self_test_catches_attention_sinks_ignored(lib, broken):
-    class NoSinks:  # the library with one function reading no sinks
-        def __init__(self):
-            self.structs = lib.structs
-
-        def __getattr__(self, name):
-            fn = getattr(lib, name)
-            if name != broken:
-                return fn
-
-            def wrong(*args):
-                if name == "decode_attention":
-                    return fn(*args[:6], None, *args[7:])
-                layer = type(args[0]).from_buffer_copy(args[0])
-                layer.sinks = None
-                return fn(layer, *args[1:])
-            return wrong
+    def reading_no_sinks(fn):
+        def wrong(*args):
+            if broken == "decode_attention":
+                return fn(*args[:6], None, *args[7:])
+            layer = type(args[0]).from_buffer_copy(args[0])
+            layer.sinks = None
+            return fn(layer, *args[1:])
+        return wrong
 
     with pytest.raises(AssertionError, match=broken):
-        check.check(NoSinks())
+        check.check(library_with(lib, broken, reading_no_sinks))
 
 
 # -- the engine through it ------------------------------------------------------------
