@@ -151,7 +151,8 @@ def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progr
         print_completions(row)
         print_table(row)
         return [row]
-    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss")]
+    names = ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss")
+    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in names]
     for row in rows:
         print_table(row)
     print("\n(random weights: the text is noise; the numbers are what matters)")
