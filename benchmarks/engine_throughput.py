@@ -12,7 +12,7 @@ These machines are noisy (the same cell moves by 20% between runs), so each
 comparison runs `--repeat` times as interleaved pairs (A, B, A, B, ...); the
 tables show medians, and a ratio is the median of the per-pair ratios.
 
-    python benchmarks/engine_throughput.py             # CPU, tiny and small models
+    python benchmarks/engine_throughput.py             # CPU, tiny and small models (and tiny gpt-oss)
     python benchmarks/engine_throughput.py --quick     # seconds: CI smoke run
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # GPU, 1B shapes
     python benchmarks/engine_throughput.py --device cuda --graphs both      # and with CUDA graphs off
@@ -311,7 +311,8 @@ def main() -> None:
     elif args.quick:
         models = ["tiny-gemma3"]
     else:
-        models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba"]
+        models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba",
+                                               "tiny-gpt-oss"]
     n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
     n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])

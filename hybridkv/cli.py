@@ -131,9 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve a batch of questions on the real Gemma-3 270M (or --tiny models)")
     demo.add_argument("--tiny", action="store_true",
-                      help="the built-in tiny Gemma-3 and Jamba models (random weights) instead of the real model")
+                      help="the built-in tiny Gemma-3, Jamba and gpt-oss models (random weights) instead of the real "
+                           "model")
     demo.add_argument("--model", action="append", choices=sorted(n for n in TINY_MODELS if n.startswith("tiny-")),
-                      help="with --tiny: this built-in model (repeatable; default tiny-gemma3 and tiny-jamba)")
+                      help="with --tiny: this built-in model (repeatable; default tiny-gemma3, tiny-jamba and "
+                           "tiny-gpt-oss)")
     demo.add_argument("--requests", type=int, default=32, help="requests per tiny model (default 32)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--no-progress", action="store_true")

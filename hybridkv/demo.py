@@ -4,10 +4,10 @@ and show what the hybrid cache did.
 By default on the real Gemma-3 270M (the `gemma` extra: a GGUF file,
 converted once into the cache on first use): real completions, one prompt
 longer than its 512-token sliding window. `--tiny` (or a machine without the
-model package) runs the built-in tiny Gemma-3-style and Jamba-style models
-instead (random weights, built on the fly: the text is noise); `--model`
-picks any built-in tiny model instead (one of every family the engine
-runs: tiny_models.py)."""
+model package) runs the built-in tiny Gemma-3-style, Jamba-style and
+gpt-oss-style models instead (random weights, built on the fly: the text is
+noise); `--model` picks any built-in tiny model instead (one of every family
+the engine runs: tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -153,7 +153,8 @@ def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progr
         print_completions(row)
         print_table(row)
         return [row]
-    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in models or ("tiny-gemma3", "tiny-jamba")]
+    names = models or ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss")
+    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in names]
     for row in rows:
         print_table(row)
     print("\n(random weights: the text is noise; the numbers are what matters)")

@@ -1,8 +1,8 @@
 """Small random models to run everything without a download: one of every
 family the engine runs (Gemma-3, Jamba, Nemotron-H, Granite-4.0-H, Bamba,
-Falcon-H1, LFM2) with seeded weights and a byte-level BPE tokenizer trained
-on a built-in corpus, saved as ordinary Hugging Face folders (built with
-transformers' own classes) in a cache folder.
+Falcon-H1, LFM2, gpt-oss) with seeded weights and a byte-level BPE tokenizer
+trained on a built-in corpus, saved as ordinary Hugging Face folders (built
+with transformers' own classes) in a cache folder.
 
     path = tiny_model_dir("tiny-gemma3")   # builds it on first use
 """
@@ -53,6 +53,9 @@ MODELS = {
     # head_dim 64, what vLLM's CPU attention runs: the vLLM connector's tests and benchmark.
     "vllm-tiny-gemma3": ("gemma3", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32)),
+    "tiny-gpt-oss": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, sliding_window=32, num_local_experts=4,
+                                     num_experts_per_tok=2)),
     "small-gemma3": ("gemma3", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=12,
                                     num_attention_heads=6, num_key_value_heads=2, head_dim=32, sliding_window=128)),
     "small-jamba": ("jamba", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=8, num_attention_heads=6,
@@ -112,7 +115,8 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tokenizer=None) -> str:
     """Save a seeded random model `name` (see MODELS) with its tokenizer at `path`."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig, JambaForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, JambaConfig,
+                              JambaForCausalLM)
 
     from .layers.dtypes import TORCH_DTYPES
 
@@ -127,6 +131,11 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
         config = Gemma3TextConfig(**ids, **sizes, query_pre_attn_scalar=sizes["head_dim"],
                                   final_logit_softcapping=30.0, sliding_window_pattern=6)
         model = Gemma3ForCausalLM(config)
+    elif family == "gpt_oss":
+        # YaRN as the released configs (factor 32 over 4,096 tokens), scaled to this context.
+        rope = dict(rope_type="yarn", rope_theta=150000.0, factor=2.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)
+        model = GptOssForCausalLM(GptOssConfig(**ids, **sizes, rope_parameters=rope))
     elif family == "jamba":
         config = JambaConfig(**ids, **sizes, expert_layer_period=2, expert_layer_offset=1, num_experts_per_tok=2,
                              mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False)

@@ -16,8 +16,8 @@ TIE = 1e-4
 
 def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32,
           head_dim: int | None = None) -> str:
-    """A small random model of `family` saved at `path`. `head_dim` (Gemma-3
-    and Jamba) widens the attention heads for kernels that take no smaller
+    """A small random model of `family` saved at `path`. `head_dim` (Gemma-3,
+    gpt-oss and Jamba) widens the attention heads for kernels that take no smaller
     ones (FlashInfer: 64 and up); by default they are 16 wide (Jamba: 8)."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig,
                               JambaForCausalLM)
@@ -49,6 +49,18 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
         else:
             layer_types = ["sliding_attention", "full_attention"] * 2
             model = MinistralForCausalLM(MinistralConfig(**common, layer_types=layer_types))
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        # Alternating window and full layers, sinks, experts; YaRN as the
+        # released configs (scaled down); a SwiGLU limit the tiny weights reach.
+        config = GptOssConfig(
+            vocab_size=211, hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=head_dim or 16, sliding_window=sliding_window, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=512, swiglu_limit=0.2,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False))
+        model = GptOssForCausalLM(config)
     elif family == "jamba":
         config = JambaConfig(  # (its heads are hidden_size / num_attention_heads wide)
             vocab_size=211, hidden_size=4 * head_dim if head_dim else 32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -62,6 +74,8 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
         raise ValueError(family)
     # Random init leaves A_log at log(1..N) and dt small; perturb the Mamba
     # parameters so the recurrent state really matters in the comparison.
+    # gpt-oss's sinks start near 0 and its experts' biases at 0: make both
+    # matter (a sink ignored anywhere then moves the logits).
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("A_log", "mamba.D", "mixer.D", "dt_bias")) or "dt_proj.bias" in name:
@@ -73,6 +87,10 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
                 param.mul_(0.1)
             if family in RECURRENT_FAMILIES and name.endswith("dt_bias"):
                 param.copy_(torch.randn_like(param))
+            if name.endswith("sinks"):
+                param.add_(2.0 * torch.randn_like(param))
+            elif name.endswith("_proj_bias"):
+                param.add_(0.05 * torch.randn_like(param))
     model = model.to(dtype).eval()
     model.save_pretrained(path)
     return path

@@ -8,9 +8,9 @@ the CPU), FlashInfer's attention through its documented semantics
 itself (against dense torch written from the read rule, so the oracle is
 checked too). Cases: decodes, prefill chunks continuing after cached
 tokens and mixed steps; full, sliding-window and chunked-local layers;
-soft-capping; GQA; fixed-shape decode steps; float32 and bfloat16 caches;
-recurrent states of every kind (Mamba-1, Mamba-2's SSD, the gated short
-conv) stepped, prefilled and rolled back after verified drafts.
+soft-capping; attention sinks; GQA; fixed-shape decode steps; float32 and
+bfloat16 caches; recurrent states of every kind (Mamba-1, Mamba-2's SSD, the
+gated short conv) stepped, prefilled and rolled back after verified drafts.
 Slots no query of the step may see hold NaN for a backend that declares it
 loads only visible keys, so one that reads outside a query's range shows
 it; the others (the reference and what reuses it) gather whole blocks and
@@ -77,11 +77,12 @@ def backend(name: str):
 BACKENDS = available()
 
 
-def runs(b, spec, dtype) -> bool:
-    """Whether backend `b` declares it runs layers of `spec` with `dtype` caches."""
+def runs(b, spec, dtype, sinks: bool = False) -> bool:
+    """Whether backend `b` declares it runs layers of `spec` with `dtype`
+    caches (and attention sinks, where `sinks`)."""
     if hasattr(b, "kinds"):  # the FlashInfer stand-in
-        return spec.kind in b.kinds and dtype in b.dtypes
-    return b.refusal(spec, torch.device("cpu")) is None
+        return spec.kind in b.kinds and dtype in b.dtypes and (not sinks or b.capabilities.sinks)
+    return b.refusal(spec, torch.device("cpu"), sinks) is None
 
 
 # -- attention ------------------------------------------------------------------------
@@ -133,8 +134,11 @@ class AttentionCase:
                                       torch.arange(len(step)))
         self.inputs = inputs
         self.attention_step = attention_step(inputs, self.table, spec, bs)
+        # Attention sinks, one per query head, some far above the scores
+        # (their heads keep little weight for the keys), some far below.
+        self.sinks = (torch.randn(q_heads, generator=gen) * 3).to(dtype)
 
-    def run(self, ops, scale, softcap, poison=True):
+    def run(self, ops, scale, softcap, poison=True, sinks=None):
         """(output, cache after the store) through `ops`; unseen slots NaN
         (`poison`), else large finite garbage."""
         cache = self.cache.clone()
@@ -144,11 +148,12 @@ class AttentionCase:
             cache = torch.where(cache.isnan(), garbage, cache)
         meta = ops.build(self.attention_step)
         ops.store(cache, self.k, self.v, meta, 0)
-        return ops.attend(self.q, cache, meta, 0, scale, softcap), cache
+        return ops.attend(self.q, cache, meta, 0, scale, softcap, sinks), cache
 
-    def dense(self, scale, softcap):
+    def dense(self, scale, softcap, sinks=None):
         """Dense torch from the read rule: query at p reads keys
-        first_visible(p) .. p, the new ones included."""
+        first_visible(p) .. p, the new ones included; a sink is one more
+        logit of its head's softmax, with no value."""
         out = torch.empty(self.q.shape, dtype=torch.float32)
         row, groups = 0, self.q.shape[1] // self.spec.num_kv_heads
         cache = self.cache.float()
@@ -169,7 +174,11 @@ class AttentionCase:
                 s = torch.einsum("hd,nhd->hn", self.q[row + i].float(), k) * scale
                 if softcap:
                     s = torch.tanh(s / softcap) * softcap
-                out[row + i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+                if sinks is not None:
+                    weights = torch.cat([s, sinks.float()[:, None]], -1).softmax(-1)[:, :-1]
+                else:
+                    weights = s.softmax(-1)
+                out[row + i] = torch.einsum("hn,nhd->hd", weights, v)
             row += count
         return out
 
@@ -197,6 +206,51 @@ def test_attention_equals_the_reference(name, spec, shape, softcap, dtype):
     assert torch.equal(cache[pages, :, offsets], expected_cache[pages, :, offsets])
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
+@pytest.mark.parametrize("shape", ["mixed", "decodes", "fixed-shape"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_with_sinks_equals_the_reference(name, spec, shape, dtype):
+    # gpt-oss's attention sinks: a logit per query head in each softmax's
+    # denominator. A backend that ignores them is far off here (the sinks
+    # are several times the scores).
+    spec = SPECS[spec]
+    b = backend(name)
+    if not runs(b, spec, dtype, sinks=True):
+        pytest.skip(f"{name} declares it does not run {spec.kind} attention with sinks on {dtype} caches")
+    case = AttentionCase(spec, MIXED if shape == "mixed" else DECODES, dtype, fixed=shape == "fixed-shape", seed=4)
+    softcap = 5.0 if shape == "mixed" else None  # sinks beside a soft-cap too
+    expected, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False, sinks=case.sinks)
+    without, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
+    assert (expected.float() - without.float()).abs().max() > 0.1  # the sinks matter in this case
+    got, _ = case.run(b.attention, 0.3, softcap, poison=b.capabilities.reads_only_visible_keys, sinks=case.sinks)
+    assert got.dtype == case.q.dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_flashinfer_declares_no_sinks_and_the_engine_check_names_the_group():
+    from hybridkv.layers.backends.flashinfer import FlashInferBackend, TritonFlashInferBackend
+
+    assert FlashInferBackend.capabilities.sinks is False and TritonFlashInferBackend.capabilities.sinks is True
+    layout = plan_layout({"layers.0": SPECS["window-5"], "layers.1": SPECS["full"]}, memory_bytes=1 << 20,
+                         block_size=8)
+
+    class Layer:
+        def __init__(self, sinks):
+            self.sinks = sinks
+
+    class Model:
+        def cache_layers(self):
+            return {"layers.0": Layer(torch.zeros(4)), "layers.1": Layer(None)}
+
+    fake = FlashInferBackend.__new__(FlashInferBackend)
+    with pytest.raises(ValueError, match=r"group \d \(sliding_window\): no attention sinks") as refused:
+        fake.check_layout(layout, "cuda", Model())
+    assert "full" not in str(refused.value)  # the group without sinks is not refused
+    fake.check_layout(layout, "cuda")  # no model: the cache alone, which it takes
+    ReferenceBackend().check_layout(layout, "cpu", Model())
+
+
 def test_the_backends_that_say_they_load_only_visible_keys_are_poisoned():
     # (so the NaN cases above test something for them)
     declared = {name: backend(name).capabilities.reads_only_visible_keys for name in BACKENDS}
@@ -207,10 +261,12 @@ def test_the_backends_that_say_they_load_only_visible_keys_are_poisoned():
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_the_reference_equals_dense_attention_from_the_read_rule(spec, softcap):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_the_reference_equals_dense_attention_from_the_read_rule(spec, softcap, sinks):
     case = AttentionCase(SPECS[spec], MIXED, torch.float32, seed=3)
-    got, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
-    torch.testing.assert_close(got, case.dense(0.3, softcap), atol=3e-5, rtol=1e-4)
+    sinks = case.sinks if sinks else None
+    got, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False, sinks=sinks)
+    torch.testing.assert_close(got, case.dense(0.3, softcap, sinks), atol=3e-5, rtol=1e-4)
 
 
 # -- recurrent states ---------------------------------------------------------------

@@ -36,12 +36,12 @@ def test_plan_plot_draws_the_layout(tmp_path, capsys):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_demo_tiny_serves_both_families(capsys):
+def test_demo_tiny_serves_every_family(capsys):
     # `hybridkv demo --tiny`, smaller: every request finishes, the shared
     # system prompt is hit, and the pool holds less than a contiguous cache.
     assert main(["demo", "--tiny", "--requests", "6", "--max-tokens", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    for name in ("tiny-gemma3", "tiny-jamba"):
+    for name in ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss"):
         assert name in out
     assert "sliding_window" in out and "mamba" in out
     from hybridkv.demo import run_tiny

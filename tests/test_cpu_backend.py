@@ -40,7 +40,8 @@ def lib():
                                   FullAttentionSpec(1, 16), SlidingWindowSpec(3, 64, sliding_window=20)],
                          ids=["full-gqa3", "window-gqa3", "full-mha-like", "window-gqa2"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, softcap):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, softcap, sinks):
     gen = torch.Generator().manual_seed(1)
     bs, q_heads = 4, spec.num_kv_heads * (2 if spec.head_size == 64 else 3)
     lengths = np.array([1, 3, 4, 5, 17, 33, 40])  # tokens before each query, the query included
@@ -62,12 +63,13 @@ def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, s
                                   np.arange(len(lengths)), "cpu")
     step = attention_step(inputs, table, spec, bs)
     q = torch.randn(len(lengths), q_heads, spec.head_size, generator=gen)
+    sinks = torch.randn(q_heads, generator=gen) * 3 if sinks else None  # gpt-oss's attention sinks
     ops = CpuAttention(lib)
     meta = ops.build(step)
     assert isinstance(meta, CpuMetadata)
-    got = ops.attend(q, cache, meta, 0, 0.2, softcap)
+    got = ops.attend(q, cache, meta, 0, 0.2, softcap, sinks)
     reference_cache = torch.nan_to_num(cache)  # the reference masks what it gathers; NaN would survive its mask
-    expected = reference.attend(q, reference_cache, reference.build(step), 0, 0.2, softcap)
+    expected = reference.attend(q, reference_cache, reference.build(step), 0, 0.2, softcap, sinks)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
@@ -100,38 +102,59 @@ def test_a_struct_that_differs_from_the_library_is_refused_at_load(monkeypatch):
         library.Kernels(build.built_library())
 
 
+def library_with(lib, name: str, replace):
+    """The library with its function `name` replaced by `replace(fn)`."""
+    class StandIn:
+        structs = lib.structs
+
+        def __getattr__(self, attr):
+            fn = getattr(lib, attr)
+            return replace(fn) if attr == name else fn
+    return StandIn()
+
+
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
 
-    class Broken:  # the library with one function answering zeros
-        def __init__(self):
-            self.structs = lib.structs
-
-        def __getattr__(self, name):
-            fn = getattr(lib, name)
-            if name != broken:
-                return fn
-
-            def wrong(*args):
-                status = fn(*args)
-                out = args[{"decode_attention": 6, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[name]]
-                ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)  # the first float
-                return status
-            return wrong
+    def answering_zeros(fn):  # its first float output zeroed
+        def wrong(*args):
+            status = fn(*args)
+            out = args[{"decode_attention": 7, "norm_rotary": 11, "gated_activation": 5, "decode_layer": 3}[broken]]
+            ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
+            return status
+        return wrong
 
     with pytest.raises(AssertionError, match=broken):
-        check.check(Broken())
+        check.check(library_with(lib, broken, answering_zeros))
+
+
+@needs_compiler
+@pytest.mark.parametrize("broken", ["decode_attention", "decode_layer"])
+def test_the_self_test_catches_attention_sinks_ignored(lib, broken):
+    def reading_no_sinks(fn):
+        def wrong(*args):
+            if broken == "decode_attention":
+                return fn(*args[:6], None, *args[7:])
+            layer = type(args[0]).from_buffer_copy(args[0])
+            layer.sinks = None
+            return fn(layer, *args[1:])
+        return wrong
+
+    with pytest.raises(AssertionError, match=broken):
+        check.check(library_with(lib, broken, reading_no_sinks))
 
 
 # -- the engine through it ------------------------------------------------------------
 @needs_compiler
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "jamba"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "jamba", "gpt_oss"])
 def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
     # Decodes past Gemma's window of 8, Gemma-2's soft-capped attention,
-    # Jamba's attention beside its Mamba layers; a mixed step (decodes with
-    # a prefill chunk) and preemption in a small pool.
+    # Jamba's attention beside its Mamba layers, gpt-oss's attention sinks
+    # in the C decode kernel (its experts keep its layers off the one-call
+    # path, which the report says); a mixed step (decodes with a prefill
+    # chunk) and preemption in a small pool.
     path = model_dir(tmp_path_factory, family)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 23, 2, 37, 5))]
@@ -146,6 +169,9 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
         assert engine.kv.num_free_pages == engine.kv.num_total_pages
         routes = engine.stats["backend"]["routes"]
         assert sum(routes.values()) == engine.stats["steps"] and all(r.startswith(name + ":") for r in routes)
+        if family == "gpt_oss" and name == "cpu":
+            assert "one-call decoder layers: a mixture-of-experts feed-forward" in engine.stats["backend"]["declined"]
+            assert "cpu:decoder-layers" not in routes
         return [o.outputs[0].token_ids for o in outs]
 
     assert generate("cpu") == generate("torch")

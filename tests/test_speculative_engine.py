@@ -119,10 +119,11 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
 
 # -- the engine ----------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["gemma3", "jamba"])
+@pytest.fixture(scope="module", params=["gemma3", "jamba", "gpt_oss"])
 def family_model(request, tmp_path_factory):
-    # Gemma-3 with a window of 8 and blocks of 4: drafts cross the window
-    # and its block releases; Jamba with rolling checkpoints every 4 tokens.
+    # Gemma-3 and gpt-oss (attention sinks, experts) with a window of 8 and
+    # blocks of 4: drafts cross the window and its block releases; Jamba
+    # with rolling checkpoints every 4 tokens.
     path = model_dir(tmp_path_factory, request.param, sliding_window=8)
     return request.param, path, load_reference(path)
 

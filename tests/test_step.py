@@ -45,7 +45,7 @@ def decode_ready_engine(name: str, **kw) -> tuple[Engine, int]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-jamba"])
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-jamba", "tiny-gpt-oss"])
 def test_hybrid_fixed_shape_decode_step_traces_as_one_graph_and_matches_eager(name, backend):
     # fullgraph=True fails on any graph break: a .item() or .tolist(), a
     # Python branch on a tensor's value, an op whose output shape depends on

@@ -176,17 +176,17 @@ class AttentionCase:
         step = attention_step(inputs, self.table, self.spec, self.bs)
         return inputs, paged_attention.build(step), kernel_attention.build(step)
 
-    def reference(self, scale, softcap, meta=None):
+    def reference(self, scale, softcap, meta=None, sinks=None):
         """The torch reference on a NaN-free copy (it reads masked slots of
         blocks it gathers; the engine's store keeps those finite, this test
         poisons them)."""
         meta = meta or self.meta
         if self.poison:  # a clean copy (small)
             return paged_attention.attend(self.q, self.cache.nan_to_num(0.0), meta, self.column, scale,
-                                          softcap).float()
+                                          softcap, sinks).float()
         self.cache[0] = 0.0
         try:
-            return paged_attention.attend(self.q, self.cache, meta, self.column, scale, softcap).float()
+            return paged_attention.attend(self.q, self.cache, meta, self.column, scale, softcap, sinks).float()
         finally:
             self.cache[0] = float("nan")
 
@@ -194,12 +194,12 @@ class AttentionCase:
 CASES = [("full", 0), ("sliding", 5), ("sliding", 23), ("sliding", 40), ("chunked", 24), ("chunked", 48)]
 
 
-def check_attention(case, scale, softcap, splits=1, direct=True):
-    ref = case.reference(scale, softcap)
+def check_attention(case, scale, softcap, splits=1, direct=True, sinks=None):
+    ref = case.reference(scale, softcap, sinks=sinks)
     atol, rtol = TOL[case.dtype]
     # 1. Through the kernel backend's metadata and ops.
     out = kernel_attention.TritonAttention(ops).attend(case.q, case.cache, case.kernel_meta, case.column, scale,
-                                                       softcap)
+                                                       softcap, sinks)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     if not direct:
@@ -216,12 +216,12 @@ def check_attention(case, scale, softcap, splits=1, direct=True):
     if decode:
         r = ints(rows[decode])
         ops.paged_decode_attention(out, case.q, case.cache, r, table, ints(table_rows[decode]), positions[r],
-                                   first[r], scale=scale, softcap=softcap, splits=splits, block_n=16)
+                                   first[r], scale=scale, softcap=softcap, sinks=sinks, splits=splits, block_n=16)
     if prefill:
         ops.paged_prefill_attention(out, case.q, case.cache, ints(rows[prefill]),
                                     ints([case.step[i][1] for i in prefill]), table, ints(table_rows[prefill]),
                                     positions, first, max_length=max(case.step[i][1] for i in prefill), scale=scale,
-                                    softcap=softcap, block_m=16, block_n=32)
+                                    softcap=softcap, sinks=sinks, block_m=16, block_n=32)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
 
@@ -295,6 +295,18 @@ def test_soft_capped_attention_matches_the_reference(kind, size):
     # large scores so that the cap really bends them.
     case = AttentionCase(KINDS[kind], size, 16, 2, torch.float32, seed=3)
     check_attention(case, scale=2.0, softcap=5.0, splits=2)
+
+
+@pytest.mark.parametrize("kind,size", [("sliding", 5), ("sliding", 23), ("full", 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_match_the_reference(kind, size, dtype):
+    # gpt-oss: a logit per query head in each softmax's denominator; they
+    # start the online softmax, in the first of several key splits only.
+    case = AttentionCase(KINDS[kind], size, 16, 2, dtype, seed=11)
+    sinks = torch.randn(case.q.shape[1], generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    assert (case.reference(0.3, None, sinks=sinks) - case.reference(0.3, None)).abs().max() > 0.1
+    check_attention(case, scale=0.3, softcap=None, splits=3, sinks=sinks)
+    check_attention(case, scale=0.3, softcap=5.0, splits=1, sinks=sinks.to(torch.bfloat16))
 
 
 def test_a_layer_in_a_later_column_of_multi_page_blocks():
@@ -545,16 +557,19 @@ for dt in ("bf16", "fp32"):
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
     common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
-                  scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
+                  sinks_ptr="*fp32", scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
     # The tiles kernel_attention.decode_block_n picks: 128 (full) and 32 (window) keys in 16-bit, 64 else.
-    for softcap, splits, block_n in ((False, 1, 128), (True, 4, 32), (False, 2, 64)):
+    # (sinks: gpt-oss's windowed layers, split and not)
+    for softcap, sinks, splits, block_n in ((False, False, 1, 128), (True, False, 4, 32), (False, False, 2, 64),
+                                            (False, True, 1, 32), (False, True, 4, 128)):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
-                part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
-                GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64, SPLITS=splits,
-                PRECISION=prec))
-    for softcap, dot16 in ((False, False), (True, False), (False, dt == "bf16")):
+                part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS,
+                GROUP=G, GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64,
+                SPLITS=splits, PRECISION=prec))
+    for softcap, sinks, dot16 in ((False, False, False), (True, False, False), (False, False, dt == "bf16"),
+                                  (False, True, False)):
         compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
-                dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
+                dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
                      BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec,
                      DOT_16=dot16),
                 num_warps=4 if dt == "fp32" else 8)
@@ -666,3 +681,10 @@ def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
 
     with pytest.raises(AssertionError, match="decode attention"):
         kernel_check.check(Broken(), device)
+
+    class NoSinks(Broken):  # a decode kernel that drops the attention sinks
+        def paged_decode_attention(self, *args, sinks=None, **kw):
+            return ops.paged_decode_attention(*args, **kw)
+
+    with pytest.raises(AssertionError, match="decode attention"):
+        kernel_check.check(NoSinks(), device)

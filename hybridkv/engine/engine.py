@@ -117,7 +117,8 @@ class Engine:
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
-        self.backend.check_layout(self.layout, self.device)  # a backend may not take every layer type
+        # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
+        self.backend.check_layout(self.layout, self.device, self.model)
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel

@@ -15,9 +15,12 @@ def inverse_frequencies(config, layer_type: str | None = None, head_dim: int | N
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        if layer_type is not None and layer_type in (config.rope_parameters or {}):
-            return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
-        return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        # On the CPU even while the model is built on the meta device (the
+        # loader's), where their tensors would have no values.
+        with torch.device("cpu"):
+            if layer_type is not None and layer_type in (config.rope_parameters or {}):
+                return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+            return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Only the first part of each head may rotate (Bamba: half of it).

@@ -1,7 +1,9 @@
 """Llama-style decoders: Llama, and Mistral / Ministral (sliding window on all
 or some layers). RMSNorm `w * x`, RoPE, SiLU-gated MLP, scale head_dim ** -0.5.
 The layer type of each layer comes from the KV specs (core/hf_config.py),
-so Mistral-7B-v0.1 is a window-only model and Ministral can interleave."""
+so Mistral-7B-v0.1 is a window-only model and Ministral can interleave.
+A family of the same shape with another attention or feed-forward (gpt-oss)
+subclasses the model and builds its layers (`decoder_layer`)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,17 @@ class LlamaAttention(PagedSelfAttention):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    """x += attention(norm(x)); x += feed_forward(norm(x)): Llama's
+    attention and gated MLP unless given others."""
+
+    def __init__(self, config, attention: nn.Module | None = None, mlp: nn.Module | None = None,
+                 scale_in_float32: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention or LlamaAttention(config)
+        self.mlp = mlp or GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=scale_in_float32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                scale_in_float32=scale_in_float32)
 
     def parts(self) -> DecoderParts:
         return DecoderParts(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
@@ -41,16 +48,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    scale_in_float32 = False  # the norms' convention (layers/norm.py)
+
     def __init__(self, config):
         super().__init__(config)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.layers = nn.ModuleList(self.decoder_layer(config) for _ in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=self.scale_in_float32)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)
+
+    def decoder_layer(self, config) -> nn.Module:
+        return LlamaDecoderLayer(config)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

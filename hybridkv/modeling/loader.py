@@ -24,6 +24,7 @@ def _model_classes():
     from .falcon_h1 import FalconH1ForCausalLM
     from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
     from .granite_hybrid import GraniteMoeHybridForCausalLM
+    from .gpt_oss import GptOssForCausalLM
     from .jamba import JambaForCausalLM
     from .lfm2 import Lfm2ForCausalLM
     from .llama import LlamaForCausalLM
@@ -45,6 +46,7 @@ def _model_classes():
         "bamba": (BambaForCausalLM, {}),
         "falcon_h1": (FalconH1ForCausalLM, {}),
         "lfm2": (Lfm2ForCausalLM, {}),
+        "gpt_oss": (GptOssForCausalLM, {}),
     }
 
 

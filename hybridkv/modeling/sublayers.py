@@ -36,6 +36,10 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         self.qkv_proj: Linear | None = None
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
+        # Attention sinks (gpt-oss): a learned logit per query head in each
+        # softmax's denominator (backends/base.py AttentionOps.attend). A
+        # family that has them sets a Parameter here; they cost no cache.
+        self.register_parameter("sinks", None)
 
     def fuse(self) -> None:
         """After loading: q, k and v as one product (`qkv_proj`)."""
@@ -59,7 +63,8 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         ops = self.ops
         cache = batch.buffers.attention_cache(self.layer_name)
         ops.store(cache, k, v, meta, self.column)
-        out = self.o_proj(ops.attend(q, cache, meta, self.column, self.scale, self.softcap).reshape(q.shape[0], -1))
+        attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
+        out = self.o_proj(attended.reshape(q.shape[0], -1))
         return out if self.reduce is None else self.reduce(out)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -7,7 +7,8 @@ mamba-ssm), one package each under `backends/`. It has two sides:
 
 * `AttentionOps`: `build` the step's metadata for one attention group (once
   per group per step, from the `AttentionStep` every backend shares),
-  `store` a layer's new K/V, `attend` its queries;
+  `store` a layer's new K/V, `attend` its queries (with the layer's
+  soft-cap and attention sinks, where it has them);
 * `RecurrentOps`: `build` a recurrent group's metadata (where each
   sequence's state is read and written), per mixer kind a one-token op for
   a decode and a chunked op for prefill chunks (the causal conv every kind
@@ -20,8 +21,8 @@ mamba-ssm), one package each under `backends/`. It has two sides:
   run the reference's ops on gathered states, and `prepare` says so.
 
 and declares, rather than lets callers probe, what it runs: devices, cache
-dtypes, attention kinds, soft-capping, whether its fixed-shape decode step
-can be captured as a CUDA graph (`Capabilities`).
+dtypes, attention kinds, soft-capping, attention sinks, whether its
+fixed-shape decode step can be captured as a CUDA graph (`Capabilities`).
 
 `Backend.prepare(model)` adapts a loaded model once, by swapping modules
 (a norm for its C-backed twin, a decoder layer for a one-call C layer, a
@@ -57,6 +58,7 @@ class Capabilities:
     dtypes: frozenset = frozenset({"float32", "bfloat16", "float16"})  # cache dtypes its attention reads
     attention_kinds: frozenset = ATTENTION_KINDS
     softcap: bool = True  # attention logit soft-capping
+    sinks: bool = True  # attention sinks: a learned logit per query head in each softmax's denominator
     capturable: bool = True  # its fixed-shape decode step can be captured as a CUDA graph
     # Its attention loads only the keys a query may see; False: it gathers
     # whole blocks and masks them (the reference), so the slots it masks
@@ -81,10 +83,17 @@ class AttentionOps(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta, column: int, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q `[tokens, q_heads, head_dim]` -> the same shape; each query reads
         the keys its layer's read rule lets it see (spec.first_visible .. its
-        position). The step's K/V is stored before."""
+        position). The step's K/V is stored before.
+
+        Scores are `q.k * scale`, then `softcap * tanh(s / softcap)` where
+        `softcap` is given. `sinks` (`[q_heads]`, any float dtype; gpt-oss's
+        attention sinks): query head h's softmax has one more logit,
+        `sinks[h]`, in its denominator only, a key that is never stored and
+        has no value: weights `exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`,
+        in float32. They cost no cache."""
 
 
 class RecurrentOps(ABC):
@@ -189,6 +198,11 @@ class PrepareReport:
         return "\n".join(lines)
 
 
+def sink_layers(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s cache layers that have attention sinks."""
+    return [name for name, layer in model.cache_layers().items() if getattr(layer, "sinks", None) is not None]
+
+
 class Backend:
     """One implementation of a step's ops: its two sides, what it declares,
     how it prepares a model and names a step's route."""
@@ -204,8 +218,9 @@ class Backend:
     def capturable(self) -> bool:
         return self.capabilities.capturable
 
-    def refusal(self, spec, device: torch.device) -> str | None:
-        """Why this backend cannot run layers of `spec` on `device`, or None."""
+    def refusal(self, spec, device: torch.device, sinks: bool = False) -> str | None:
+        """Why this backend cannot run layers of `spec` on `device` (with
+        attention sinks where `sinks`), or None."""
         caps = self.capabilities
         if device.type not in caps.devices:
             return f"runs on {', '.join(sorted(caps.devices))}, not {device.type}"
@@ -214,13 +229,17 @@ class Backend:
                 return f"no {spec.kind.replace('_', ' ')} attention"
             if spec.dtype not in caps.dtypes:
                 return f"no {spec.dtype} attention cache"
+            if sinks and not caps.sinks:
+                return "no attention sinks"
         return None
 
-    def check_layout(self, layout, device: torch.device | str = "cpu") -> None:
-        """ValueError naming each group this backend cannot run."""
+    def check_layout(self, layout, device: torch.device | str = "cpu", model: torch.nn.Module | None = None) -> None:
+        """ValueError naming each group this backend cannot run (with
+        `model`, also what its layers ask beyond the cache: attention sinks)."""
         device = torch.device(device)
+        with_sinks = set() if model is None else set(sink_layers(model))
         refused = [f"group {g.index} ({g.spec.kind}): {why}" for g in layout.groups
-                   if (why := self.refusal(g.spec, device)) is not None]
+                   if (why := self.refusal(g.spec, device, bool(with_sinks & set(g.layer_names)))) is not None]
         if refused:
             raise ValueError(f"backend {self.name!r} cannot run this model: " + "; ".join(refused))
 

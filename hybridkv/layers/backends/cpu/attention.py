@@ -4,6 +4,8 @@ pool, each its own range, in one call per layer; stores, prefill chunks and
 fixed-shape steps (the ones torch.compile traces) stay the torch
 reference's (backends/reference), whose metadata this extends.
 
+Attention sinks are the kernel's too (`sinks`, one logit per query head).
+
 Why: the reference gathers every page a decode group reads (index_select),
 then reads the copy again in two batched products. On the real Gemma-3
 270M at batch 16 and ~700 tokens of context that was a third of a decode
@@ -81,32 +83,35 @@ class CpuAttention(AttentionOps):
     def store(cache, k, v, meta, column):
         torch_attention.store(cache, k, v, meta.reference if isinstance(meta, CpuMetadata) else meta, column)
 
-    def attend(self, q, cache, meta, column, scale, softcap=None):
+    def attend(self, q, cache, meta, column, scale, softcap=None, sinks=None):
         if not isinstance(meta, CpuMetadata):
-            return torch_attention.attend(q, cache, meta, column, scale, softcap)
+            return torch_attention.attend(q, cache, meta, column, scale, softcap, sinks)
         out = torch.empty_like(q)
         if meta.decodes is not None and not self.supports(q, cache):
             for group in meta.reference_decodes:
                 keys, values = torch_attention.gather(cache, group.pages[column])
                 out[group.rows] = torch_attention.attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype),
-                                                                 group.mask, scale, softcap)
+                                                                 group.mask, scale, softcap, sinks)
         elif meta.decodes is not None:
             out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column, scale,
-                                                         softcap)
+                                                         softcap, sinks)
         ref = meta.reference
-        torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out)
+        torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks)
         return out
 
     def attend_decodes(self, q: torch.Tensor, cache: torch.Tensor, dec: CpuDecodes, column: int, scale: float,
-                       softcap: float | None) -> torch.Tensor:
-        """q [R, q_heads, head_dim] (float32) -> the same shape."""
+                       softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [R, q_heads, head_dim] (float32) -> the same shape; sinks [q_heads] or None."""
         q = q.contiguous()
         out = torch.empty_like(q)
         pages = dec.pages[column]
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
         rows = self.lib.structs["decode_rows"](rows=q.shape[0], max_blocks=pages.shape[1], pages=pages.data_ptr(),
                                                first=dec.first.data_ptr(), last=dec.last.data_ptr())
         status = self.lib.decode_attention(paged_cache(self.lib, cache), rows, q.data_ptr(), q.shape[1], scale,
-                                           softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+                                           softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+                                           out.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
         return out

@@ -47,8 +47,9 @@ def _scattered_pool(gen, num_pages, bs, kv_heads, dim, positions, firsts):
     return cache, pages
 
 
-def _attention(q, cache, pages, positions, firsts, scale, softcap):
-    """Dense torch: each row's heads over keys firsts[r] .. positions[r]."""
+def _attention(q, cache, pages, positions, firsts, scale, softcap, sinks=None):
+    """Dense torch: each row's heads over keys firsts[r] .. positions[r];
+    sinks [heads]: one more logit per head, in the denominator only."""
     bs, kv_heads = cache.shape[2], cache.shape[3]
     out = torch.empty_like(q)
     for r, (p, f) in enumerate(zip(positions, firsts)):
@@ -59,7 +60,11 @@ def _attention(q, cache, pages, positions, firsts, scale, softcap):
         scores = torch.einsum("hd,nhd->hn", q[r], k) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        if sinks is not None:
+            weights = torch.cat([scores, sinks[:, None]], -1).softmax(-1)[:, :-1]
+        else:
+            weights = scores.softmax(-1)
+        out[r] = torch.einsum("hn,nhd->hd", weights, v)
     return out
 
 
@@ -69,9 +74,11 @@ def check_decode_attention(lib) -> None:
     cache, pages = _scattered_pool(gen, 24, 4, 2, 80, positions, firsts)
     q = torch.randn(len(positions), 6, 80, generator=gen)
     dec = CpuDecodes(torch.arange(len(positions)), pages[None], torch.tensor(firsts), torch.tensor(positions))
-    for softcap in (None, 5.0):
-        got = CpuAttention(lib).attend_decodes(q, cache, dec, 0, 0.3, softcap)
-        _close(got, _attention(q, cache, pages, positions, firsts, 0.3, softcap), f"decode_attention (softcap {softcap})")
+    sinks = torch.randn(6, generator=gen) * 2
+    for softcap, sink in ((None, None), (5.0, None), (None, sinks), (5.0, sinks)):
+        got = CpuAttention(lib).attend_decodes(q, cache, dec, 0, 0.3, softcap, sink)
+        _close(got, _attention(q, cache, pages, positions, firsts, 0.3, softcap, sink),
+               f"decode_attention (softcap {softcap}, {'with' if sink is not None else 'no'} sinks)")
 
 
 def check_norm_rotary(lib) -> None:
@@ -97,7 +104,8 @@ def check_gated_activation(lib) -> None:
 
 def check_decode_layer(lib) -> None:
     """One decoder layer over two decode rows, Gemma's shape (every norm,
-    offset 1, GELU) and Llama's (two norms, offset 0, SiLU)."""
+    offset 1, GELU) and Llama's (two norms, offset 0, SiLU) with attention
+    sinks."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
     positions, firsts = [5, 12], [0, 4]
@@ -107,7 +115,8 @@ def check_decode_layer(lib) -> None:
 
         w = {"qkv": rand((q_heads + 2 * kv_heads) * dim, hidden), "qkv_bias": rand((q_heads + 2 * kv_heads) * dim),
              "o": rand(hidden, q_heads * dim), "o_bias": None, "gate_up": rand(2 * inter, hidden),
-             "down": rand(hidden, inter), "input_norm": rand(hidden), "pre_feedforward_norm": rand(hidden)}
+             "down": rand(hidden, inter), "input_norm": rand(hidden), "pre_feedforward_norm": rand(hidden),
+             "sinks": None if every_norm else rand(q_heads, scale=2.0)}
         for name, size in (("post_attention_norm", hidden), ("post_feedforward_norm", hidden), ("q_norm", dim),
                            ("k_norm", dim)):
             w[name] = rand(size) if every_norm else None
@@ -128,7 +137,7 @@ def check_decode_layer(lib) -> None:
         for r in range(2):
             expected_cache[store_pages[r], 0, store_offsets[r]] = k[r]
             expected_cache[store_pages[r], 1, store_offsets[r]] = v[r]
-        attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0).reshape(2, -1)
+        attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"]).reshape(2, -1)
         o = F.linear(attn, w["o"])
         x1 = x + (_norm(o, w["post_attention_norm"], offset) if every_norm else o)
         h = _norm(x1, w["pre_feedforward_norm"], offset)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ...decoder import DecoderParts
+from ...mlp import GatedMLP
 from .attention import CpuMetadata, paged_cache
 from .modules import ACTIVATIONS
 
@@ -44,6 +45,9 @@ def _dense(t: torch.Tensor | None) -> bool:
 def refusal(parts: DecoderParts) -> str | None:
     """Why `decode_layer` cannot run a layer of these parts, or None."""
     attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
+    if not isinstance(mlp, GatedMLP):
+        # gpt-oss: experts chosen per token, each a product of its own (the C layer's one dense MLP is not that)
+        return "a mixture-of-experts feed-forward" if hasattr(mlp, "experts") else f"feed-forward {type(mlp).__name__}"
     if attn.qkv_proj is None or mlp.gate_up_proj is None:
         return "projections not fused"
     if attn.reduce is not None or mlp.reduce is not None:
@@ -55,7 +59,8 @@ def refusal(parts: DecoderParts) -> str | None:
     if attn.num_heads % attn.num_kv_heads or attn.head_dim % 2:
         return "head layout"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(_dense(t) for m in linears for t in (m.weight, m.bias)) or not all(_dense(n.weight) for n in norms):
+    if not all(_dense(t) for m in linears for t in (m.weight, m.bias)) or not all(_dense(n.weight) for n in norms) \
+            or not _dense(attn.sinks):
         return "weights not dense float32 on the CPU"
     return None
 
@@ -132,6 +137,7 @@ class CpuDecoderLayer(nn.Module):
             "qkv": qkv.weight.detach(), "qkv_bias": None if qkv.bias is None else qkv.bias.detach(),
             "o": o.weight.detach(), "o_bias": None if o.bias is None else o.bias.detach(),
             "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
+            "sinks": None if attn.sinks is None else attn.sinks.detach(),
             **{name: None if getattr(parts, name) is None else getattr(parts, name).weight.detach()
                for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm",
                             "q_norm", "k_norm")}}

@@ -14,7 +14,9 @@
  * where they lie in the paged pool: no copy of the keys first. The torch
  * reference (backends/reference) gathers every page a decode group reads,
  * then reads the copy again in two batched products; this reads each key
- * and value once.
+ * and value once. Attention sinks (gpt-oss: a learned logit per query head,
+ * in each softmax's denominator only) are one more term in the maximum and
+ * the sum of the softmax; they read nothing from the pool.
  */
 #include <math.h>
 #include <stdint.h>
@@ -102,11 +104,11 @@ static inline const float *slot(const float *cache, const int64_t *row_pages, in
 }
 
 /* One row and up to four of a KV head's query heads (count): scores
- * [4][n] is scratch. */
-static void attend_heads(const float *const qs[4], float *const os[4], int64_t count, const float *cache,
-                         const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0, int64_t block_size,
-                         int64_t page_stride, int64_t half_stride, int64_t slot_stride, int64_t dim, float scale,
-                         float softcap, float *scores)
+ * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none). */
+static void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
+                         const float *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
+                         int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
+                         int64_t dim, float scale, float softcap, float *scores)
 {
     float s[4];
     const int64_t last_block = (lo + n - 1) / block_size;
@@ -133,8 +135,8 @@ static void attend_heads(const float *const qs[4], float *const os[4], int64_t c
     }
     float total[4];
     for (int g = 0; g < count; g++) {
-        float *sg = scores + g * n, top = sg[0];
-        for (int64_t i = 1; i < n; i++)
+        float *sg = scores + g * n, top = sink[g];
+        for (int64_t i = 0; i < n; i++)
             top = sg[i] > top ? sg[i] : top;
         vec sum = {0};
         int64_t i = 0;
@@ -143,7 +145,7 @@ static void attend_heads(const float *const qs[4], float *const os[4], int64_t c
             store(sg + i, e);
             sum += e;
         }
-        total[g] = sum_lanes(sum);
+        total[g] = sum_lanes(sum) + expf(sink[g] - top); /* the sink weighs no value */
         for (; i < n; i++) {
             sg[i] = expf(sg[i] - top);
             total[g] += sg[i];
@@ -216,7 +218,8 @@ typedef struct {
  * head h (count <= 4); see decode_attention for the arguments. Returns 0,
  * or -1 where memory for the scores could not be had. */
 static int attend_row(const float *q, const paged_cache *c, const decode_rows *d, int64_t r, int64_t groups,
-                      int64_t h, int64_t g0, int64_t count, float scale, float softcap, float *out)
+                      int64_t h, int64_t g0, int64_t count, float scale, float softcap, const float *sinks,
+                      float *out)
 {
     const int64_t lo = d->first[r], hi = d->last[r], n = hi - lo + 1, dim = c->head_dim;
     const int64_t block_size = c->block_size;
@@ -225,23 +228,26 @@ static int attend_row(const float *q, const paged_cache *c, const decode_rows *d
         return -1;
     const float *qs[4];
     float *os[4];
+    float sink[4];
     for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
         const int64_t head = h * groups + g0 + (g < count ? g : count - 1);
         qs[g] = q + head * dim;
         os[g] = out + head * dim;
+        sink[g] = sinks != NULL ? sinks[head] : -INFINITY;
     }
-    attend_heads(qs, os, count, c->data + h * c->head_stride, d->pages + r * d->max_blocks, lo, n, lo / block_size,
-                 block_size, c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores);
+    attend_heads(qs, os, sink, count, c->data + h * c->head_stride, d->pages + r * d->max_blocks, lo, n,
+                 lo / block_size, block_size, c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap,
+                 scores);
     free(scores);
     return 0;
 }
 
 /* q [rows, q_heads, head_dim] float32, contiguous; out the same: each
  * row's query heads attended over its keys (`decode_rows`) in the cache.
- * softcap <= 0: none. Returns 0, or -1 where memory for the scores could
- * not be had. */
+ * softcap <= 0: none. sinks [q_heads] float32, or NULL: none. Returns 0,
+ * or -1 where memory for the scores could not be had. */
 int decode_attention(const paged_cache *cache, const decode_rows *rows, const float *q, int64_t q_heads,
-                     float scale, float softcap, float *out, int threads)
+                     float scale, float softcap, const float *sinks, float *out, int threads)
 {
     const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
@@ -251,7 +257,7 @@ int decode_attention(const paged_cache *cache, const decode_rows *rows, const fl
             const int64_t h = hb / batches, g0 = hb % batches * 4;
             const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
             failed |= attend_row(q + r * q_heads * dim, cache, rows, r, groups, h, g0, count, scale, softcap,
-                                 out + r * q_heads * dim);
+                                 sinks, out + r * q_heads * dim);
         }
     }
     return failed ? -1 : 0;
@@ -439,12 +445,13 @@ static void add_residual(float *x, float *sub, const float *norm, float offset, 
 }
 
 /* One decoder layer's weights and shape (decoder.py fills it).
- * Products' weights are dense [out, in]; a NULL norm or bias is absent. */
+ * Products' weights are dense [out, in]; a NULL norm, bias or sinks
+ * ([q_heads] attention sink logits) is absent. */
 typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, inter, activation;
     float eps, norm_offset, scale, softcap; /* softcap <= 0: none */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm;
-    const float *q_norm, *k_norm;
+    const float *q_norm, *k_norm, *sinks;
     const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
 } decoder_layer;
 
@@ -452,7 +459,8 @@ typedef struct {
  * row one sequence's next token:
  *   h = norm(x); q, k, v = h Wqkv (+ b); q, k = rotary(norm(q), norm(k));
  *   k, v stored at (store_pages[r], store_offsets[r]) of the cache;
- *   attention as decode_attention over the rows' keys (`decode_rows`);
+ *   attention as decode_attention over the rows' keys (`decode_rows`),
+ *   with the layer's sinks where it has them;
  *   x += post_norm(attn Wo (+ b)); x += post_norm(down(act(h Wg) * h Wu))
  *   with h = pre_norm(x)
  * (a missing post norm is the identity). A block written first here gets
@@ -512,7 +520,7 @@ int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows
                 const int64_t head = hb / batches, g0 = hb % batches * 4;
                 const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
                 failed |= attend_row(qkv + r * qkv_width, c, d, r, groups, head, g0, count, L->scale, L->softcap,
-                                     attn + r * q_width);
+                                     L->sinks, attn + r * q_width);
             }
         }
         products(attn, rows, q_width, L->o, L->o_bias, H, sub);

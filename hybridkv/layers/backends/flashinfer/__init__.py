@@ -3,7 +3,7 @@ picked by "auto" (choices to measure against hybridkv's kernels,
 benchmarks/kernels.py):
 
 * "flashinfer": FlashInfer's paged attention (attention.py: 16-bit caches,
-  full and sliding-window layers) after its self-test, and for Mamba
+  full and sliding-window layers, no attention sinks) after its self-test, and for Mamba
   layers mamba-ssm's state update where it imports (mamba_ssm.py), else
   hybridkv's Triton kernels, else the reference. Its steps are eager
   (FlashInfer plans each step from host data): no CUDA graphs.
@@ -11,14 +11,15 @@ benchmarks/kernels.py):
   CUDA graphs) and Mamba steps, FlashInfer's prefill for the chunks of
   eager steps (attention.FlashInferPrefill), after both self-tests: on an
   H100 FlashInfer's prefill kernel was 3.8-8.6x faster than hybridkv's and
-  its decode no faster at the swept tiles.
+  its decode no faster at the swept tiles. Layers with attention sinks run
+  on hybridkv's kernels whole.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..base import Backend, Capabilities
+from ..base import Backend, Capabilities, sink_layers
 
 SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
@@ -44,7 +45,8 @@ def _verified_kernels(device: torch.device):
 class FlashInferBackend(Backend):
     name = "flashinfer"
     capabilities = Capabilities(devices=frozenset({"cuda"}), dtypes=SIXTEEN_BIT,
-                                attention_kinds=frozenset({"full", "sliding_window"}), capturable=False)
+                                attention_kinds=frozenset({"full", "sliding_window"}), sinks=False,
+                                capturable=False)
 
     def __init__(self, device: torch.device):
         from . import attention
@@ -102,4 +104,8 @@ class TritonFlashInferBackend(Backend):
         if others:
             report.declined.append(f"FlashInfer's prefill for groups {others} (chunked local or float32): "
                                    f"they run hybridkv's kernels whole")
+        with_sinks = sink_layers(model)
+        if with_sinks:
+            report.declined.append(f"FlashInfer's prefill for the {len(with_sinks)} layers with attention sinks "
+                                   f"(not taken, attention.py): they run hybridkv's kernels whole")
         return report

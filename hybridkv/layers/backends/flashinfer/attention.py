@@ -21,6 +21,14 @@ kernel counts key positions from the first page it is given, and its
   cross a chunk boundary: not taken (the backend's capabilities leave it
   out, and the engine refuses the backend for such a model).
 
+Attention sinks (gpt-oss) are not taken: FlashInfer 0.7.2's wrappers have
+a `sinks` argument, but whether a kernel honours it depends on which of
+its kernel backends the plan picks (some raise, e.g. cuDNN's), and
+hybridkv has not run it against its reference on a GPU. The backend's
+capabilities leave sinks out, so the engine refuses "flashinfer" for such
+a model; "triton+flashinfer" runs their layers on its own kernels whole
+and its prepare report says so.
+
 Decode steps go through `BatchDecodeWithPagedKVCacheWrapper`, prefill
 chunks through `BatchPrefillWithPagedKVCacheWrapper` (causal: FlashInfer
 aligns a chunk's last query with the last key, which is where it is here).
@@ -196,7 +204,9 @@ class FlashInferAttention(AttentionOps):
         meta.planned[key] = wrapper
         return wrapper
 
-    def attend(self, q, cache, meta: FlashInferMetadata, column: int, scale, softcap=None):
+    def attend(self, q, cache, meta: FlashInferMetadata, column: int, scale, softcap=None, sinks=None):
+        if sinks is not None:  # (the capabilities say so; the engine refuses such a model before a step)
+            raise ValueError("FlashInfer's attention here takes no attention sinks")
         out = torch.empty_like(q)
         kv = (cache[:, 0], cache[:, 1])  # NHD views of the pool, in place
         if meta.decode_tokens is not None:
@@ -223,7 +233,8 @@ class FlashInferPrefill(AttentionOps):
     are within 1% at the kernel's swept tiles, while FlashInfer's prefill
     took 0.51 ms against the kernel's 4.41 (2,048 queries after 6,144 keys)
     and 0.18 against 0.70 under a 1,024-key window. A group FlashInfer does
-    not take (chunked-local, float32) stays on the kernels whole."""
+    not take (chunked-local, float32) and a layer with attention sinks stay
+    on the kernels whole."""
 
     name = "triton+flashinfer"
 
@@ -242,9 +253,9 @@ class FlashInferPrefill(AttentionOps):
     def store(self, cache, k, v, meta: PrefillSplitMetadata, column: int) -> None:
         self.kernels.store(cache, k, v, meta.kernel, column)
 
-    def attend(self, q, cache, meta: PrefillSplitMetadata, column: int, scale, softcap=None):
-        if meta.flashinfer is None or not supports(meta.kernel.step.spec, cache.dtype):
-            return self.kernels.attend(q, cache, meta.kernel, column, scale, softcap)
+    def attend(self, q, cache, meta: PrefillSplitMetadata, column: int, scale, softcap=None, sinks=None):
+        if meta.flashinfer is None or sinks is not None or not supports(meta.kernel.step.spec, cache.dtype):
+            return self.kernels.attend(q, cache, meta.kernel, column, scale, softcap, sinks)
         out = self.prefill.attend(q, cache, meta.flashinfer, column, scale, softcap)  # the chunks' rows
         triton_attention.attend_decodes(self.ops, out, q, cache, meta.kernel.step, column, scale, softcap)
         return out

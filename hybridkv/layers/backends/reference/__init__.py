@@ -19,8 +19,8 @@ class ReferenceAttention(AttentionOps):
     def store(self, cache, k, v, meta, column):
         attention.store(cache, k, v, meta, column)
 
-    def attend(self, q, cache, meta, column, scale, softcap=None):
-        return attention.attend(q, cache, meta, column, scale, softcap)
+    def attend(self, q, cache, meta, column, scale, softcap=None, sinks=None):
+        return attention.attend(q, cache, meta, column, scale, softcap, sinks)
 
 
 class ReferenceBackend(Backend):

@@ -14,6 +14,8 @@ decode group or prefill chunk gathers, and their masks.
 
 Which keys a query at position i reads is the layer's read rule,
 `spec.first_visible(i)` .. i (core/specs.py); nothing here knows a layer type.
+Attention sinks (gpt-oss) are one more logit per query head in each
+softmax, with no value (`softmax`): they touch no page.
 
 Decode queries are attended together, each reading its own blocks from its
 first visible one (`DecodeGroup`): at fixed shapes (a step about to be
@@ -201,36 +203,49 @@ def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     cache[pages, 1, meta.store_offsets] = v.to(cache.dtype)
 
 
-def _attend(q, k, v, mask, scale, softcap):
-    """q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; mask [B, 1, Lq, Lk] (bool).
-    Masked keys hold finite values (see `store`)."""
-    if softcap is None:
+def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dimension of `scores` (masked entries
+    -inf). With `sinks` (broadcast to scores' shape but its last
+    dimension, which is 1): each row's sink is one more logit, in the
+    denominator only (a key with no value), dropped from the weights."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _attend(q, k, v, mask, scale, softcap, sinks=None):
+    """q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; mask [B, 1, Lq, Lk] (bool);
+    sinks [Hq] or None. Masked keys hold finite values (see `store`)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = softmax(scores, None if sinks is None else sinks.view(1, -1, 1, 1)).to(q.dtype)
     return torch.matmul(probs, v)
 
 
-def attend_decodes(q, k, v, mask, scale, softcap):
+def attend_decodes(q, k, v, mask, scale, softcap, sinks=None):
     """One query per sequence: q [R, Hq, D]; k, v [R, L, H, D]; mask [R, L].
     Two batched matmuls with each KV head's queries side by side, rather
     than SDPA (whose CPU flash attention tiles a query length of 1): as fast
     at batch 1 and 16 on the real Gemma-3 270M, 3% faster a step at batch 64
     (benchmarks/cpu_decode_step.py), and the soft-capped case needs no
-    repeated K/V."""
+    repeated K/V. sinks: [Hq] or None (`softmax`)."""
     rows, heads, dim = k.shape[0], k.shape[2], k.shape[3]
-    query = q.view(rows, heads, q.shape[1] // heads, dim)  # [R, H, G, D]
+    groups = q.shape[1] // heads
+    query = q.view(rows, heads, groups, dim)  # [R, H, G, D]
     scores = torch.matmul(query, k.permute(0, 2, 3, 1)).mul_(scale)  # [R, H, G, L]
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = softmax(scores, None if sinks is None else sinks.view(1, heads, groups, 1)).to(q.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).view(rows, q.shape[1], dim)  # [R, H, G, D] -> [R, Hq, D]
 
 
@@ -244,8 +259,9 @@ def gather(cache: torch.Tensor, pages: torch.Tensor):
     return (rows[:, 0].index_select(0, flat).view(shape), rows[:, 1].index_select(0, flat).view(shape))
 
 
-def _attend_products(q, k, v, mask, scale, softcap):
-    """q [Lq, Hq, D]; k, v [Lk, Hkv, D]; mask [Lq, Lk] (bool) -> [Lq, Hq, D].
+def _attend_products(q, k, v, mask, scale, softcap, sinks=None):
+    """q [Lq, Hq, D]; k, v [Lk, Hkv, D]; mask [Lq, Lk] (bool); sinks [Hq]
+    or None -> [Lq, Hq, D].
     Each KV head's queries stacked as the rows of one product (scores [Lq *
     G, Lk]), a softmax, a second product: on the CPU both products go
     through oneDNN (linear.product_nt), which makes a prefill tile 1.7x
@@ -268,28 +284,30 @@ def _attend_products(q, k, v, mask, scale, softcap):
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        sink = None if sinks is None else sinks[h * groups:(h + 1) * groups].view(1, groups, 1)
+        probs = softmax(scores, sink).to(q.dtype)
         out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(padded * groups, -1), values.t()).view(
             padded, groups, dim)
     return out[:rows]
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column: int,
-           scale: float, softcap: float | None = None) -> torch.Tensor:
+           scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [tokens, q_heads, head_dim] -> [tokens, q_heads, head_dim]. The new
     K/V must already be stored. Prefill tiles run as two products on the CPU
-    (`_attend_products`), through SDPA elsewhere (flash attention on CUDA)."""
+    (`_attend_products`), through SDPA elsewhere (flash attention on CUDA;
+    the explicit products where a soft-cap or sinks change the softmax)."""
     out = torch.empty_like(q)
     for group in meta.decodes:
         keys, values = gather(cache, group.pages[column])  # [R, L, H, D]
         out[group.rows] = attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype), group.mask, scale,
-                                          softcap)
-    attend_prefills(q, cache, meta.spec, meta.prefills, column, scale, softcap, out)
+                                          softcap, sinks)
+    attend_prefills(q, cache, meta.spec, meta.prefills, column, scale, softcap, out, sinks)
     return out
 
 
 def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[PrefillSegment], column: int,
-                    scale: float, softcap: float | None, out: torch.Tensor) -> None:
+                    scale: float, softcap: float | None, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """The prefill chunks' part of `attend`, into `out`."""
     for seg in prefills:
         keys, values = gather(cache, seg.pages[column])  # [L, H, D]
@@ -307,12 +325,12 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
                 width = -(-(hi - lo) // KEY_BUCKET) * KEY_BUCKET
                 lo = min(lo, columns - width)  # widened to the bucket: the keys added are masked
                 out[rows] = _attend_products(q[rows], keys[lo:lo + width], values[lo:lo + width],
-                                             mask[first:last, lo:lo + width], scale, softcap)
+                                             mask[first:last, lo:lo + width], scale, softcap, sinks)
                 continue
             query = q[rows].transpose(0, 1).unsqueeze(0)
             result = _attend(query, keys[lo:hi].transpose(0, 1).unsqueeze(0),
                              values[lo:hi].transpose(0, 1).unsqueeze(0), seg.mask[None, None, first:last, lo:hi],
-                             scale, softcap)
+                             scale, softcap, sinks)
             out[rows] = result[0].transpose(0, 1)
 
 

@@ -75,19 +75,19 @@ class TritonAttention(AttentionOps):
     def store(self, cache, k, v, meta: KernelMetadata, column: int) -> None:
         self.ops.store_kv(cache, k, v, meta.slots[column])
 
-    def attend(self, q, cache, meta: KernelMetadata, column: int, scale, softcap=None):
+    def attend(self, q, cache, meta: KernelMetadata, column: int, scale, softcap=None, sinks=None):
         out = torch.empty_like(q)
-        attend_decodes(self.ops, out, q, cache, meta.step, column, scale, softcap)
+        attend_decodes(self.ops, out, q, cache, meta.step, column, scale, softcap, sinks)
         step = meta.step
         chunks = step.inputs.chunks
         if chunks is not None:
             self.ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, step.table[column],
                                              chunks.table_rows, step.inputs.positions, step.first_key,
-                                             max_length=chunks.longest, scale=scale, softcap=softcap)
+                                             max_length=chunks.longest, scale=scale, softcap=softcap, sinks=sinks)
         return out
 
 
-def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, softcap) -> None:
+def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, softcap, sinks=None) -> None:
     """The step's decode rows of `out` (the prefill chunks' rows untouched)."""
     decodes = step.inputs.decodes
     if decodes is None:
@@ -95,5 +95,5 @@ def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, 
     positions, table, tokens = step.inputs.positions, step.table[column], decodes.tokens
     splits = decode_splits(q.device, tokens.shape[0] * cache.shape[3], table.shape[1] * cache.shape[2])
     ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
-                               step.first_key[tokens], scale=scale, softcap=softcap, splits=splits,
+                               step.first_key[tokens], scale=scale, softcap=softcap, sinks=sinks, splits=splits,
                                block_n=decode_block_n(step.spec.kind, cache.shape[4], cache.element_size()))

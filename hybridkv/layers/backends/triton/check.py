@@ -18,9 +18,10 @@ from ...mamba_ops import causal_conv_step, selective_scan_step
 _TOLERANCE = 2e-3  # float32 inputs; the kernels' dots may run in tf32
 
 
-def _dense_attention(q, cache, table, q_positions, spec, scale):
+def _dense_attention(q, cache, table, q_positions, spec, scale, sinks=None):
     """q [queries, heads, dim] at `q_positions`, keys = every slot of the
-    pages in `table` (positions from 0), under the layer's read rule."""
+    pages in `table` (positions from 0), under the layer's read rule; a
+    head's sink is one more logit in its softmax, with no value."""
     kv_heads = cache.shape[3]
     keys = cache[table, 0].reshape(-1, kv_heads, cache.shape[-1])
     values = cache[table, 1].reshape(-1, kv_heads, cache.shape[-1])
@@ -30,6 +31,9 @@ def _dense_attention(q, cache, table, q_positions, spec, scale):
     keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
     scores = scores.masked_fill(~mask[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat([scores, sink], -1).softmax(-1)[..., :-1], values.float())
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.float())
 
 
@@ -50,13 +54,15 @@ def _check_attention(ops, device) -> None:
     scale = dim ** -0.5
     positions = torch.tensor([n - 1 for n in lengths], device=device)
     rows = torch.arange(len(lengths), device=device)
-    for spec in (FullAttentionSpec(kv_heads, dim), SlidingWindowSpec(kv_heads, dim, sliding_window=20),
-                 ChunkedLocalSpec(kv_heads, dim, chunk_size=32)):
+    sinks = (torch.randn(kv_heads * groups, generator=gen) * 3).to(device)  # gpt-oss's sinks, on its window layers
+    for spec, sink in ((FullAttentionSpec(kv_heads, dim), None),
+                       (SlidingWindowSpec(kv_heads, dim, sliding_window=20), sinks),
+                       (ChunkedLocalSpec(kv_heads, dim, chunk_size=32), None)):
         out = torch.empty_like(q)
         ops.paged_decode_attention(out, q, cache, rows, table, rows, positions, spec.first_visible(positions),
-                                   scale=scale)
+                                   scale=scale, sinks=sink)
         for r, nb in enumerate(blocks):
-            ref = _dense_attention(q[r:r + 1], cache, table[r, :nb], positions[r:r + 1], spec, scale)
+            ref = _dense_attention(q[r:r + 1], cache, table[r, :nb], positions[r:r + 1], spec, scale, sink)
             error = (out[r].float() - ref[0]).abs().max().item()
             if not error < _TOLERANCE:
                 raise AssertionError(f"decode attention ({spec.kind}) differs by {error}")
@@ -67,8 +73,8 @@ def _check_attention(ops, device) -> None:
         ints = lambda *v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         q_pos = torch.arange(first, first + count, device=device)
         ops.paged_prefill_attention(out, queries, cache, ints(0), ints(count), table, ints(2), q_pos,
-                                    spec.first_visible(q_pos), max_length=count, scale=scale)
-        ref = _dense_attention(queries, cache, table[2, :blocks[2]], q_pos, spec, scale)
+                                    spec.first_visible(q_pos), max_length=count, scale=scale, sinks=sink)
+        ref = _dense_attention(queries, cache, table[2, :blocks[2]], q_pos, spec, scale, sink)
         error = (out.float() - ref).abs().max().item()
         if not error < _TOLERANCE:
             raise AssertionError(f"prefill attention ({spec.kind}) differs by {error}")

@@ -28,6 +28,10 @@ Conventions shared by the kernels:
 * Scores and sums are float32 whatever the cache dtype: 16-bit values are
   converted after the load (triton's interpreter cannot do bf16 arithmetic,
   and on a GPU the float32 accumulation is what the reference does too).
+* Attention sinks (`sinks`, a float32 logit per query head, gpt-oss) start
+  the online softmax: the running max at the sink and the running sum at
+  1, its weight, with no value added (in a decode split into several
+  programs, the first split's). A sink is one more term of the denominator.
 """
 
 from __future__ import annotations
@@ -106,6 +110,16 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 
 # -- paged attention -----------------------------------------------------------
+def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them (float32, one per query head), or
+    a stand-in pointer they never read (HAS_SINKS off)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be one per query head ({q.shape[1]}), got {tuple(sinks.shape)}")
+    return sinks.to(torch.float32).contiguous()
+
+
 @triton.jit
 def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
                      scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -150,13 +164,29 @@ def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: t
 
 
 @triton.jit
+def _softmax_start(sinks_ptr, heads, ok, rows: tl.constexpr, HAS_SINKS: tl.constexpr, with_sink):
+    """The online softmax's running max and sum before any key: with a sink
+    (where `with_sink`), the sink's base-2 logit and its weight 1; else a
+    finite low max (a tile with no visible key then gives exp2(-inf -
+    finite) = 0, not NaN) and 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(with_sink, sink, tl.full([rows], -1e30, tl.float32))
+        l_i = tl.where(with_sink, tl.full([rows], 1.0, tl.float32), tl.zeros([rows], tl.float32))
+    else:
+        m_i = tl.full([rows], -1e30, tl.float32)
+        l_i = tl.zeros([rows], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_rows_ptr, qpos_ptr, first_ptr,
-                         part_acc_ptr, part_m_ptr, part_l_ptr,
+                         sinks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                          scale, softcap, max_blocks,
                          s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                          s_cp, s_ckv, s_cs, s_ch, s_cd,
                          s_tr, s_tb,
-                         HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                          PRECISION: tl.constexpr):
@@ -188,10 +218,7 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
     q = tl.load(q_ptr + row * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
-    # A finite start for the running max: a tile with no visible key then
-    # gives exp2(-inf - finite) = 0 instead of NaN.
-    m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, heads, g_ok, GROUP_PAD, HAS_SINKS, split == 0)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table_row = table_ptr + tl.load(table_rows_ptr + r).to(tl.int64) * s_tr
     for n0 in range(start, stop, BLOCK_N):
@@ -241,8 +268,8 @@ def _combine_splits_kernel(out_ptr, rows_ptr, part_acc_ptr, part_m_ptr, part_l_p
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                            tables: torch.Tensor, table_rows: torch.Tensor, query_pos: torch.Tensor,
                            first_key: torch.Tensor, *, scale: float, softcap: float | None = None,
-                           splits: int = 1, block_n: int = 64, num_warps: int | None = None,
-                           num_stages: int | None = None) -> None:
+                           sinks: torch.Tensor | None = None, splits: int = 1, block_n: int = 64,
+                           num_warps: int | None = None, num_stages: int | None = None) -> None:
     """Attention of one query token per request through its block table.
 
     q, out: `[tokens, q_heads, head_dim]`; request i's query is row
@@ -250,7 +277,8 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
     `query_pos[i]`; its blocks are row `table_rows[i]` of `tables` (`[rows,
     blocks]` int64, this layer's column, from key position 0). Entries
     outside the range may be anything, the null page included: they are not
-    read. Writes `out[rows]`.
+    read. Writes `out[rows]`. `sinks` (`[q_heads]`, float32): attention
+    sinks, one more logit per query head in the softmax's denominator.
 
     splits > 1 divides each request's keys among that many programs
     (flash-decoding) and adds a small combining kernel; block_n (a power of
@@ -277,10 +305,10 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
     else:
         part_acc = part_m = part_l = out  # unused
     _paged_decode_kernel[(requests, kv_heads, splits)](
-        q, out, cache, rows, tables, table_rows, query_pos, first_key, part_acc, part_m, part_l,
+        q, out, cache, rows, tables, table_rows, query_pos, first_key, _sinks(sinks, q), part_acc, part_m, part_l,
         float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
-        HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(cache.dtype),
         **_launch(num_warps, num_stages))
     if splits > 1:
@@ -291,12 +319,12 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, table_rows_ptr, pos_ptr,
-                          first_ptr,
+                          first_ptr, sinks_ptr,
                           scale, softcap, max_blocks,
                           s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                           s_cp, s_ckv, s_cs, s_ch, s_cd,
                           s_tr, s_tb,
-                          HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                           DOT_16: tl.constexpr):
@@ -327,8 +355,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
             q = q.to(tl.float32)
         lo = tl.load(first_ptr + first_row + m0)
         hi = tl.load(pos_ptr + first_row + tl.minimum(m0 + BLOCK_M, length) - 1)  # the tile's last query
-        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i, l_i = _softmax_start(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), m_ok, BLOCK_M, HAS_SINKS, True)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         table_row = table_ptr + tl.load(table_rows_ptr + seg).to(tl.int64) * s_tr
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
@@ -348,7 +375,8 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
 def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, starts: torch.Tensor,
                             lengths: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor,
                             positions: torch.Tensor, first_key: torch.Tensor, *, max_length: int, scale: float,
-                            softcap: float | None = None, block_m: int | None = None, block_n: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
                             dot_16bit: bool = False) -> None:
     """Attention of segments of consecutive query tokens (prefill chunks,
@@ -358,8 +386,8 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     blocks are row `table_rows[i]` of `tables` (`[rows, blocks]`, from key
     position 0). Query row t sits at `positions[t]` and reads keys
     `first_key[t]` .. `positions[t]`. `max_length` (a Python int, no device
-    sync) sizes the grid. block_m queries and block_n keys per tile (powers
-    of two, at least 16). `dot_16bit` (16-bit caches, compiled kernels
+    sync) sizes the grid. `sinks` as `paged_decode_attention`'s. block_m
+    queries and block_n keys per tile (powers of two, at least 16). `dot_16bit` (16-bit caches, compiled kernels
     only): the dots take Q, K, P and V in the cache's 16-bit type, float32
     accumulation, instead of widening to float32 tiles first; not the
     default until measured on a GPU (benchmarks/kernels.py sweeps it).
@@ -383,10 +411,10 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     q_heads = q.shape[1]
     grid = (segments, triton.cdiv(max_length, block_m), q_heads)
     _paged_prefill_kernel[grid](
-        q, out, cache, starts, lengths, tables, table_rows, positions, first_key,
+        q, out, cache, starts, lengths, tables, table_rows, positions, first_key, _sinks(sinks, q),
         float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
-        HAS_SOFTCAP=softcap is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
         HEAD_DIM=dim, DIM_PAD=_pow2(dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=_dot_precision(cache.dtype), DOT_16=dot_16bit, **_launch(num_warps, num_stages))
 
