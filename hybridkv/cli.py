@@ -69,7 +69,8 @@ def _engine_options(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size)
+                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed)
 
 
 def _serve_replicas(args) -> int:
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft tokens verified per step with --speculative-method (default 4)")
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--seed", type=int, default=None,
+                       help="draws of requests that send no seed: fresh at each start (default), or this "
+                            "64-bit integer's, for reproducible runs")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")

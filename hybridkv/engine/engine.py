@@ -39,6 +39,7 @@ from .runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduled, Scheduler
+from .seeding import engine_stream, request_stream
 from .speculative import PromptLookup, accept_drafts
 
 def _positive(name, value):
@@ -49,7 +50,7 @@ def _positive(name, value):
 class Engine:
     def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
+                 dtype: str = "auto", device: str = "cpu", seed: int | None = None, max_model_len: int | None = None,
                  checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
                  enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
@@ -78,11 +79,18 @@ class Engine:
         as it changes (core/events.py); `take_kv_events()` hands it over,
         for a publisher or a router's prefix index.
         `tensor_parallel_size`: split the model over that many processes
-        (tensor_parallel.py; this one and N - 1 workers), one manager here."""
+        (tensor_parallel.py; this one and N - 1 workers), one manager here.
+        `seed`: the draws of requests without a seed of their own; None
+        (default): fresh entropy at each start, so a restart does not repeat
+        them; a 64-bit integer: runs that add the same requests in the same
+        order draw the same (seeding.py)."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         _positive("tensor_parallel_size", tensor_parallel_size)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not -(1 << 63) <= seed < (1 << 63)):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {seed!r}")
         if tensor_parallel_size > 1 and (kv_host_cache_memory is not None or kv_disk_cache is not None):
             raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
                              "each rank's pool would need its own")
@@ -136,7 +144,7 @@ class Engine:
         self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.random = engine_stream(seed)  # unseeded requests' draws (seeding.py)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -244,17 +252,19 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, text, ids, params, time.perf_counter(), cache_salt)
         seq_id = request_id if params.n == 1 else f"{request_id}#0"
-        seq = Sequence(seq_id, request, 0, self._generator(params, 0))
+        seq = Sequence(seq_id, request, 0, self._stream(params, 0))
         self.scheduler.add(seq, ids)  # the KV cache manager checks the ids once more
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.num_prompt_tokens += len(ids)
         return request_id
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    @staticmethod
+    def _stream(params: SamplingParams, index: int):
+        """Continuation `index`'s own random stream, for a seeded request (seeding.py)."""
         if params.seed is None or params.greedy:
             return None
-        return torch.Generator(device="cpu").manual_seed(params.seed + index)
+        return request_stream(params.seed, index)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id) if isinstance(request_id, str) else None
@@ -316,7 +326,7 @@ class Engine:
             # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
             chosen = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
             tokens = sample(chosen, [q.request.params for q, _ in to_sample],
-                            [q.generator for q, _ in to_sample], self.generator)
+                            [q.stream for q, _ in to_sample], self.random)
         else:
             tokens = []
         sampled = [(seq, token) for (seq, _), token in zip(to_sample, tokens) if token is not None]
@@ -376,8 +386,8 @@ class Engine:
             seq = s.seq
             touched[seq.request.request_id] = seq.request
             self.num_draft_tokens += len(s.drafts)
-            tokens = accept_drafts(logits[row:row + s.count], s.drafts, seq.request.params, seq.generator,
-                                   self.generator)
+            tokens = accept_drafts(logits[row:row + s.count], s.drafts, seq.request.params, seq.stream,
+                                   self.random)
             if tokens is None:
                 kept[seq.seq_id] = 0
                 ends.append((seq, "error"))
@@ -407,7 +417,7 @@ class Engine:
         for index in range(1, request.params.n):
             child_id = f"{request.request_id}#{index}"
             self.kv.fork(parent.seq_id, child_id)
-            child = Sequence(child_id, request, index, self._generator(request.params, index))
+            child = Sequence(child_id, request, index, self._stream(request.params, index))
             self.scheduler.add_running(child)
             request.sequences.append(child)
             children.append(child)
