@@ -165,6 +165,27 @@ def test_unseeded_requests_draw_fresh_entropy_per_engine_unless_it_has_a_seed():
         Engine(path, kv_cache_memory="32MiB", progress=False, seed=2**63)
 
 
+def test_max_tokens_none_generates_what_fits_the_pool_and_the_context():
+    # A pool of 63 pages holds one request of 160 tokens, far from the
+    # context of 8192: max_tokens=None asks for what fits, not the context.
+    small = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="256KiB", progress=False)
+    assert small.max_model_len == 8192 and small.max_tokens_that_fit(30) == 130
+    out = small.generate([[5, 6, 7] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 130 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="at most 130 for this prompt"):
+        small.add_request([5, 6, 7] * 10, SamplingParams(max_tokens=131))
+    assert small.max_tokens_that_fit(500) == 0
+    with pytest.raises(ValueError, match="needs .* KV cache pages"):
+        small.add_request([5] * 500, SamplingParams(max_tokens=None))
+    assert small.kv.num_free_pages == small.kv.num_total_pages
+    roomy = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="32MiB", max_model_len=64, progress=False)
+    assert roomy.max_tokens_that_fit(30) == 34  # the context caps it
+    out = roomy.generate([[5, 6, 7] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 34
+
+
 def test_extreme_temperatures_and_seeds_do_not_break_the_loop(engine):
     tiny = engine.generate([[5, 6]], SamplingParams(temperature=1e-300, max_tokens=4, n=2, seed=2**63 - 1),
                            use_tqdm=False)[0]

@@ -486,6 +486,21 @@ def test_speculative_server_streams_the_same_text_and_counts_drafts(ref_engine):
         assert_every_block_free(server)
 
 
+def test_a_chat_without_max_tokens_generates_what_fits_a_pool_smaller_than_the_context():
+    # 63 pages hold one request of 160 tokens; the context is 8192.
+    engine = Engine(tiny_model_dir(MODEL), kv_cache_memory="256KiB", progress=False)
+    app = build_app(engine, model_name=MODEL, api_key=KEY)
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = chat_ids(engine, messages)
+    with running(app) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0) as client:
+            chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(prompt)
+    assert chat.usage.completion_tokens == engine.max_tokens_that_fit(len(prompt)) > 16
+    assert chat.choices[0].finish_reason == "length"
+
+
 def test_a_restarted_server_with_a_disk_tier_hits_the_system_prompt_on_its_first_request(tmp_path):
     # Stopping the server writes what the pool caches to the disk tier; a new
     # server over the same directory serves the prefix from disk at once.

@@ -15,6 +15,7 @@ children after the prompt, check stop conditions, free finished sequences.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import os
@@ -239,11 +240,16 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model context of "
                              f"{self.max_model_len} tokens (one token must remain to generate)")
-        full = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
-        if need > self.kv.num_total_pages:
+        fit = self.max_tokens_that_fit(len(ids))
+        wanted = 1 if params.max_tokens is None else min(params.max_tokens, self.max_model_len - len(ids))
+        if wanted > fit:
+            full = len(ids) + wanted
+            need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
             raise ValueError(f"a request of {full} tokens needs {need} KV cache pages, the cache holds "
-                             f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens")
+                             f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens "
+                             f"(at most {fit} for this prompt)")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=fit)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -258,6 +264,30 @@ class Engine:
         self.requests[request_id] = request
         self.num_prompt_tokens += len(ids)
         return request_id
+
+    def max_tokens_that_fit(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with a prompt of this many tokens may
+        generate: up to the context, and only as many as the KV cache can
+        hold for it alone (0: not even the prompt and one token fit). What
+        `max_tokens=None` asks for."""
+        chunk, pages = self.scheduler.max_num_batched_tokens, self.kv.num_total_pages
+
+        def fits(length: int) -> bool:
+            return self.layout.pages_per_request(length, chunk=chunk) <= pages
+
+        low, high = num_prompt_tokens, self.max_model_len  # fits(low) or low is the prompt; fits(high) unknown
+        if high <= low or not fits(low + 1):
+            return 0
+        if fits(high):
+            return high - low
+        low += 1
+        while high - low > 1:  # pages grow with length: the longest that fits lies in [low, high)
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low - num_prompt_tokens
 
     @staticmethod
     def _stream(params: SamplingParams, index: int):

@@ -242,11 +242,9 @@ def create_app(backend, *, model_name: str, api_key: str | None = None) -> FastA
         req = parse(ChatCompletionRequest, await request.body())
         check_model(req.model)
         prompt = req.prompt()
-        limit = req.token_limit()
-        params = req.sampling_params(1 if limit is None else limit)
+        params = req.sampling_params(req.token_limit())  # None: what fits the KV cache and the context
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt,
-                              max_tokens_to_context=limit is None, stream=req.stream)
+        stream = await submit(prompt, params, request_id, cache_salt=req.cache_salt, stream=req.stream)
         shape = _Chat(request_id, int(time.time()), model_name)
         return await respond(request, req, stream, shape)
 

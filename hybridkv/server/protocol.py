@@ -61,7 +61,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     top_k: int = 0
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
@@ -125,7 +125,7 @@ class Message(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message]
-    max_tokens: int | None = None  # None: up to the context limit
+    max_tokens: int | None = None  # None: as many as fit the KV cache and the context
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
 

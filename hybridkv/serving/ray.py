@@ -73,12 +73,10 @@ class EngineReplica:
     async def describe(self) -> dict:
         return {"replica": self.replica_id, "max_model_len": self.engine.max_model_len}
 
-    async def generate(self, *, token_ids: list[int], params, request_id: str, cache_salt: str | None = None,
-                       max_tokens_to_context: bool = False):
+    async def generate(self, *, token_ids: list[int], params, request_id: str, cache_salt: str | None = None):
         """First `{"replica": id}` (or a Refused), then the request's Updates."""
         try:
-            stream = await self.loop.submit(token_ids, params, request_id, cache_salt=cache_salt,
-                                            max_tokens_to_context=max_tokens_to_context)
+            stream = await self.loop.submit(token_ids, params, request_id, cache_salt=cache_salt)
         except ValueError as e:
             yield Refused("bad_request", str(e))
             return
@@ -220,13 +218,11 @@ class ReplicaSet:
     async def stop(self) -> None:
         pass
 
-    async def submit(self, prompt, params, request_id: str, *, stream: bool = False, cache_salt=None,
-                     max_tokens_to_context: bool = False) -> ReplicaCall:
+    async def submit(self, prompt, params, request_id: str, *, stream: bool = False, cache_salt=None) -> ReplicaCall:
         token_ids = prompt_token_ids(self.tokenizer, prompt)
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt,
-                      max_tokens_to_context=max_tokens_to_context)
+        kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt)
         return await ReplicaCall(self, kwargs, buffered=not stream).open()
 
     async def metrics(self) -> bytes:
