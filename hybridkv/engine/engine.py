@@ -43,6 +43,13 @@ from .scheduler import Scheduled, Scheduler
 from .seeding import engine_stream, request_stream
 from .speculative import PromptLookup, accept_drafts
 
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave one token of the context to generate."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt of {num_tokens} tokens does not fit the model context of "
+                         f"{max_model_len} tokens (one token must remain to generate)")
+
+
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -237,9 +244,7 @@ class Engine:
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model context of "
-                             f"{self.max_model_len} tokens (one token must remain to generate)")
+        check_prompt_length(len(ids), self.max_model_len)
         fit = self.max_tokens_that_fit(len(ids))
         wanted = 1 if params.max_tokens is None else min(params.max_tokens, self.max_model_len - len(ids))
         if wanted > fit:

@@ -138,9 +138,10 @@ class EngineLoop:
     async def submit(self, prompt: str | list[int] | Callable, params: SamplingParams, request_id: str, *,
                      cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad input), Overloaded or
-        EngineFailed. `prompt`: text, token ids, or `fn(tokenizer) -> token
-        ids` (a chat template), run on the engine thread like all tokenizer
-        work."""
+        EngineFailed. `prompt`: token ids (the app tokenizes in worker
+        threads), or text or `fn(tokenizer) -> token ids` (a chat template),
+        which are tokenized on the engine thread: the other requests wait
+        meanwhile."""
         stream = RequestStream(self, request_id)
         # The command holds the stream's queue, not the stream: were the
         # engine thread still holding the command when the caller drops the
@@ -240,9 +241,7 @@ class EngineLoop:
         self._deliver(out.put_nowait, _ACCEPTED)
 
     def _token_ids(self, prompt):
-        """Text is tokenized here, on the one thread that uses the tokenizer
-        (the engine would tokenize it the same way; the server needs the
-        length first)."""
+        """Token ids pass through; text is tokenized here (see submit)."""
         return prompt_token_ids(self.engine.tokenizer, prompt)
 
     def _abort(self, request_id: str) -> None:

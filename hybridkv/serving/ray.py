@@ -35,7 +35,7 @@ from ray.serve.config import RequestRouterConfig
 from ..engine import Engine
 from ..modeling.loader import load_tokenizer, resolve_model_dir
 from ..server.app import create_app
-from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update, prompt_token_ids
+from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update
 from ..server.metrics import ServerMetrics
 from ..server.protocol import APIError
 from .event_feed import EventReporter
@@ -218,8 +218,8 @@ class ReplicaSet:
     async def stop(self) -> None:
         pass
 
-    async def submit(self, prompt, params, request_id: str, *, stream: bool = False, cache_salt=None) -> ReplicaCall:
-        token_ids = prompt_token_ids(self.tokenizer, prompt)
+    async def submit(self, token_ids: list[int], params, request_id: str, *, stream: bool = False,
+                     cache_salt=None) -> ReplicaCall:
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
         kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt)
@@ -234,23 +234,24 @@ class ReplicaSet:
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
-                       retries: int = 2):
+                       retries: int = 2, limits: dict | None = None):
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
         self.backend = ReplicaSet(engine_handle, tokenizer, retries)
-        self.model_name, self.api_key = model_name, api_key
+        self.model_name, self.api_key, self.limits = model_name, api_key, limits or {}
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key)
+        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key, **self.limits)
 
 
 def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2, engine_options: dict | None = None,
                       api_key: str | None = None, router: str = "hybrid", queued_request_tokens: int = 256,
                       stats_period_s: float = 1.0, snapshot_every: int = 20, replica_cpus: float = 1.0,
                       max_ongoing_requests: int = 256, max_waiting: int = 512, health_check_period_s: float = 5.0,
-                      retries: int = 2):
+                      retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None):
     """The Ray Serve application: `serve.run(build_application(...))`.
     `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
-    power-of-two-choices, for comparison)."""
+    power-of-two-choices, for comparison). `max_body_bytes`,
+    `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if router not in ("hybrid", "default"):
@@ -267,8 +268,9 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
         health_check_period_s=health_check_period_s, health_check_timeout_s=max(30.0, health_check_period_s))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    limits = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
     return ingress.bind(engines.bind(model_dir, engine_options or {}, max_waiting, snapshot_every), model_dir,
-                        model_name, api_key, retries)
+                        model_name, api_key, retries, limits)
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
