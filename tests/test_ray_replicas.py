@@ -27,7 +27,7 @@ from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.engine import Engine, SamplingParams  # noqa: E402
 from hybridkv.server.protocol import render_chat  # noqa: E402
 from hybridkv.serving.event_feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
-from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray  # noqa: E402
+from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray, stop_local_ray  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
 
 # Gemma-3's pool is small on purpose: 61 pages, so a second long prompt on a
@@ -58,8 +58,7 @@ def cluster():
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     yield client
     client.close()
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_ray()  # with Ray's agents, which outlive ray.shutdown()
 
 
 def _wait_running(app: str, replicas: int = 2, timeout: float = 120) -> None:

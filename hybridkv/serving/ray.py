@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update
 from ..server.metrics import ServerMetrics
 from ..server.protocol import APIError
 from .event_feed import EventReporter
+from .processes import end_processes, processes_below
 from .ray_router import HybridPrefixRouter, replica_stats
 
 APP_NAME = "hybridkv"
@@ -289,9 +291,15 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_dr
 def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, address: str | None = None,
                    host: str = "127.0.0.1", port: int = 8000, **options) -> None:
     """What `hybridkv serve --replicas N` does: start (or join) Ray, run the
-    application on Ray Serve's HTTP proxy at host:port, until interrupted."""
+    application on Ray Serve's HTTP proxy at host:port, until interrupted
+    (Ctrl-C or SIGTERM). Then the application is deleted, and a local Ray
+    this call started is stopped with every process of it (stop_local_ray)."""
     replica_cpus = options.get("replica_cpus", 1.0)
     start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
+    # Ray's own SIGTERM handler kills its processes and exits from inside the
+    # handler (leaving its agents behind): a SIGTERM stops here instead, by
+    # the same path as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
@@ -300,12 +308,41 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
               flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:  # Ctrl-C, also while the replicas start
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also while the replicas start
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             serve.delete(APP_NAME)
         finally:
             if not address:
-                serve.shutdown()
-                ray.shutdown()
+                stop_local_ray()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_local_ray(grace_s: float = 2.0) -> None:
+    """Stop Ray Serve and the local Ray this process started, with every
+    process of it. `ray.shutdown()` stops the processes Ray started itself,
+    but the agents its raylet started (DashboardAgent, RuntimeEnvAgent)
+    ignore SIGTERM and, their parent gone, live on under PID 1: so Ray's
+    processes and all below them are listed first, given `grace_s` seconds
+    to exit after the shutdown, then killed."""
+    processes = _local_ray_processes()
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        end_processes(processes, grace_s)
+
+
+def _local_ray_processes() -> dict[int, str]:
+    """The processes of the Ray node this process started (none if it only
+    joined a cluster) and every process below them."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    roots = [info.process.pid for infos in getattr(node, "all_processes", {}).values() for info in infos
+             if getattr(info, "process", None) is not None]
+    return processes_below(roots)
