@@ -31,15 +31,21 @@ def processes_below(roots: list[int]) -> dict[int, str]:
 
 def end_processes(processes: dict[int, str], grace_s: float) -> None:
     """Wait up to `grace_s` seconds for `processes` (as processes_below
-    lists them) to exit, then SIGKILL those still running."""
-    deadline = time.monotonic() + grace_s
-    while running(processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    lists them) to exit, then SIGKILL those still running, and wait (up to
+    a second) until they are gone."""
+    _wait(processes, grace_s)
     for pid in running(processes):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    _wait(processes, 1.0)
+
+
+def _wait(processes: dict[int, str], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while running(processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def running(processes: dict[int, str]) -> list[int]:
