@@ -148,6 +148,7 @@ class DiskTier:
         self.retry_seconds = retry_seconds
         self.resume_at = 0.0  # time.monotonic() from which writing is on again
         self.pause = 0.0  # the last pause: the next one doubles it
+        self.writes = 0  # blocks written
         self.write_errors = 0  # writes that failed, for any reason
         self.last_error: str | None = None
         self.swept_temps = 0  # temporary files of dead writers removed at start
@@ -228,6 +229,7 @@ class DiskTier:
             break
         self.files[(group, key)] = size
         self.bytes += size
+        self.writes += 1
         self.pause = 0.0
         return removed
 
@@ -317,7 +319,8 @@ class DiskTier:
     def describe(self) -> dict:
         """State and counters, for stats and metrics."""
         return {"blocks": len(self.files), "bytes_used": self.bytes, "budget_bytes": self.budget,
-                "writable": self.writable, "write_errors": self.write_errors, "last_error": self.last_error,
+                "writable": self.writable, "writes": self.writes, "write_errors": self.write_errors,
+                "last_error": self.last_error,
                 "retry_in_seconds": max(0.0, self.resume_at - time.monotonic())}
 
 

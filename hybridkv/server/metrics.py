@@ -144,6 +144,8 @@ class ServerMetrics:
         if "kv_tier_disk_blocks" in s:
             yield GaugeMetricFamily("hybridkv_kv_tier_disk_writing", "1 while the disk tier stores blocks, 0 while "
                                     "it pauses after a write error", value=int(s["kv_tier_disk_writable"]))
+            yield CounterMetricFamily("hybridkv_kv_tier_disk_writes", "Blocks the disk tier wrote",
+                                      value=s["kv_tier_disk_writes"])
             yield CounterMetricFamily("hybridkv_kv_tier_disk_write_errors", "Disk tier writes that failed (a full "
                                       "disk, a read-only or vanished directory, an I/O error)",
                                       value=s["kv_tier_disk_write_errors"])
