@@ -104,6 +104,9 @@ def test_two_engines_sharing_a_disk_directory_under_load_both_keep_storing(tmp_p
             if w.poll() is None:
                 w.kill()
             w.wait()
+    writes = [st["kv_tier_disk_writes"] for st in stats]
+    errors = [st["kv_tier_disk_write_errors"] for st in stats]
+    print(f"\n{starts} tiers started over the directory; the writers wrote {writes} blocks, {errors} errors")
     assert starts >= 20
     for s in stats:
         assert s["kv_tier_disk_writable"] is True and s["kv_tier_disk_write_errors"] == 0, s
@@ -244,6 +247,8 @@ def test_a_huge_prompt_beside_small_ones_keeps_their_latency_within_2x_of_idle(t
         idle_after = small_latencies(client, 15)
     assert answers[:2] == [400, 413] and set(answers[2:]) == {400} and len(answers) >= 3, answers
     baseline = max(statistics.median(idle), statistics.median(idle_after))
+    print(f"\nsmall requests, median: idle {1000 * statistics.median(idle):.1f} ms, beside huge prompts "
+          f"{1000 * statistics.median(busy):.1f} ms, idle again {1000 * statistics.median(idle_after):.1f} ms")
     assert statistics.median(busy) <= 2 * baseline, (statistics.median(busy), baseline)
 
 
