@@ -5,6 +5,7 @@ in several processes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
@@ -65,19 +66,29 @@ def test_a_start_up_scan_keeps_what_a_live_writer_may_rename(tmp_path):
     assert second.swept_temps == 2
 
 
+@contextlib.contextmanager
+def held_before_its_rename(writer: DiskTier, i: int):
+    """A write of block i, held between its temporary file and its rename
+    until the block ends."""
+    gate = threading.Event()
+    slow = SlowDisk(writer, gate=gate)
+    thread = threading.Thread(target=writer.write, args=(0, key(i), block(i)))
+    thread.start()
+    assert slow.entered.wait(10)
+    try:
+        yield
+    finally:
+        gate.set()
+        thread.join()
+
+
 def test_a_write_in_flight_survives_another_tiers_start(tmp_path):
     # The writer holds its temporary file while a second tier starts over the
     # same directory: the rename still lands and the writer keeps writing.
     writer = tier(tmp_path)
-    gate = threading.Event()
-    slow = SlowDisk(writer, gate=gate)
-    thread = threading.Thread(target=writer.write, args=(0, key(1), block(1)))
-    thread.start()
-    assert slow.entered.wait(10)
-    assert len(temporary_files(tmp_path)) == 1
-    tier(tmp_path)  # another engine starts here now
-    gate.set()
-    thread.join()
+    with held_before_its_rename(writer, 1):
+        assert len(temporary_files(tmp_path)) == 1
+        tier(tmp_path)  # another engine starts here now
     assert (0, key(1)) in writer.files and writer.writable and writer.write_errors == 0
     writer.write(0, key(2), block(2))
     assert len(writer.files) == 2 and not temporary_files(tmp_path)
@@ -86,15 +97,9 @@ def test_a_write_in_flight_survives_another_tiers_start(tmp_path):
 
 def test_a_temporary_file_removed_under_the_writer_loses_that_block_only(tmp_path):
     writer = tier(tmp_path)
-    gate = threading.Event()
-    slow = SlowDisk(writer, gate=gate)
-    thread = threading.Thread(target=writer.write, args=(0, key(1), block(1)))
-    thread.start()
-    assert slow.entered.wait(10)
-    for path in temporary_files(tmp_path):
-        os.unlink(path)  # an older version's scan, or an operator
-    gate.set()
-    thread.join()
+    with held_before_its_rename(writer, 1):
+        for path in temporary_files(tmp_path):
+            os.unlink(path)  # an older version's scan, or an operator
     assert (0, key(1)) not in writer.files and writer.writable and writer.write_errors == 1
     writer.write(0, key(2), block(2))
     assert (0, key(2)) in writer.files
