@@ -217,16 +217,15 @@ class DiskTier:
         while True:
             try:
                 self._write_file(self._path(group, key), (head, pages, crc))
+                break
             except OSError as e:
                 self.write_errors += 1
                 self.last_error = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror or e}"
-                if e.errno in self._NO_ROOM and self.files:
-                    removed += self._make_room(max(0, self.bytes - size))  # the disk is full: our oldest go
-                    continue
-                if e.errno != errno.ENOENT:  # ENOENT: another process removed our temporary file
-                    self._failed(e)
-                return removed
-            break
+                if e.errno not in self._NO_ROOM or not self.files:
+                    if e.errno != errno.ENOENT:  # ENOENT: another process removed our temporary file
+                        self._failed(e)
+                    return removed
+                removed += self._make_room(max(0, self.bytes - size))  # a full disk: our oldest go, then again
         self.files[(group, key)] = size
         self.bytes += size
         self.writes += 1
