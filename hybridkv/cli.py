@@ -62,7 +62,7 @@ def _serve(args) -> int:
     serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           kv_events=args.kv_events, kv_events_replay=replay, kv_events_topic=args.kv_events_topic,
-          **_engine_options(args))
+          **_limits(args), **_engine_options(args))
     return 0
 
 
@@ -80,13 +80,24 @@ def _build_kernels(args) -> int:
     return 0
 
 
+def _limits(args) -> dict:
+    """--max-body-bytes and --max-prompt-chars (None: the server's defaults)."""
+    from .core.layout import parse_memory
+
+    if args.max_prompt_chars is not None and args.max_prompt_chars <= 0:
+        raise ValueError(f"--max-prompt-chars must be positive, got {args.max_prompt_chars}")
+    body = parse_memory(args.max_body_bytes) if args.max_body_bytes is not None else None
+    return {"max_body_bytes": body, "max_prompt_chars": args.max_prompt_chars}
+
+
 def _engine_options(args) -> dict:
     return dict(backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size)
+                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed)
 
 
 def _serve_replicas(args) -> int:
@@ -113,7 +124,7 @@ def _serve_replicas(args) -> int:
         name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
                    host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-                   engine_options=_engine_options(args))
+                   engine_options=_engine_options(args), **_limits(args))
     return 0
 
 
@@ -154,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients use (default: the folder's name)")
     serve.add_argument("--max-waiting", type=int, default=512,
                        help="answer 503 while this many requests wait for admission (default 512)")
+    serve.add_argument("--max-body-bytes", default=None, metavar="BYTES",
+                       help="answer 413 to larger request bodies, before reading them (default: room for the "
+                            "longest prompt that can fit the context, plus 1MiB)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                       help="answer 400 to longer text prompts, before tokenizing them (default: the context "
+                            "times the longest token's characters)")
     serve.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default) or auto")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
@@ -175,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", default=None,
                        help="the implementation of a step's ops: auto, torch, cpu, triton, flashinfer or "
                             "triton+flashinfer (default: $HYBRIDKV_BACKEND, else auto; docs/kernels.md)")
+    serve.add_argument("--seed", type=int, default=None,
+                       help="draws of requests that send no seed: fresh at each start (default), or this "
+                            "64-bit integer's, for reproducible runs")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")
