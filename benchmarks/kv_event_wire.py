@@ -4,10 +4,10 @@ A manager over the Gemma-3-27B layout (and Jamba-1.5-Mini's) replays
 manager_overhead.py's trace with KV events on, taking the events after
 every admission and decode step as the server does. The batches are then
 
-* encoded in vLLM's KV event format (serving/kv_wire.py): µs per batch and
+* encoded in vLLM's KV event format (kv_events/wire.py): µs per batch and
   bytes per stored block;
 * sent through a real ZMQ publisher to a subscriber on loopback
-  (serving/zmq_events.py): batches per second end to end, all arriving in
+  (kv_events/zmq_stream.py): batches per second end to end, all arriving in
   order;
 * with `--python-vllm PATH`: decoded in that interpreter by vLLM's own
   `KVEventBatch` decoder, and every field compared with ours.
@@ -34,8 +34,8 @@ from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402
 from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
 from hybridkv.core.events import BlockStored  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.serving.kv_wire import VLLM_KIND, WireFormat  # noqa: E402
-from hybridkv.serving.zmq_events import KVEventPublisher, KVEventSubscriber  # noqa: E402
+from hybridkv.kv_events.wire import VLLM_KIND, WireFormat  # noqa: E402
+from hybridkv.kv_events.zmq_stream import KVEventPublisher, KVEventSubscriber  # noqa: E402
 
 MODELS = ("Gemma-3-27B", "Jamba-1.5-Mini")
 

@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     kernels = sub.add_parser("build-kernels", help="compile the cpu backend's C kernels for this machine")
     kernels.add_argument("--cache", action="store_true",
-                         help="into the cache folder (~/.cache/hybridkv/native) even if the package folder is "
+                         help="into the cache folder (~/.cache/hybridkv/cpu-kernels) even if the package folder is "
                               "writable")
     kernels.set_defaults(func=_build_kernels)
     return parser

@@ -1,4 +1,4 @@
-"""KV events over the wire (serving/kv_wire.py, serving/zmq_events.py):
+"""KV events over the wire (kv_events/wire.py, kv_events/zmq_stream.py):
 vLLM's format read with vLLM's schema, real ZMQ sockets from a real engine
 and from `hybridkv serve`, sequence numbers, replay, a full queue, and a
 PrefixIndex fed from the stream that equals the engine's own hit."""
@@ -20,8 +20,8 @@ import pytest
 from hybridkv.core import KVCacheManager
 from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hybridkv.core.prefix_index import PrefixIndex
-from hybridkv.serving.kv_wire import WireFormat
-from hybridkv.serving.zmq_events import KVEventPublisher, KVEventSubscriber, subscribe_to_server
+from hybridkv.kv_events.wire import WireFormat
+from hybridkv.kv_events.zmq_stream import KVEventPublisher, KVEventSubscriber, subscribe_to_server
 from kv_shadow import MIXES, layer_specs, layout_for_requests, random_workload
 from serving import free_port
 

@@ -24,7 +24,7 @@ from ray import serve  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.engine import Engine, SamplingParams  # noqa: E402
 from hybridkv.server.protocol import render_chat  # noqa: E402
-from hybridkv.serving.event_feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
+from hybridkv.kv_events.feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
 from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray, stop_local_ray  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
 from serving import free_port  # noqa: E402

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.cli import build_parser, main  # noqa: E402
 from hybridkv.server import build_app  # noqa: E402
-from hybridkv.server.engine_loop import EngineFailed, EngineLoop  # noqa: E402
+from hybridkv.engine.engine_loop import EngineFailed, EngineLoop  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
 from serving import running  # noqa: E402
 

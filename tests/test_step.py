@@ -179,6 +179,50 @@ def test_no_import_cycles_in_hybridkv():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# hybridkv's packages (and top-level modules) from the bottom floor up
+# (docs/architecture.md, "Floors"): each imports only what is on a floor below.
+FLOORS = [
+    {"hybridkv.core", "hybridkv.files", "hybridkv.demo_texts"},
+    {"hybridkv.layers", "hybridkv.kv_events", "hybridkv.plot"},
+    {"hybridkv.modeling", "hybridkv.tiny_models"},
+    {"hybridkv.engine"},
+    {"hybridkv.server", "hybridkv.integrations", "hybridkv.demo"},
+    {"hybridkv.serving"},
+    {"hybridkv.cli", "hybridkv"},
+]
+
+
+def package_graph() -> dict[str, set[str]]:
+    """hybridkv.X -> the other hybridkv.Y its modules import."""
+    def package(module):
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(package(module), set()).update(package(t) for t in targets)
+    return {p: targets - {p} for p, targets in graph.items()}
+
+
+def test_packages_import_only_floors_below():
+    # Module cycles are caught above; this catches two packages that import
+    # each other through different modules (the server and the Ray app once
+    # did), and a package that climbs above its floor.
+    graph = package_graph()
+    assert find_cycle(graph) is None
+    floor = {p: i for i, packages in enumerate(FLOORS) for p in packages}
+    assert set(graph) == set(floor), "a package without a floor: add it to FLOORS and docs/architecture.md"
+    climbs = {p: sorted(t for t in targets if floor[t] >= floor[p]) for p, targets in graph.items()}
+    assert {p: t for p, t in climbs.items() if t} == {}
+
+
+def test_the_package_checks_can_fail():
+    graph = package_graph()
+    floor = {p: i for i, packages in enumerate(FLOORS) for p in packages}
+    graph["hybridkv.core"].add("hybridkv.kv_events")  # a climb, and with kv_events -> core a cycle
+    assert any(floor[t] >= floor[p] for p, targets in graph.items() for t in targets)
+    assert find_cycle(graph) is not None
+
+
 def test_model_files_never_name_an_implementation():
     # Model files and the shared layers call the ops bound to them; which
     # backend runs them is chosen in layers/backends/ alone.

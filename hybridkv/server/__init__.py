@@ -1,11 +1,12 @@
 """`hybridkv serve`: an OpenAI-compatible HTTP server over `hybridkv.Engine`
 (needs the `server` extra: fastapi, uvicorn, prometheus_client).
 
-    engine_loop.py  the thread that owns the engine; the asyncio side's handle
-    text_stream.py  token ids -> streamed text (stop strings held back)
     protocol.py     request bodies, OpenAI's error shape, the chat template
     metrics.py      Prometheus metrics
-    app.py          the FastAPI app (build_app over one engine, create_app over any backend)
+    app.py          the FastAPI app (build_app over one engine, create_app over any engine client)
+
+The thread that owns the engine and the text streams are engine/engine_loop.py
+and engine/text_stream.py; the KV event stream is kv_events/.
 """
 
 from __future__ import annotations

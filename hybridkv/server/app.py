@@ -1,12 +1,12 @@
 """The FastAPI app: OpenAI's completions, chat completions and models
-endpoints, plus /health and /metrics, over a backend: one EngineLoop here
+endpoints, plus /health and /metrics, over an engine client: one EngineLoop here
 (LocalEngine), or engine replicas on Ray Serve (hybridkv/serving/ray.py).
 
 Handlers run on the event loop and never touch the engine: they read the
 body (refused with 413 past its bound, before it is read), parse it, refuse
 text too long for any prompt that fits the context, tokenize in a worker
 thread (neither the event loop nor the engine's thread waits for a large
-prompt), hand the token ids to the backend, and turn its updates into
+prompt), hand the token ids to the engine client, and turn its updates into
 OpenAI responses or server-sent events. A client that goes away aborts its
 request.
 """
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine import Engine
 from ..engine.engine import check_prompt_length
-from .engine_loop import EngineFailed, EngineLoop, Overloaded, RequestStream, Update, prompt_token_ids
+from ..engine.engine_loop import EngineFailed, EngineLoop, Overloaded, RequestStream, Update, prompt_token_ids
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, body_limit, longest_text,
                        parse, too_large, too_long)
@@ -84,10 +84,10 @@ def _error_type(status: int) -> str:
 
 
 class LocalEngine:
-    """The app's backend for one engine in this process: an EngineLoop
+    """The app's engine client for one engine in this process: an EngineLoop
     (its thread owns the engine) and the Prometheus metrics of that engine.
 
-    A backend is what `create_app` needs: `max_model_len` and `tokenizer`
+    An engine client is what `create_app` needs: `max_model_len` and `tokenizer`
     (once started), `alive`, `start()` and `stop()` (the app's lifespan),
     `submit(token_ids, ...)` (a stream of `Update`s, or ValueError /
     Overloaded / EngineFailed / APIError) and `metrics()` (Prometheus text).
@@ -133,18 +133,18 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
     `max_body_bytes`, `max_prompt_chars`: see create_app.
 
     `kv_events`: publish the engine's KV events on a ZMQ PUB socket bound
-    there (e.g. "tcp://*:5557"; serving/zmq_events.py), with a replay socket
+    there (e.g. "tcp://*:5557"; kv_events/zmq_stream.py), with a replay socket
     at `kv_events_replay` ("next-port": the endpoint's port + 1; None: no
     replay). The engine must be made with enable_kv_events=True. The sockets
     are bound here, so a taken port fails before the server starts."""
     publisher = None
     if kv_events is not None:
         publisher = _kv_event_publisher(engine, kv_events, kv_events_replay, kv_events_topic)
-    backend = LocalEngine(engine, max_waiting, kv_publisher=publisher)
-    app = create_app(backend, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+    engine_client = LocalEngine(engine, max_waiting, kv_publisher=publisher)
+    app = create_app(engine_client, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_chars=max_prompt_chars)
-    app.state.engine_loop = backend.engine_loop
-    app.state.metrics = backend.server_metrics
+    app.state.engine_loop = engine_client.engine_loop
+    app.state.metrics = engine_client.server_metrics
     if publisher is not None:
         description = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
                        "topic": kv_events_topic, "medium": publisher.wire.medium,
@@ -159,8 +159,8 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None, ma
 
 
 def _kv_event_publisher(engine: Engine, endpoint: str, replay: str | None, topic: str):
-    from ..serving.kv_wire import WireFormat
-    from ..serving.zmq_events import KVEventPublisher, next_port_endpoint
+    from ..kv_events.wire import WireFormat
+    from ..kv_events.zmq_stream import KVEventPublisher, next_port_endpoint
 
     if engine.kv.block_cache.events is None:
         raise ValueError("kv_events needs an engine made with enable_kv_events=True")
@@ -189,9 +189,9 @@ def _lower_priority() -> None:
 _LARGE_PROMPTS = ThreadPoolExecutor(2, thread_name_prefix="hybridkv-large-prompt", initializer=_lower_priority)
 
 
-def create_app(backend, *, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
+def create_app(engine_client, *, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
                max_prompt_chars: int | None = None) -> FastAPI:
-    """The OpenAI-compatible app over a backend (see LocalEngine).
+    """The OpenAI-compatible app over an engine client (see LocalEngine).
     `max_prompt_chars`: a text prompt (or the messages' text) longer than
     this is refused with 400 before it is tokenized (default: the longest
     text that can fit the context, protocol.longest_text).
@@ -201,22 +201,22 @@ def create_app(backend, *, model_name: str, api_key: str | None = None, max_body
     limits: dict[str, int | None] = {}
 
     def limit(name: str) -> int | None:
-        """The bounds, set once the backend knows its model (at start)."""
+        """The bounds, set once the engine client knows its model (at start)."""
         if not limits:
             chars = max_prompt_chars if max_prompt_chars is not None else \
-                longest_text(backend.tokenizer, backend.max_model_len)
-            body = max_body_bytes if max_body_bytes is not None else body_limit(chars, backend.max_model_len)
+                longest_text(engine_client.tokenizer, engine_client.max_model_len)
+            body = max_body_bytes if max_body_bytes is not None else body_limit(chars, engine_client.max_model_len)
             limits.update(prompt_chars=chars, body_bytes=body)
         return limits[name]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await backend.start()
+        await engine_client.start()
         limit("body_bytes")
         try:
             yield
         finally:
-            await backend.stop()
+            await engine_client.stop()
 
     app = FastAPI(title="hybridkv", lifespan=lifespan)
 
@@ -268,15 +268,15 @@ def create_app(backend, *, model_name: str, api_key: str | None = None, max_body
         meanwhile."""
         bound = limit("prompt_chars")
         if bound is not None and characters > bound:
-            raise too_long(characters, bound, backend.max_model_len, param)
+            raise too_long(characters, bound, engine_client.max_model_len, param)
         try:
             if isinstance(prompt, list):
                 ids = prompt
             else:
                 pool = _LARGE_PROMPTS if characters > LARGE_PROMPT_CHARS else None
-                ids = await asyncio.get_running_loop().run_in_executor(pool, prompt_token_ids, backend.tokenizer,
+                ids = await asyncio.get_running_loop().run_in_executor(pool, prompt_token_ids, engine_client.tokenizer,
                                                                        prompt)
-            check_prompt_length(len(ids), backend.max_model_len)
+            check_prompt_length(len(ids), engine_client.max_model_len)
         except ValueError as e:
             raise bad_request(str(e)) from None
         return ids
@@ -284,7 +284,7 @@ def create_app(backend, *, model_name: str, api_key: str | None = None, max_body
     async def submit(prompt, characters: int, param: str, params, request_id, **options) -> RequestStream:
         ids = await token_ids(prompt, characters, param)
         try:
-            return await backend.submit(ids, params, request_id, **options)
+            return await engine_client.submit(ids, params, request_id, **options)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except Overloaded as e:
@@ -295,18 +295,18 @@ def create_app(backend, *, model_name: str, api_key: str | None = None, max_body
     # -- endpoints -----------------------------------------------------------
     @app.get("/health")
     async def health():
-        if not backend.alive:
+        if not engine_client.alive:
             raise APIError(503, "the engine loop is not running", "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(await backend.metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine_client.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "hybridkv", "max_model_len": backend.max_model_len}]}
+                                            "owned_by": "hybridkv", "max_model_len": engine_client.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
@@ -403,7 +403,7 @@ async def events(stream: RequestStream, shape: _Completion, include_usage: bool)
             yield _sse({**shape.head, "object": shape.chunk_kind, "choices": [], "usage": _usage(last)})
     except EngineFailed as e:
         yield _sse(APIError(500, str(e), "server_error").body())
-    except APIError as e:  # a backend's own error (a Ray replica that died mid-stream)
+    except APIError as e:  # an engine client's own error (a Ray replica that died mid-stream)
         yield _sse(e.body())
     finally:
         stream.abort()

@@ -36,10 +36,10 @@ from ray.serve.config import RequestRouterConfig
 from ..engine import Engine
 from ..modeling.loader import load_tokenizer, resolve_model_dir
 from ..server.app import create_app
-from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update
+from ..engine.engine_loop import EngineFailed, EngineLoop, Overloaded, Update
 from ..server.metrics import ServerMetrics
 from ..server.protocol import APIError
-from .event_feed import EventReporter
+from ..kv_events.feed import EventReporter
 from .processes import end_processes, processes_below
 from .ray_router import HybridPrefixRouter, replica_stats
 
@@ -116,7 +116,7 @@ class EngineReplica:
 
 class ReplicaCall:
     """One request on the replicas: an async iterator of Updates with
-    `abort()` and `headers`, as create_app expects of a backend's stream.
+    `abort()` and `headers`, as create_app expects of an engine client's stream.
     Retries on another replica while nothing has reached the client."""
 
     def __init__(self, replicas: "ReplicaSet", kwargs: dict, buffered: bool):
@@ -199,7 +199,7 @@ class ReplicaCall:
 
 
 class ReplicaSet:
-    """create_app's backend over the engine deployment's handle."""
+    """create_app's engine client over the engine deployment's handle."""
 
     def __init__(self, handle, tokenizer, retries: int):
         self.handle = handle
@@ -238,11 +238,11 @@ class OpenAIIngress:
     async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
                        retries: int = 2, limits: dict | None = None):
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
-        self.backend = ReplicaSet(engine_handle, tokenizer, retries)
+        self.engine_client = ReplicaSet(engine_handle, tokenizer, retries)
         self.model_name, self.api_key, self.limits = model_name, api_key, limits or {}
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key, **self.limits)
+        return create_app(self.engine_client, model_name=self.model_name, api_key=self.api_key, **self.limits)
 
 
 def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2, engine_options: dict | None = None,

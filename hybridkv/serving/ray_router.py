@@ -4,7 +4,7 @@ the longest hybrid prefix hit, balanced against queue length.
 Ray Serve runs one router per deployment in each process that holds a
 handle to it (here the OpenAI ingress replicas). Each router keeps its own
 PrefixIndex, fed by the replicas' KV event reports that arrive with their
-routing stats (serving/event_feed.py says how, and how stale), adds the
+routing stats (kv_events/feed.py says how, and how stale), adds the
 blocks of the prompts it sent in the last few report periods
 (RecentRoutes: what the reports will say once they catch up), and ranks
 the candidates by RoutingRule's cost (core/routing.py): the prompt tokens
@@ -27,7 +27,7 @@ import time
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..core.routing import RoutingRule
-from .event_feed import IndexFeed, RecentRoutes
+from ..kv_events.feed import IndexFeed, RecentRoutes
 
 # (application, deployment) -> {replica id: its engine counters}, as the routers of this
 # process last saw them: the ingress's /metrics reads it (the ingress and its

@@ -32,11 +32,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-m
 
 
 def cache_dir() -> Path:
-    """Builds made after install: `native/` under hybridkv's cache root
+    """Builds made after install: `cpu-kernels/` under hybridkv's cache root
     (~/.cache/hybridkv, or $HYBRIDKV_CACHE)."""
     from ....files import cache_root  # here, not above: setup.py runs this file alone
 
-    return Path(cache_root()) / "native"
+    return Path(cache_root()) / "cpu-kernels"
 
 
 def compiler() -> str | None:

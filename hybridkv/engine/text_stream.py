@@ -12,7 +12,7 @@ decides it.
 
 from __future__ import annotations
 
-from ..engine.detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:

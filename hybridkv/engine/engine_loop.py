@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import Engine, SamplingParams
+from .engine import Engine
+from .sampling_params import SamplingParams
 from .text_stream import TextStream
 
-log = logging.getLogger("hybridkv.server")
+log = logging.getLogger("hybridkv.engine")
 
 
 class Overloaded(Exception):
@@ -61,7 +62,7 @@ class RequestStream:
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
-        self.headers: dict[str, str] = {}  # response headers a backend adds (none here)
+        self.headers: dict[str, str] = {}  # response headers an engine client adds (none here)
 
     def __aiter__(self):
         return self
@@ -104,7 +105,7 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine: Engine, max_waiting: int = 512, ttft_histogram=None, kv_publisher=None):
         self.engine = engine
-        # serving/zmq_events.py's KVEventPublisher, or None: handed the
+        # kv_events/zmq_stream.py's KVEventPublisher, or None: handed the
         # manager's events after every step and command, here, the one
         # thread that touches the manager.
         self.kv_publisher = kv_publisher

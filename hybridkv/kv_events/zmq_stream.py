@@ -43,8 +43,8 @@ import zmq
 
 from ..core.events import AllBlocksCleared
 from ..core.layout import KVCacheLayout
-from .event_feed import snapshot_events
-from .kv_wire import WireFormat
+from .feed import snapshot_events
+from .wire import WireFormat
 
 log = logging.getLogger("hybridkv.kv_events")
 
