@@ -1,12 +1,13 @@
-"""The Mamba-2 hybrids (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1) and
-LFM2's short convolutions in hybridkv.Engine against transformers on the
-same tiny random weights (tests/oracle.py: every config scalar that changes
-the math set away from its neutral value, MoE where the family has one):
-greedy tokens are argmaxes of one no-cache transformers forward and the
-logits of every step are close, under batching with prefill chunks that end
-inside prompts and at their ends, long prompts across the SSD scan's
-chunks, decode at fixed shapes, prefix hits on recurrent checkpoints (the
-state read from the checkpoint equal to the one transformers reaches there),
+"""The Mamba-2 hybrids (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1), LFM2's
+short convolutions and the Gated DeltaNet of Qwen3-Next and Qwen3.5 in
+hybridkv.Engine against transformers on the same tiny random weights
+(tests/oracle.py: every config scalar that changes the math set away from
+its neutral value, MoE where the family has one): greedy tokens are
+argmaxes of one no-cache transformers forward and the logits of every step
+are close, under batching with prefill chunks that end inside prompts and
+at their ends, long prompts across the SSD and gated delta scans' chunks,
+decode at fixed shapes, prefix hits on recurrent checkpoints (the state
+read from the checkpoint equal to the one transformers reaches there),
 preemption, speculative decoding's rollback of the recurrent states, and
 the Triton backend (which gathers these kinds' states: it has kernels for
 Mamba-1 only)."""
@@ -24,10 +25,29 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LOGIT_TOL = 2e-4
 
 
-@pytest.fixture(scope="module", params=RECURRENT_FAMILIES)
+# Qwen3.5 differs from Qwen3-Next only in how its projections are stored
+# and in its dense MLPs (the same mixer, attention and state handling): it
+# runs the batch and checkpoint-hit cases (`any_family_model`), every other
+# family every case (`family_model`).
+EVERY_CASE = [f for f in RECURRENT_FAMILIES if f != "qwen3_5"]
+_built = {}
+
+
+def _family(family, tmp_path_factory):
+    if family not in _built:
+        path = model_dir(tmp_path_factory, family)
+        _built[family] = family, path, load_reference(path)
+    return _built[family]
+
+
+@pytest.fixture(scope="module", params=EVERY_CASE)
 def family_model(request, tmp_path_factory):
-    path = model_dir(tmp_path_factory, request.param)
-    return request.param, path, load_reference(path)
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=RECURRENT_FAMILIES)
+def any_family_model(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
 
 
 def make_engine(path, **kw):
@@ -57,10 +77,10 @@ def run_and_check(reference, path, prompt_list, params=GREEDY, **engine_kw):
     return engine, outs
 
 
-def test_hybrid_batch_with_prefill_chunks_ending_inside_prompts_matches_transformers(family_model):
+def test_hybrid_batch_with_prefill_chunks_ending_inside_prompts_matches_transformers(any_family_model):
     # A budget of 7 tokens a step: prefill chunks end inside the prompts and
     # at their ends, beside other sequences' decodes; states carried across.
-    family, path, reference = family_model
+    family, path, reference = any_family_model
     engine, _ = run_and_check(reference, path, prompts((37, 5, 21, 50, 2, 33)), max_num_batched_tokens=7)
     assert engine.num_steps > 25
 
@@ -93,13 +113,13 @@ def _layer_index(name):
     return int(name.split(".")[2])
 
 
-def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(family_model):
+def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(any_family_model):
     # A second turn hits the first's cached prefix, its recurrent layers
     # starting from a checkpoint: the checkpoint holds the conv window and
     # the SSM state that transformers' forward over the same prefix leaves
     # (the window's last K - 1 inputs), and the logits from there on are
     # transformers' own.
-    family, path, reference = family_model
+    family, path, reference = any_family_model
     engine = make_engine(path)
     records = record_logits(engine)
     first = prompts((30,))[0]
@@ -114,7 +134,7 @@ def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(family_model):
         layer = _layer_index(name)
         conv = cache.get_conv_state(layer)[0]
         torch.testing.assert_close(parts[0].float(), conv[:, 1:].float(), atol=1e-5, rtol=1e-4)
-        if len(parts) > 1:  # Mamba-2: [heads, head_dim, state]
+        if len(parts) > 1:  # Mamba-2: [heads, head_dim, state]; Gated DeltaNet: [value heads, K, V]
             torch.testing.assert_close(parts[1].float(), cache.get_recurrent_state(layer)[0].float(),
                                        atol=1e-5, rtol=1e-4)
     out2 = engine.generate([second], GREEDY, use_tqdm=False)[0]
@@ -176,5 +196,5 @@ def test_hybrid_triton_backend_gathers_these_states_and_matches_transformers(fam
     family, path, reference = family_model
     engine, _ = run_and_check(reference, path, prompts((13, 5, 9)), backend="triton", max_num_batched_tokens=16)
     assert engine.backend.name == "triton"
-    kind = "short_conv" if family == "lfm2" else "mamba2"
+    kind = {"lfm2": "short_conv", "qwen3_next": "gated_delta", "qwen3_5": "gated_delta"}.get(family, "mamba2")
     assert any(f"for {kind} layers" in line for line in engine.stats["backend"]["declined"])

@@ -80,6 +80,7 @@ def gated_delta_scan(q, k, v, g, beta, state, lengths, per_token: bool = False, 
             o[:, t], s = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
             every[:, t] = s
         return o, s, every
+    chunk = min(chunk, length)  # (a step's short chunks are not padded to a whole one)
     pad = -length % chunk
     if pad:
         q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
