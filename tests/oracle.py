@@ -68,7 +68,7 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)
         model = JambaForCausalLM(config)
-    elif family in RECURRENT_FAMILIES:
+    elif family in RECURRENT_FAMILIES or family.startswith("qwen3"):
         model = recurrent_family(family)
     else:
         raise ValueError(family)
@@ -159,6 +159,14 @@ def recurrent_family(family: str):
         return tf.Qwen3NextForCausalLM(config)
     if family == "qwen3_5":
         return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, **_GATED_DELTA))
+    if family == "qwen3_5_moe_multimodal":  # as Qwen3.5-MoE is released: the language model inside a multimodal one
+        text = dict(_COMMON, **_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+        del text["intermediate_size"]
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=208, video_token_id=209,
+                                     vision_start_token_id=206, vision_end_token_id=207)
+        return tf.Qwen3_5MoeForConditionalGeneration(config)
     raise ValueError(family)
 
 

@@ -198,3 +198,14 @@ def test_hybrid_triton_backend_gathers_these_states_and_matches_transformers(fam
     assert engine.backend.name == "triton"
     kind = {"lfm2": "short_conv", "qwen3_next": "gated_delta", "qwen3_5": "gated_delta"}.get(family, "mamba2")
     assert any(f"for {kind} layers" in line for line in engine.stats["backend"]["declined"])
+
+
+def test_qwen3_5_moe_multimodal_checkpoint_serves_its_language_model(tmp_path_factory):
+    # Qwen3.5 is released as a multimodal model: its language model's weights
+    # under `model.language_model.`, a vision tower and MTP weights beside
+    # them (skipped); this one with Qwen3.5-MoE's experts on every layer.
+    import transformers
+
+    path = model_dir(tmp_path_factory, "qwen3_5_moe_multimodal")
+    reference = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    run_and_check(reference, path, prompts((37, 5, 80)), max_num_batched_tokens=16)
