@@ -90,9 +90,9 @@ def gated_delta_scan(q, k, v, g, beta, state, lengths, per_token: bool = False, 
     g, beta = (t.view(requests, n, chunk, heads).transpose(2, 3) for t in (g, beta))
     decays = torch.exp(segment_sums(g.transpose(2, 3))).permute(0, 1, 4, 2, 3)  # [R, n, H, Q(t), Q(s)]: G[t, s]
     from_start = torch.exp(g.cumsum(-1))  # [R, n, H, Q]: G0[t]
-    # The unit lower-triangular system of each chunk (the diagonal is implied).
+    # The unit lower-triangular system of each chunk: the solve reads only below the diagonal
+    # (decays is 0 above it), the 1s on it are implied.
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * decays
-    system = system.tril(-1)
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
     u_inputs = solve(beta[..., None] * v)  # the part of u from the chunk's own values
     u_state = solve((beta * from_start)[..., None] * k)  # times S_0 gives the part from the carried state
