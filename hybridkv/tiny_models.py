@@ -81,15 +81,15 @@ MODELS = {
     "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                                num_key_value_heads=2, block_multiple_of=32,
                                layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"])),
-    # Gated DeltaNet (2 key heads, 4 value heads, 16 channels each) beside gated attention on every
-    # fourth layer; Qwen3-Next's experts with a shared one, Qwen3.5's dense MLPs.
+    # Gated DeltaNet (2 key heads, 4 value heads, 16 channels each) on three layers, gated attention
+    # on the fourth; Qwen3-Next's experts with a shared one, Qwen3.5's dense MLPs.
     "tiny-qwen3-next": ("qwen3_next", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=64)),
     "tiny-qwen3.5": ("qwen3_5_text", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16)),
 }
