@@ -164,8 +164,9 @@ def recurrent_family(family: str):
                     shared_expert_intermediate_size=48)
         del text["intermediate_size"]
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        # (its head tied to the embeddings by the multimodal config's flag, the text config's saying not)
         config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=208, video_token_id=209,
-                                     vision_start_token_id=206, vision_end_token_id=207)
+                                     vision_start_token_id=206, vision_end_token_id=207, tie_word_embeddings=True)
         return tf.Qwen3_5MoeForConditionalGeneration(config)
     raise ValueError(family)
 

@@ -85,6 +85,9 @@ def read_config(model_dir: str):
                          f"supported: {', '.join(ENGINE_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(model_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and hasattr(config, "tie_word_embeddings"):
+        # A multimodal model's own flag ties its language model's head (transformers reads it there).
+        text.tie_word_embeddings = config.tie_word_embeddings
     return config, text, architecture
 
 
