@@ -29,11 +29,11 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .base import CausalLM
 from .experts import mix_experts
 from .gated_deltanet import GatedDeltaNet
+from .llama import LlamaForCausalLM
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -101,32 +101,21 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    """Llama's stack (embeddings, decoder layers, final norm, LM head, one
+    rotary embedding) with this family's layers and (1 + w) norms."""
+
+    unit_offset = True
     grouped_projections = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba
 
     def __init__(self, config):
-        super().__init__(config)
         unknown = sorted(set(config.layer_types) - {"linear_attention", "full_attention"})
         if unknown:
             raise ValueError(f"{config.model_type}: layer types {unknown} are not supported")
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, self.grouped_projections)
-                                          for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-        self.rotary = Rotary(*inverse_frequencies(config))
+        super().__init__(config)
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        return Qwen3NextDecoderLayer(config, index, self.grouped_projections)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
