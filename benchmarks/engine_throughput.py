@@ -312,7 +312,7 @@ def main() -> None:
         models = ["tiny-gemma3"]
     else:
         models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba",
-                                               "tiny-gpt-oss"]
+                                               "tiny-gpt-oss", "tiny-qwen3-next"]
     n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
     n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])

@@ -1,8 +1,9 @@
 """Small random models to run everything without a download: one of every
 family the engine runs (Gemma-3, Jamba, Nemotron-H, Granite-4.0-H, Bamba,
-Falcon-H1, LFM2, gpt-oss) with seeded weights and a byte-level BPE tokenizer
-trained on a built-in corpus, saved as ordinary Hugging Face folders (built
-with transformers' own classes) in a cache folder.
+Falcon-H1, LFM2, gpt-oss, Qwen3-Next, Qwen3.5) with seeded weights and a
+byte-level BPE tokenizer trained on a built-in corpus, saved as ordinary
+Hugging Face folders (built with transformers' own classes) in a cache
+folder.
 
     path = tiny_model_dir("tiny-gemma3")   # builds it on first use
 """
@@ -80,13 +81,26 @@ MODELS = {
     "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                                num_key_value_heads=2, block_multiple_of=32,
                                layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"])),
+    # Gated DeltaNet (2 key heads, 4 value heads, 16 channels each) on three layers, gated attention
+    # on the fourth; Qwen3-Next's experts with a shared one, Qwen3.5's dense MLPs.
+    "tiny-qwen3-next": ("qwen3_next", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64)),
+    "tiny-qwen3.5": ("qwen3_5_text", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16)),
 }
 # (transformers' config and model class of each family above but Gemma-3's and Jamba's)
 FAMILY_CLASSES = {"nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
                   "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
                   "bamba": ("BambaConfig", "BambaForCausalLM"),
                   "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
-                  "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}
+                  "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+                  "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+                  "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
 
 
 def sample_text(rng: random.Random, words: int) -> str:

@@ -68,7 +68,7 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)
         model = JambaForCausalLM(config)
-    elif family in RECURRENT_FAMILIES:
+    elif family in RECURRENT_FAMILIES or family.startswith("qwen3"):
         model = recurrent_family(family)
     else:
         raise ValueError(family)
@@ -87,6 +87,12 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
                 param.mul_(0.1)
             if family in RECURRENT_FAMILIES and name.endswith("dt_bias"):
                 param.copy_(torch.randn_like(param))
+            if family.startswith("qwen3") and name.endswith("A_log"):
+                # Decays exp(-A softplus(...)) with A in 0.1-1, not the init's up to 16 (which
+                # forgets the state within a token or two: a wrong one would hardly show).
+                param.copy_(torch.empty_like(param).uniform_(0.1, 1.0).log())
+            if family.startswith("qwen3") and name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn_like(param))  # the (1 + w) norms start at w = 0, the gated one at 1
             if name.endswith("sinks"):
                 param.add_(2.0 * torch.randn_like(param))
             elif name.endswith("_proj_bias"):
@@ -101,7 +107,14 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
 # (state 8, conv 4); every config scalar that changes the math set away
 # from its neutral value (Granite's and Falcon-H1's multipliers), MoE where
 # the family has it, and transformers' own chunked scan in chunks of 8.
-RECURRENT_FAMILIES = ("nemotron_h", "granite_hybrid", "bamba", "falcon_h1", "lfm2")
+RECURRENT_FAMILIES = ("nemotron_h", "granite_hybrid", "bamba", "falcon_h1", "lfm2", "qwen3_next", "qwen3_5")
+# Qwen3-Next and Qwen3.5: Gated DeltaNet with 2 key heads of 16 and 4 value
+# heads of 8 channels (each key head serving two), conv 4; gated attention
+# on one layer of four with partial rotary; Qwen3-Next's experts on some layers.
+_GATED_DELTA = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"], head_dim=16, intermediate_size=96,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
                mamba_chunk_size=8)
 _COMMON = dict(vocab_size=211, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -140,6 +153,21 @@ def recurrent_family(family: str):
         config = tf.Lfm2Config(**_COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
                                intermediate_size=96, block_multiple_of=32, conv_bias=True)
         return tf.Lfm2ForCausalLM(config)
+    if family == "qwen3_next":
+        config = tf.Qwen3NextConfig(**_COMMON, **_GATED_DELTA, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2])
+        return tf.Qwen3NextForCausalLM(config)
+    if family == "qwen3_5":
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, **_GATED_DELTA))
+    if family == "qwen3_5_moe_multimodal":  # as Qwen3.5-MoE is released: the language model inside a multimodal one
+        text = dict(_COMMON, **_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+        del text["intermediate_size"]
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        # (its head tied to the embeddings by the multimodal config's flag, the text config's saying not)
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=208, video_token_id=209,
+                                     vision_start_token_id=206, vision_end_token_id=207, tie_word_embeddings=True)
+        return tf.Qwen3_5MoeForConditionalGeneration(config)
     raise ValueError(family)
 
 

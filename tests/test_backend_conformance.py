@@ -10,7 +10,8 @@ checked too). Cases: decodes, prefill chunks continuing after cached
 tokens and mixed steps; full, sliding-window and chunked-local layers;
 soft-capping; attention sinks; GQA; fixed-shape decode steps; float32 and
 bfloat16 caches; recurrent states of every kind (Mamba-1, Mamba-2's SSD, the
-gated short conv) stepped, prefilled and rolled back after verified drafts.
+gated short conv, Gated DeltaNet's gated delta rule) stepped, prefilled and
+rolled back after verified drafts.
 Slots no query of the step may see hold NaN for a backend that declares it
 loads only visible keys, so one that reads outside a query's range shows
 it; the others (the reference and what reuses it) gather whole blocks and
@@ -312,17 +313,39 @@ def _short_conv(ops, meta, layer, inputs, rows_of, chunks_of, keep):
     return ops.short_conv_prefill(meta, layer, rows, b[at], c[at], x[at], lengths, W["weight3"], W["bias"], keep)
 
 
+def _gated_delta(ops, meta, layer, inputs, rows_of, chunks_of, keep):
+    """A Gated DeltaNet mixer's calls: conv over q, k and v, then the gated
+    delta rule on L2-normalised q and k."""
+    qkv, g, beta = inputs
+    k_heads, v_heads, k_dim, v_dim = W["k_heads"], W["v_heads"], W["k_dim"], W["v_dim"]
+
+    def heads(x):
+        q, k, v = x.split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], -1)
+        q, k = (torch.nn.functional.normalize(t.unflatten(-1, (k_heads, k_dim)), dim=-1) for t in (q, k))
+        return q * k_dim ** -0.5, k, v.unflatten(-1, (v_heads, v_dim))
+
+    if rows_of is not None:
+        t = rows_of
+        q, k, v = heads(ops.conv_step(meta, layer, qkv[t], W["weight4"], None))
+        return ops.gated_delta_step(meta, layer, q, k, v, g[t], beta[t]).flatten(1)
+    rows, at, lengths = chunks_of
+    q, k, v = heads(ops.conv_prefill(meta, layer, rows, qkv[at], lengths, W["weight4"], None, keep))
+    return ops.gated_delta_prefill(meta, layer, rows, q, k, v, g[at], beta[at], lengths, keep).flatten(2)
+
+
 _g = torch.Generator().manual_seed(0)
 W = dict(A=-torch.rand(24, 8, generator=_g) - 0.1, D=torch.randn(24, generator=_g),
          weight=torch.randn(24, 4, generator=_g), bias=torch.randn(24, generator=_g),
          heads=4, head_dim=6, groups=2, state=8, A2=-torch.rand(4, generator=_g) - 0.1, D2=torch.randn(4, generator=_g),
          weight2=torch.randn(56, 4, generator=_g), bias2=torch.randn(56, generator=_g),
-         weight3=torch.randn(24, 3, generator=_g))
+         weight3=torch.randn(24, 3, generator=_g),
+         k_heads=2, v_heads=4, k_dim=4, v_dim=3, weight4=torch.randn(28, 4, generator=_g))
 # kind -> (state shapes, per-token input widths, the mixer's calls, output width)
 KINDS = {
     "mamba": (((24, 3), (24, 8)), (24, 24, 8, 8, 24), _mamba, 24),
     "mamba2": (((56, 3), (4, 6, 8)), (56, 4), _mamba2, 24),
     "short_conv": (((24, 2),), (24, 24, 24), _short_conv, 24),
+    "gated_delta": (((28, 3), (4, 4, 3)), (28, 4, 4), _gated_delta, 12),
 }
 
 
@@ -368,6 +391,9 @@ class RecurrentCase:
             self.token_inputs[1] = torch.nn.functional.softplus(self.token_inputs[1])
         if kind == "mamba2":
             self.token_inputs[1] = torch.nn.functional.softplus(self.token_inputs[1])
+        if kind == "gated_delta":  # log decays g <= 0, write strengths beta in (0, 1)
+            self.token_inputs[1] = -torch.nn.functional.softplus(self.token_inputs[1])
+            self.token_inputs[2] = torch.sigmoid(self.token_inputs[2])
 
     def run(self, ops, accepted=None):
         """Both layers through `ops` as the kind's mixer calls them: outputs
@@ -443,7 +469,7 @@ def test_a_rollback_keeps_the_state_after_the_last_accepted_draft(name, kind):
 def test_the_reference_prefill_of_every_kind_equals_its_steps():
     # The reference itself: a chunk prefilled in one call leaves the state
     # and outputs of the same tokens fed one decode step at a time (for
-    # Mamba-2 the chunked SSD scan against its recurrence).
+    # Mamba-2 and Gated DeltaNet the chunked scans against their recurrences).
     for kind in KINDS:
         whole = RecurrentCase([(5, 9)], kind=kind, seed=2)
         outs, pool = whole.run(ReferenceBackend().recurrent)
@@ -469,6 +495,27 @@ def test_the_reference_prefill_of_every_kind_equals_its_steps():
         buffers.pool.copy_(before)
 
 
+def test_the_gated_delta_chunked_scan_equals_its_recurrence_across_chunks():
+    # Chunks of 4 tokens: requests of 11, 8 and 3 tokens side by side cross
+    # chunk boundaries, end on one and inside one, and pass padding through;
+    # decays from near 1 to strong, two value heads per key head.
+    from hybridkv.layers.gated_delta_ops import gated_delta_scan
+
+    gen = torch.Generator().manual_seed(7)
+    r, n, k_heads, v_heads, k_dim, v_dim = 3, 11, 2, 4, 5, 3
+    q, k = (torch.nn.functional.normalize(torch.randn(r, n, k_heads, k_dim, generator=gen), dim=-1) for _ in "qk")
+    v = torch.randn(r, n, v_heads, v_dim, generator=gen)
+    g = -torch.rand(r, n, v_heads, generator=gen) * torch.tensor([0.05, 0.5, 2.0, 6.0])
+    beta = torch.rand(r, n, v_heads, generator=gen)
+    state = torch.randn(r, v_heads, k_dim, v_dim, generator=gen)
+    lengths = torch.tensor([11, 8, 3])
+    chunked, final, _ = gated_delta_scan(q, k, v, g, beta, state, lengths, chunk=4)
+    stepped, _, every = gated_delta_scan(q, k, v, g, beta, state, lengths, per_token=True)
+    for i, length in enumerate(lengths.tolist()):
+        torch.testing.assert_close(chunked[i, :length], stepped[i, :length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final[i], every[i, length - 1], atol=1e-5, rtol=1e-5)
+
+
 def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
     # Declared, not probed: a recurrent side names the kinds it steps its
     # own way; the layers of any other kind get the reference's ops on
@@ -487,9 +534,9 @@ def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
         report = PrepareReport(b.name)
         b.bind_ops(model, layout, report)
         missing = sorted(set(KINDS) - b.recurrent.kinds)
-        assert [k for k in KINDS if any(f"for {k} layers" in d for d in report.declined)] == missing, report
+        assert sorted(k for k in KINDS if any(f"for {k} layers" in d for d in report.declined)) == missing, report
         if name == "triton":
-            assert missing == ["mamba2", "short_conv"]
+            assert missing == ["gated_delta", "mamba2", "short_conv"]
         else:
             assert missing == []
 

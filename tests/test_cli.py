@@ -53,9 +53,10 @@ def test_demo_tiny_serves_every_family(capsys):
 
 
 def test_demo_tiny_runs_one_model_of_every_recurrent_family(capsys):
-    # `hybridkv demo --tiny --model NAME`: the Mamba-2 hybrids and LFM2,
-    # each hitting the shared system prompt through its recurrent checkpoints.
-    names = ["tiny-nemotron-h", "tiny-granite-4h", "tiny-bamba", "tiny-falcon-h1", "tiny-lfm2"]
+    # `hybridkv demo --tiny --model NAME`: the Mamba-2 hybrids, LFM2, Qwen3-Next
+    # and Qwen3.5, each hitting the shared system prompt through its recurrent checkpoints.
+    names = ["tiny-nemotron-h", "tiny-granite-4h", "tiny-bamba", "tiny-falcon-h1", "tiny-lfm2", "tiny-qwen3-next",
+             "tiny-qwen3.5"]
     args = ["demo", "--tiny", "--requests", "2", "--max-tokens", "2", "--no-progress"]
     assert main(args + [a for name in names for a in ("--model", name)]) == 0
     out = capsys.readouterr().out
@@ -63,6 +64,7 @@ def test_demo_tiny_runs_one_model_of_every_recurrent_family(capsys):
         assert name in out
     assert out.count("mamba2 + full groups") == 3 and "full + mamba2 groups" in out  # Falcon-H1: attention first
     assert "short_conv + full groups" in out and "prefix-cache hit rate" in out
+    assert out.count("gated_delta + full groups") == 2
 
 
 def test_demo_the_readme_main_job_speaks_on_the_real_model(capsys):

@@ -19,7 +19,8 @@ def test_models_folder_has_the_configs_the_benchmarks_need():
                      "gpt-oss-120b.json", "llama-4-scout.json", "jamba-1.5-mini.json", "llama-3.1-8b.json"):
         assert required in names
     assert any(n.startswith(("nemotron-h", "bamba", "granite-4")) for n in names), "a Mamba-2 hybrid"
-    for required in ("granite-4.0-h-tiny.json", "lfm2-1.2b.json", "falcon-h1-0.5b.json"):
+    for required in ("granite-4.0-h-tiny.json", "lfm2-1.2b.json", "falcon-h1-0.5b.json", "qwen3-next-80b-a3b.json",
+                     "qwen3.5-27b.json"):
         assert required in names
 
 

@@ -1,12 +1,13 @@
-"""The Mamba-2 hybrids (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1) and
-LFM2's short convolutions in hybridkv.Engine against transformers on the
-same tiny random weights (tests/oracle.py: every config scalar that changes
-the math set away from its neutral value, MoE where the family has one):
-greedy tokens are argmaxes of one no-cache transformers forward and the
-logits of every step are close, under batching with prefill chunks that end
-inside prompts and at their ends, long prompts across the SSD scan's
-chunks, decode at fixed shapes, prefix hits on recurrent checkpoints (the
-state read from the checkpoint equal to the one transformers reaches there),
+"""The Mamba-2 hybrids (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1), LFM2's
+short convolutions and the Gated DeltaNet of Qwen3-Next and Qwen3.5 in
+hybridkv.Engine against transformers on the same tiny random weights
+(tests/oracle.py: every config scalar that changes the math set away from
+its neutral value, MoE where the family has one): greedy tokens are
+argmaxes of one no-cache transformers forward and the logits of every step
+are close, under batching with prefill chunks that end inside prompts and
+at their ends, long prompts across the SSD and gated delta scans' chunks,
+decode at fixed shapes, prefix hits on recurrent checkpoints (the state
+read from the checkpoint equal to the one transformers reaches there),
 preemption, speculative decoding's rollback of the recurrent states, and
 the Triton backend (which gathers these kinds' states: it has kernels for
 Mamba-1 only)."""
@@ -24,10 +25,30 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LOGIT_TOL = 2e-4
 
 
-@pytest.fixture(scope="module", params=RECURRENT_FAMILIES)
+# Qwen3.5 differs from Qwen3-Next only in how its projections are stored
+# and in its dense MLPs (the same mixer, attention and state handling): it
+# runs the checkpoint-hit case (`any_family_model`), and as released (a
+# multimodal Qwen3.5-MoE) a batch with prefill chunks ending inside prompts
+# (the last test); every other family runs every case (`family_model`).
+EVERY_CASE = [f for f in RECURRENT_FAMILIES if f != "qwen3_5"]
+_built = {}
+
+
+def _family(family, tmp_path_factory):
+    if family not in _built:
+        path = model_dir(tmp_path_factory, family)
+        _built[family] = family, path, load_reference(path)
+    return _built[family]
+
+
+@pytest.fixture(scope="module", params=EVERY_CASE)
 def family_model(request, tmp_path_factory):
-    path = model_dir(tmp_path_factory, request.param)
-    return request.param, path, load_reference(path)
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=RECURRENT_FAMILIES)
+def any_family_model(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
 
 
 def make_engine(path, **kw):
@@ -93,13 +114,13 @@ def _layer_index(name):
     return int(name.split(".")[2])
 
 
-def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(family_model):
+def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(any_family_model):
     # A second turn hits the first's cached prefix, its recurrent layers
     # starting from a checkpoint: the checkpoint holds the conv window and
     # the SSM state that transformers' forward over the same prefix leaves
     # (the window's last K - 1 inputs), and the logits from there on are
     # transformers' own.
-    family, path, reference = family_model
+    family, path, reference = any_family_model
     engine = make_engine(path)
     records = record_logits(engine)
     first = prompts((30,))[0]
@@ -114,7 +135,7 @@ def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(family_model):
         layer = _layer_index(name)
         conv = cache.get_conv_state(layer)[0]
         torch.testing.assert_close(parts[0].float(), conv[:, 1:].float(), atol=1e-5, rtol=1e-4)
-        if len(parts) > 1:  # Mamba-2: [heads, head_dim, state]
+        if len(parts) > 1:  # Mamba-2: [heads, head_dim, state]; Gated DeltaNet: [value heads, K, V]
             torch.testing.assert_close(parts[1].float(), cache.get_recurrent_state(layer)[0].float(),
                                        atol=1e-5, rtol=1e-4)
     out2 = engine.generate([second], GREEDY, use_tqdm=False)[0]
@@ -171,6 +192,9 @@ def test_hybrid_speculative_rollback_of_the_recurrent_states_matches_transformer
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
 
 
+# (Gated DeltaNet's states under the Triton backend, gathered and stepped by the reference's ops, are
+# the conformance suite's case; its attention kernels are every family's.)
+@pytest.mark.parametrize("family_model", [f for f in EVERY_CASE if f != "qwen3_next"], indirect=True)
 def test_hybrid_triton_backend_gathers_these_states_and_matches_transformers(family_model):
     pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     family, path, reference = family_model
@@ -178,3 +202,14 @@ def test_hybrid_triton_backend_gathers_these_states_and_matches_transformers(fam
     assert engine.backend.name == "triton"
     kind = "short_conv" if family == "lfm2" else "mamba2"
     assert any(f"for {kind} layers" in line for line in engine.stats["backend"]["declined"])
+
+
+def test_qwen3_5_moe_multimodal_checkpoint_serves_its_language_model(tmp_path_factory):
+    # Qwen3.5 is released as a multimodal model: its language model's weights
+    # under `model.language_model.`, a vision tower and MTP weights beside
+    # them (skipped); this one with Qwen3.5-MoE's experts on every layer.
+    import transformers
+
+    path = model_dir(tmp_path_factory, "qwen3_5_moe_multimodal")
+    reference = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    run_and_check(reference, path, prompts((37, 5, 80)), max_num_batched_tokens=16)

@@ -60,6 +60,7 @@ def _mix(name):
     ("jamba-1.5-mini.json", {"mamba": 28, "full": 4}),
     ("nemotron-h-8b.json", {"mamba2": 24, "full": 4}),
     ("qwen3-next-80b-a3b.json", {"gated_delta": 36, "full": 12}),
+    ("qwen3.5-27b.json", {"gated_delta": 48, "full": 16}),
     ("granite-4.0-h-tiny.json", {"mamba2": 36, "full": 4}),
     ("lfm2-1.2b.json", {"short_conv": 10, "full": 6}),
     ("falcon-h1-0.5b.json", {"mamba2": 36, "full": 36}),

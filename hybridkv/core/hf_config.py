@@ -26,9 +26,14 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "gpt_oss": ("GptOssForCausalLM",),
     "mixtral": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
     "qwen3_moe": (), "bamba": ("BambaForCausalLM",), "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
-    "nemotron_h": ("NemotronHForCausalLM",), "qwen3_next": (), "falcon_h1": ("FalconH1ForCausalLM",),
-    "lfm2": ("Lfm2ForCausalLM",),
+    "nemotron_h": ("NemotronHForCausalLM",), "qwen3_next": ("Qwen3NextForCausalLM",),
+    "falcon_h1": ("FalconH1ForCausalLM",), "lfm2": ("Lfm2ForCausalLM",),
+    # Qwen3.5: the language model alone, or (the released checkpoints) inside the multimodal model
+    "qwen3_5_text": ("Qwen3_5ForCausalLM",), "qwen3_5": ("Qwen3_5ForConditionalGeneration",),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",), "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration",),
 }
+# The model types whose recurrent layers are Gated DeltaNet (their configs name them `linear_*`).
+GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 # config.json architecture -> model_type, for the architectures the engine runs.
 ENGINE_ARCHITECTURES = {arch: model_type for model_type, archs in MODEL_TYPES.items() for arch in archs}
 
@@ -159,7 +164,7 @@ def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
         window = cfg.get("sliding_window")
         use = cfg.get("use_sliding_window", True)
         return ["sliding" if window and use else "full" for _ in range(n)]
-    if model_type == "qwen3_next":
+    if model_type in GATED_DELTA_TYPES:
         interval = cfg.get("full_attention_interval", 4)
         return ["full" if (i + 1) % interval == 0 else "recurrent" for i in range(n)]
     if model_type in ("llama", "qwen3", "qwen3_moe"):
@@ -213,7 +218,7 @@ def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) ->
         return _mamba1_spec(cfg, dtype, state_dtype)
     if model_type in _MAMBA2_NAMES:
         return _mamba2_spec(cfg, model_type, dtype, state_dtype, _MAMBA2_NAMES[model_type])
-    if model_type == "qwen3_next":
+    if model_type in GATED_DELTA_TYPES:
         # Gated DeltaNet: a causal conv over q, k, v and a per-head k x v state.
         k_heads = _need(cfg, "linear_num_key_heads", model_type)
         v_heads = _need(cfg, "linear_num_value_heads", model_type)

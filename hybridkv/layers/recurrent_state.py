@@ -4,9 +4,9 @@ reference gathers every sequence's state from the pool into one tensor
 and scatters them back after the forward (`finish`); the Triton kernels
 update decode states in the pool in place, from their read pages to their
 write pages. Prefill chunks run on gathered states in every backend
-(`GatheredPrefill`: the reference scans of mamba_ops.py and ssd_ops.py,
-for every recurrent kind), and so do the decodes of a kind a backend has
-no kernel for (`GatheredSteps`).
+(`GatheredPrefill`: the reference scans of mamba_ops.py, ssd_ops.py and
+gated_delta_ops.py, for every recurrent kind), and so do the decodes of a
+kind a backend has no kernel for (`GatheredSteps`).
 
 A state is parts (the spec's shapes): part 0 is the causal conv's window
 for every kind here (the K-1 inputs before the next token), part 1 the
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_buffers import KVBuffers
+from .gated_delta_ops import gated_delta_scan, gated_delta_step
 from .mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
 from .ssd_ops import ssd_scan, ssd_step
 from .step import StepInputs
@@ -144,21 +145,24 @@ class GatheredPrefill:
     def conv_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, lengths, weight, bias, keep=False):
         return F.silu(self._conv(meta, layer_name, rows, x, lengths, weight, bias, keep))
 
-    def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
-        ssm_state = meta.state_views(layer_name)[1]
-        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
-        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+    def _scan(self, meta: MambaMetadata, layer_name: str, rows, scan, inputs, lengths, keep):
+        """`scan(*inputs, state, lengths, per_token)` of the kind from the
+        recurrent states (part 1) of `rows`, which move on."""
+        state = meta.state_views(layer_name)[1]
+        y, new_state, per_token = scan(*inputs, state[rows], lengths, per_token=keep)
+        state[rows] = new_state.to(state.dtype)
         if keep:
             meta.keep(layer_name, 1, per_token)
         return y
 
+    def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
+        return self._scan(meta, layer_name, rows, selective_scan, (x, dt, A, B, C), lengths, keep)
+
     def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
-        ssm_state = meta.state_views(layer_name)[1]
-        y, new_ssm, per_token = ssd_scan(x, dt, A, B, C, D, ssm_state[rows], lengths, per_token=keep)
-        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
-        if keep:
-            meta.keep(layer_name, 1, per_token)
-        return y
+        return self._scan(meta, layer_name, rows, ssd_scan, (x, dt, A, B, C, D), lengths, keep)
+
+    def gated_delta_prefill(self, meta: MambaMetadata, layer_name: str, rows, q, k, v, g, beta, lengths, keep=False):
+        return self._scan(meta, layer_name, rows, gated_delta_scan, (q, k, v, g, beta), lengths, keep)
 
     def short_conv_prefill(self, meta: MambaMetadata, layer_name: str, rows, b, c, x, lengths, weight, bias,
                            keep=False):
@@ -183,19 +187,24 @@ class GatheredSteps:
         conv_state[rows] = new_state.to(conv_state.dtype)
         return y
 
-    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate):
-        ssm_state = meta.state_views(layer_name)[1]
+    def _step(self, meta: MambaMetadata, layer_name: str, update, *inputs):
+        """`update(*inputs, state)` of the kind on the decode rows'
+        recurrent states (part 1), which move on."""
+        state = meta.state_views(layer_name)[1]
         rows = meta.step_rows
-        y, new_state = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
-        ssm_state[rows] = new_state.to(ssm_state.dtype)
+        y, new_state = update(*inputs, state[rows])
+        state[rows] = new_state.to(state.dtype)
+        return y
+
+    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate):
+        y = self._step(meta, layer_name, selective_scan_step, x, dt, A, B, C)
         return (y + x.float() * D) * F.silu(gate.float())
 
     def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
-        ssm_state = meta.state_views(layer_name)[1]
-        rows = meta.step_rows
-        y, new_state = ssd_step(x, dt, A, B, C, D, ssm_state[rows])
-        ssm_state[rows] = new_state.to(ssm_state.dtype)
-        return y
+        return self._step(meta, layer_name, ssd_step, x, dt, A, B, C, D)
+
+    def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
+        return self._step(meta, layer_name, gated_delta_step, q, k, v, g, beta)
 
     def short_conv_step(self, meta: MambaMetadata, layer_name: str, b, c, x, weight, bias):
         return c * self._conv_step(meta, layer_name, b * x, weight, bias)

@@ -45,7 +45,7 @@ def ssd_step(x, dt, A, B, C, D, state):
     return y, h
 
 
-def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+def segment_sums(a: torch.Tensor) -> torch.Tensor:
     """a [..., Q, H] (per-token log decays) -> [..., Q(t), Q(u), H]: the sum
     of a over (u, t] where u <= t, -inf above the diagonal. Summed from the
     terms themselves (a masked cumulative sum), not as a difference of two
@@ -88,7 +88,7 @@ def ssd_scan(x, dt, A, B, C, D, state, lengths, per_token: bool = False, chunk: 
     B = _per_head(B.float(), heads).view(requests, n, chunk, heads, -1)
     C = _per_head(C.float(), heads).view(requests, n, chunk, heads, -1)
     a = dt * A  # log decay of each token, <= 0
-    within = _segment_sums(a)  # [R, n, Q(t), Q(u), H]
+    within = segment_sums(a)  # [R, n, Q(t), Q(u), H]
     xdt = x * dt[..., None]
     # Inside a chunk: y_t = sum_{u <= t} (C_t . B_u) L[t, u] dt_u x_u.
     scores = torch.einsum("rcthn,rcuhn->rctuh", C, B) * torch.exp(within)

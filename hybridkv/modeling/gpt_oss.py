@@ -110,5 +110,5 @@ class GptOssForCausalLM(LlamaForCausalLM):
                              f"bf16 or float32 weights (a dequantized checkpoint)")
         super().__init__(config)
 
-    def decoder_layer(self, config) -> nn.Module:
+    def decoder_layer(self, config, index: int) -> nn.Module:
         return LlamaDecoderLayer(config, GptOssAttention(config), GptOssMoE(config), scale_in_float32=True)

@@ -2,8 +2,9 @@
 or some layers). RMSNorm `w * x`, RoPE, SiLU-gated MLP, scale head_dim ** -0.5.
 The layer type of each layer comes from the KV specs (core/hf_config.py),
 so Mistral-7B-v0.1 is a window-only model and Ministral can interleave.
-A family of the same shape with another attention or feed-forward (gpt-oss)
-subclasses the model and builds its layers (`decoder_layer`)."""
+A family of the same shape with another attention, mixer or feed-forward
+(gpt-oss, Qwen3-Next) subclasses the model and builds its layers
+(`decoder_layer`)."""
 
 from __future__ import annotations
 
@@ -48,20 +49,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    scale_in_float32 = False  # the norms' convention (layers/norm.py)
+    # the final norm's convention (layers/norm.py): Llama's `w * x`, in float32
+    # before casting back where `scale_in_float32`, or Gemma's `(1 + w) * x` where `unit_offset`
+    scale_in_float32 = False
+    unit_offset = False
 
     def __init__(self, config):
         super().__init__(config)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(self.decoder_layer(config) for _ in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=self.scale_in_float32)
+        self.model.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=self.unit_offset,
+                                  scale_in_float32=self.scale_in_float32)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)
 
-    def decoder_layer(self, config) -> nn.Module:
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        """Layer `index` of the stack."""
         return LlamaDecoderLayer(config)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:

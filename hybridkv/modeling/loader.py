@@ -29,6 +29,7 @@ def _model_classes():
     from .lfm2 import Lfm2ForCausalLM
     from .llama import LlamaForCausalLM
     from .nemotron_h import NemotronHForCausalLM
+    from .qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
     return {
         "gemma3_text": (GemmaForCausalLM, {}),
@@ -47,6 +48,12 @@ def _model_classes():
         "falcon_h1": (FalconH1ForCausalLM, {}),
         "lfm2": (Lfm2ForCausalLM, {}),
         "gpt_oss": (GptOssForCausalLM, {}),
+        "qwen3_next": (Qwen3NextForCausalLM, {}),
+        "qwen3_5_text": (Qwen3_5ForCausalLM, {}),
+        "qwen3_5_moe_text": (Qwen3_5ForCausalLM, {}),
+        # the multimodal checkpoints' language model (vision tower and MTP weights are skipped)
+        "qwen3_5": (Qwen3_5ForCausalLM, {"model.language_model.": "model."}),
+        "qwen3_5_moe": (Qwen3_5ForCausalLM, {"model.language_model.": "model."}),
     }
 
 
@@ -78,6 +85,9 @@ def read_config(model_dir: str):
                          f"supported: {', '.join(ENGINE_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(model_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and hasattr(config, "tie_word_embeddings"):
+        # A multimodal model's own flag ties its language model's head (transformers reads it there).
+        text.tie_word_embeddings = config.tie_word_embeddings
     return config, text, architecture
 
 

@@ -47,23 +47,30 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor):
-        """q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
+        """q [tokens, heads, dim], k and v [tokens, kv_heads, dim]. (A family
+        whose q_proj is wider, Qwen3-Next's with each head's output gate
+        beside its query, gets q [tokens, heads, that width / heads].)"""
         tokens = x.shape[0]
         if self.qkv_proj is None:
-            return (self.q_proj(x).view(tokens, self.num_heads, self.head_dim),
+            return (self.q_proj(x).view(tokens, self.num_heads, -1),
                     self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim),
                     self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
         kv = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
-        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.out_features - 2 * kv, kv, kv], dim=-1)
+        return (q.view(tokens, self.num_heads, -1), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 
-    def attend(self, q, k, v, batch: StepBatch) -> torch.Tensor:
+    def attend(self, q, k, v, batch: StepBatch, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The paged attention of q, k, v, then o_proj; with `gate` [tokens,
+        heads, dim] (Qwen3-Next's output gate) the attended values are first
+        multiplied by sigmoid(gate)."""
         meta = batch.attention[self.group]
         ops = self.ops
         cache = batch.buffers.attention_cache(self.layer_name)
         ops.store(cache, k, v, meta, self.column)
         attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
         out = self.o_proj(attended.reshape(q.shape[0], -1))
         return out if self.reduce is None else self.reduce(out)
 

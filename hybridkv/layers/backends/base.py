@@ -14,7 +14,8 @@ mamba-ssm), one package each under `backends/`. It has two sides:
   a decode and a chunked op for prefill chunks (the causal conv every kind
   but the short conv opens with: `conv_step` / `conv_prefill`; Mamba-1's
   `ssm_step` / `ssm_prefill`, Mamba-2's `ssd_step` / `ssd_prefill`, the
-  gated short conv's `short_conv_step` / `short_conv_prefill`), `finish`
+  gated short conv's `short_conv_step` / `short_conv_prefill`, Gated
+  DeltaNet's `gated_delta_step` / `gated_delta_prefill`), `finish`
   (the states go to their write pages: the copy that makes a checkpoint)
   and `keep_accepted` (speculative rollback). It declares the kinds whose
   state updates it runs its own way (`kinds`); every other kind's layers
@@ -178,6 +179,21 @@ class RecurrentOps(ABC):
     def short_conv_prefill(self, meta, layer_name: str, rows, b, c, x, lengths, weight, bias,
                            keep: bool = False) -> torch.Tensor:
         """Chunks `[R, L, D]` from the windows of `rows`: `c * conv(b * x)`."""
+
+    # -- Gated DeltaNet: the gated delta rule per value head (state part 1: [Hv, K, V])
+    @abstractmethod
+    def gated_delta_step(self, meta, layer_name: str, q, k, v, g, beta) -> torch.Tensor:
+        """One token for each decode row (layers/gated_delta_ops.py): q and
+        k [R, Hk, K] L2-normalised (q also times K ** -0.5), v [R, Hv, V],
+        g [R, Hv] (the log decay, <= 0) and beta [R, Hv]; float32 o [R, Hv,
+        V]; the state moves on."""
+
+    @abstractmethod
+    def gated_delta_prefill(self, meta, layer_name: str, rows, q, k, v, g, beta, lengths,
+                            keep: bool = False) -> torch.Tensor:
+        """The chunked gated delta rule of chunks from the states of `rows`:
+        q, k [R, L, Hk, K], v [R, L, Hv, V], g and beta [R, L, Hv]; o [R, L,
+        Hv, V] float32."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The reference's recurrent side: every sequence's state gathered from the
-pool, updated with the torch ops of mamba_ops.py and ssd_ops.py (every
-recurrent kind), scattered back (`finish`)."""
+pool, updated with the torch ops of mamba_ops.py, ssd_ops.py and
+gated_delta_ops.py (every recurrent kind), scattered back (`finish`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 kernels for (`kinds`: Mamba-1's conv and SSM steps) stay in the pool (the
 kernels read their read pages and write their write pages); prefill rows
 are gathered, scanned by the reference and written back. Groups of other
-kinds (Mamba-2, the short conv, ...) are gathered whole, decode rows too,
-and run the reference's ops (the prepare report says so)."""
+kinds (Mamba-2, the short conv, Gated DeltaNet) are gathered whole, decode
+rows too, and run the reference's ops (the prepare report says so)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""The Gated DeltaNet mixer of Qwen3-Next and Qwen3.5 (their `linear_attn`
+layers), with Hugging Face parameter names.
+
+Projections of the input: q and k (Hk key heads of K channels), v and the
+output gate z (Hv value heads of V channels), and per value head b and a.
+A depthwise causal conv over q, k and v (no bias) from the carried window,
+SiLU; q and k L2-normalised per head, q scaled by K ** -0.5; beta =
+sigmoid(b), the log decay g = -exp(A_log) softplus(a + dt_bias); the
+gated delta rule per value head from the carried [K, V] state (the
+backend's `gated_delta_step` / `gated_delta_prefill`; layers/
+gated_delta_ops.py); each head's output RMS-normed over its V channels,
+times the norm weight, times silu(z); out_proj.
+
+The checkpoints store the projections two ways: Qwen3.5's `in_proj_qkv`,
+`in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next's `in_proj_qkvz` and
+`in_proj_ba`, whose rows are grouped by key head (for each: its q, its k,
+then the v and z of the value heads it serves; its b, then its a). After
+loading both become one product (`fuse`) with the rows in the order the
+forward splits: q, k, v, z, b, a.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.recurrent_state import padded_chunks
+from ..layers.step import StepBatch
+from .base import CacheLayer
+from .mamba2 import GatedGroupRMSNorm
+
+
+class GatedDeltaNet(CacheLayer, nn.Module):
+    """A Gated DeltaNet layer over the paged recurrent state (module
+    docstring). `grouped`: Qwen3-Next's two projections grouped by key
+    head, else Qwen3.5's four."""
+
+    def __init__(self, config, grouped: bool):
+        nn.Module.__init__(self)
+        hidden = config.hidden_size
+        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"Gated DeltaNet needs linear_num_key_heads ({self.k_heads}) to divide "
+                             f"linear_num_value_heads ({self.v_heads})")
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"Gated DeltaNet layers with hidden_act {config.hidden_act!r} are not supported "
+                             f"(SiLU only)")
+        keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_dim = 2 * keys + values
+        width = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
+                                padding=width - 1)
+        self.grouped = grouped
+        if grouped:
+            self.in_proj_qkvz = Linear(hidden, 2 * keys + 2 * values, bias=False)
+            self.in_proj_ba = Linear(hidden, 2 * self.v_heads, bias=False)
+        else:
+            self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(hidden, values, bias=False)
+            self.in_proj_b = Linear(hidden, self.v_heads, bias=False)
+            self.in_proj_a = Linear(hidden, self.v_heads, bias=False)
+        self.in_proj: Linear | None = None
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        # Per value head over its V channels: norm(o) * weight * silu(z).
+        self.norm = GatedGroupRMSNorm(self.v_dim, 1, config.rms_norm_eps, gate_first=False)
+        self.out_proj = Linear(values, hidden, bias=False)
+
+    def fuse(self) -> None:
+        """After loading: every input projection as one product, rows q, k,
+        v, z, b, a."""
+        if self.grouped:
+            per = self.v_heads // self.k_heads  # value heads a key head serves
+            qkvz = self.in_proj_qkvz.weight.data.view(self.k_heads, -1, self.in_proj_qkvz.in_features)
+            q, k, v, z = qkvz.split([self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=1)
+            ba = self.in_proj_ba.weight.data.view(self.k_heads, 2 * per, -1)
+            b, a = ba.split([per, per], dim=1)
+            rows = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]
+            del self.in_proj_qkvz, self.in_proj_ba
+        else:
+            rows = [p.weight.data for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)]
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        weight = torch.cat(rows)
+        self.in_proj = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.in_proj.weight = nn.Parameter(weight, requires_grad=False)
+
+    def _heads(self, qkv: torch.Tensor):
+        """Conv outputs [..., conv_dim] -> q, k [..., Hk, K] (L2-normalised,
+        q scaled) and v [..., Hv, V]."""
+        keys = self.k_heads * self.k_dim
+        q, k, v = qkv.split([keys, keys, self.v_heads * self.v_dim], dim=-1)
+        q, k = (t.unflatten(-1, (self.k_heads, self.k_dim)).float() for t in (q, k))
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.k_dim ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        return q, k, v.unflatten(-1, (self.v_heads, self.v_dim))
+
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        meta = batch.recurrent[self.group]
+        ops, name = self.ops, self.layer_name
+        values = self.v_heads * self.v_dim
+        qkv, z, b, a = self.in_proj(h).split([self.conv_dim, values, self.v_heads, self.v_heads], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0, :]
+        o = torch.empty(h.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=h.device)
+        if meta.num_steps:  # one token for each of these sequences
+            t = meta.step_tokens
+            q, k, v = self._heads(ops.conv_step(meta, name, qkv[t], weight, None))
+            o[t] = ops.gated_delta_step(meta, name, q, k, v, g[t], beta[t])
+        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
+            if not chunks:  # (verified chunks also keep each token's state)
+                continue
+            rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
+            q, k, v = self._heads(ops.conv_prefill(meta, name, rows, qkv[tokens], lengths, weight, None, keep))
+            y = ops.gated_delta_prefill(meta, name, rows, q, k, v, g[tokens], beta[tokens], lengths, keep)
+            o[tokens[valid]] = y[valid]
+        o = self.norm(o, z.unflatten(-1, (self.v_heads, self.v_dim)))
+        return self.out_proj(o.flatten(1).to(h.dtype))
