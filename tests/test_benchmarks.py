@@ -1,5 +1,5 @@
-"""Every benchmark script runs in --quick mode and prints a well-formed
-table and JSON (no timing is asserted: these machines are noisy)."""
+"""Every benchmark runs in --quick mode and prints a well-formed table and
+result (no timing is asserted: these machines are noisy)."""
 
 import json
 import os
@@ -14,19 +14,36 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def run(script, tmp_path, *extra):
+    """`python -m benchmarks.SCRIPT --quick`: its stdout and its result's tables."""
     out = tmp_path / f"{script}.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--quick",
-                           "--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--quick", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == script and result["command"].startswith(f"python -m benchmarks.{script} --quick")
+    assert result["environment"]["cores"] > 0 and result["environment"]["packages"]
+    return proc.stdout, result["tables"]
 
 
 def test_manager_overhead_quick(tmp_path):
     text, data = run("manager_overhead", tmp_path)
     assert "us/decode step" in text and "pool pages" in text
-    for row in data["models"].values():
+    for row in data["models"]:
         assert row["admissions"] > 0 and row["us_per_decode_step"] > 0 and 0 <= row["hit_rate"] <= 1
-    assert any(data["scaling"].values())  # small pools hold no Gemma-3-27B rows in --quick
+    assert data["scaling"]  # small pools hold no Gemma-3-27B rows in --quick
+
+
+def test_manager_overhead_with_events_quick(tmp_path):
+    text, data = run("manager_overhead", tmp_path, "--events")
+    assert "KV events on" in text
+    assert [row["model"] for row in data["events"]] == [row["model"] for row in data["models"]]
+    assert all(row["on"]["us_per_admission"] > 0 for row in data["events"])
+
+
+def test_kv_event_wire_quick(tmp_path):
+    text, data = run("kv_event_wire", tmp_path)
+    assert "batches/s over ZMQ" in text
+    assert all(row["blocks_stored"] > 0 and row["zmq_batches_per_s"] for row in data["models"])
 
 
 def test_memory_quick(tmp_path):
@@ -46,8 +63,9 @@ def test_prefill_tiles_quick(tmp_path):
 
 def test_hybrid_prefix_quick(tmp_path):
     text, data = run("hybrid_prefix", tmp_path)
-    assert set(data["results"]) == {"every_block", "prompt_end", "hybridkv"}
-    assert "hit rate" in text
+    [row] = data["budgets"]
+    assert {"every_block", "prompt_end", "hybridkv"} <= set(row)
+    assert row["hybridkv"]["hit_rate"] > 0 and "hit rate" in text
 
 
 def test_engine_throughput_quick(tmp_path):
@@ -134,7 +152,8 @@ def test_kv_tiers_quick(tmp_path):
 def test_prefix_index_quick(tmp_path):
     text, data = run("prefix_index", tmp_path)
     assert "us/best" in text
-    assert data["keys_indexed"] > 0 and data["us_per_best"] > 0 and data["bytes_per_block"] > 0
+    [row] = data["index"]
+    assert row["keys_indexed"] > 0 and row["us_per_best"] > 0 and row["bytes_per_block"] > 0
 
 
 def test_tier_storage_quick(tmp_path):
