@@ -21,7 +21,8 @@ workload and returns its tables (each a list of rows, a row a dict):
     python -m benchmarks.NAME [--quick] [--repeat N] [--threads N] [--out PATH] [its own options]
 
 `--quick` is the few-seconds run tests/test_benchmarks.py makes of every
-benchmark. `main` writes benchmarks/results/NAME.json (or --out):
+benchmark; it writes a result only where --out says. Otherwise `main`
+writes benchmarks/results/NAME.json (or --out):
 
     {"benchmark": NAME, "command": "python -m benchmarks.NAME ...", "date": ...,
      "environment": {"cpu": ..., "cpu_flags": [...], "cores": ..., "packages": {...}, "commit": ...},
@@ -72,7 +73,7 @@ def main(run: Callable[[argparse.Namespace], dict], arguments: Callable | None =
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPU threads for torch and the peers (default: the cores this process may use)")
     parser.add_argument("--out", default=None, help=f"result file (default benchmarks/results/"
-                                                    f"{name if out is None else '...'}.json)")
+                                                    f"{name if out is None else '...'}.json; none with --quick)")
     if arguments:
         arguments(parser)
     args = parser.parse_args()
@@ -80,14 +81,18 @@ def main(run: Callable[[argparse.Namespace], dict], arguments: Callable | None =
         args.repeat = 1 if args.quick else repeat
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
-    args.out = args.out or os.path.join(RESULTS, out(args) if out else f"{name}.json")
+    if not args.out and not args.quick:
+        args.out = os.path.join(RESULTS, out(args) if out else f"{name}.json")
     use_threads(args.threads)
     command = " ".join(["python -m", f"benchmarks.{name}"] + [shlex.quote(a) for a in sys.argv[1:]])
     started = now()
     tables = run(args)
     if tables is None:  # it chose to write nothing (e.g. no GPU here)
         return
-    write(args.out, result(name, command, started, args, tables))
+    if args.out:
+        write(args.out, result(name, command, started, args, tables))
+    else:
+        print("(--quick: no result written; --out PATH keeps one)")
 
 
 def use_threads(threads: int) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks import harness
 from real_model import real_gguf_path
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -85,18 +86,20 @@ def test_kernels_quick(tmp_path):
 def test_cpu_linear_quick(tmp_path):
     text, data = run("cpu_linear", tmp_path)
     assert "oneDNN packed" in text
-    assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["rows"])
+    assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["products"])
 
 
 def test_real_gemma3_quick(tmp_path):
     real_gguf_path()
     text, data = run("real_gemma3", tmp_path, "--no-llamacpp")
-    assert "staggered" in text and set(data["median"]) == {"hybridkv", "transformers"}
+    median = {(c["workload"], c["engine"]): c for c in data["medians"]}
+    assert "staggered" in text and {e for _, e in median} == {"hybridkv", "transformers"}
     for engine in ("hybridkv", "transformers"):
-        assert data["median"][engine]["batch-2"]["tokens_per_s"] > 0
-    assert data["median"]["hybridkv"]["staggered"]["hit_rate"] > 0.5
+        assert median["batch-2", engine]["tokens_per_s"] > 0
+    assert median["staggered", "hybridkv"]["hit_rate"] > 0.5
+    assert {(r["workload"], r["engine"]) for r in data["ratios"]} == {(w, "transformers") for w in ("batch-2", "staggered")}
     # The same token ids in, the same greedy tokens out.
-    ids = {e: runs[0]["workloads"]["batch-2"]["first_ids"] for e, runs in data["runs"].items()}
+    ids = {row["engine"]: row["first_ids"] for row in data["engines"]}
     assert ids["hybridkv"] == ids["transformers"], ids
 
 
@@ -105,10 +108,11 @@ def test_cpu_decode_step_quick(tmp_path):
     text, data = run("cpu_decode_step", tmp_path)
     assert "the floor of this design" in text
     # The script itself fails when a configuration changes the tokens.
-    assert [row["batch"] for row in data["rows"]] == [1, 2]
+    assert [row["batch"] for row in data["steps"]] == [1, 2]
     assert all(row["engine_s"] > 0 and row["layer_modules_s"] > 0 and row["gathered_decode_s"] > 0
-               and row["torch_elementwise_s"] > 0 for row in data["rows"])
-    assert data["batch1"]["linears_s"] > 0 and data["batch1"]["read_s"] > 0 and len(data["first_ids"]["1"]) == 6
+               and row["torch_elementwise_s"] > 0 for row in data["steps"])
+    [batch1] = data["batch1"]
+    assert batch1["linears_s"] > 0 and batch1["read_s"] > 0 and len(data["first_ids"][0]["ids"]) == 6
 
 
 def test_gpu_suite_dry_run_builds_every_case(tmp_path):
@@ -120,11 +124,11 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:]
-    engine = json.loads((out / "engine.json").read_text())
+    engine = json.loads((out / "engine.json").read_text())["tables"]
     assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
     assert all(r["hybridkv"]["tokens_per_s"] > 0 and r["weight_bound_tokens_per_s"] > 0 for r in engine["throughput"])
-    assert json.loads((out / "kernels.json").read_text())["rows"]
-    profiled = json.loads((out / "profile.json").read_text())["cases"]
+    assert json.loads((out / "kernels.json").read_text())["tables"]["kernels"]
+    profiled = json.loads((out / "profile.json").read_text())["tables"]["cases"]
     assert profiled and all(c["step_ms"] > 0 and c["launches"] > 0 and c["top"] for c in profiled)
     for name in ("env", "kernel_tests", "oracle", "profile"):
         assert (out / f"{name}.txt").stat().st_size > 0
@@ -133,20 +137,21 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
 def test_speculative_quick(tmp_path):
     text, data = run("speculative", tmp_path)
     assert "+ngram" in text and "accepted" in text
-    for rows in data["models"].values():
-        for row in rows.values():
-            assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
-            assert row["hybridkv+ngram"]["tokens_per_s"] > 0
-    assert any(row["hybridkv+ngram"]["drafts"] > 0 for rows in data["models"].values() for row in rows.values())
+    for row in data["cells"]:
+        assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
+        assert row["hybridkv+ngram"]["tokens_per_s"] > 0
+    assert any(row["hybridkv+ngram"]["drafts"] > 0 for row in data["cells"])
 
 
 def test_kv_tiers_quick(tmp_path):
     text, data = run("kv_tiers", tmp_path)
     assert "mean TTFT ms" in text and "after a restart" in text
-    assert data["working_set_bytes"] > 2 * data["pool_bytes"]
+    [workload], [restart] = data["workload"], data["restart"]
+    assert workload["working_set_bytes"] > 2 * workload["pool_bytes"]
+    tiers = {row["tier"]: row for row in data["tiers"]}
     for name in ("host", "disk", "host+disk"):  # every tier serves hits the pool alone lost
-        assert data["configs"][name]["cached_fraction"] > data["configs"]["none"]["cached_fraction"]
-    assert data["restart"]["cached_tokens"] > 0
+        assert tiers[name]["cached_fraction"] > tiers["none"]["cached_fraction"]
+    assert restart["cached_tokens"] > 0
 
 
 def test_prefix_index_quick(tmp_path):
@@ -159,14 +164,14 @@ def test_prefix_index_quick(tmp_path):
 def test_tier_storage_quick(tmp_path):
     text, data = run("tier_storage", tmp_path)
     assert "write us/block" in text
-    files = data["stores"]["files"]
+    files = next(row for row in data["stores"] if row["store"] == "files")
     assert files["write_us"] > 0 and files["read_us"] > 0
 
 
 def test_kv_tiers_counts_what_each_group_stored(tmp_path):
     text, data = run("kv_tiers", tmp_path, "--model", "tiny-jamba")
     assert "store-everything tier" in text
-    host = data["configs"]["host"]
+    host = next(row for row in data["tiers"] if row["tier"] == "host")
     # Mamba keeps checkpoint states, not a state per block.
     assert host["stored_bytes_per_cached_token"] < host["store_everything_bytes_per_cached_token"]
 
@@ -174,26 +179,71 @@ def test_kv_tiers_counts_what_each_group_stored(tmp_path):
 def test_replica_routing_quick(tmp_path):
     text, data = run("replica_routing", tmp_path)
     assert "misroutes" in text and "queued_request_tokens swept" in text
-    for layout in data["layouts"].values():
-        rows = layout["routers"]
+    for layout in data["layouts"]:
+        rows = {row["router"]: row for row in data["routers"] if row["layout"] == layout["layout"]}
         assert set(rows) == {"single cache", "round robin", "token prefix", "hybrid (hit only)", "hybrid"}
         assert rows["hybrid"]["predictions_checked"] == rows["hybrid"]["requests"] > 0
         assert rows["round robin"]["hit_rate"] < rows["hybrid"]["hit_rate"]
-        assert set(layout["sweep"]) == {"0", "64", "256", "1024"}
+        swept = {row["queued_request_tokens"] for row in data["sweep"] if row["layout"] == layout["layout"]}
+        assert swept == {0, 64, 256, 1024}
 
 
 def test_tensor_parallel_quick(tmp_path):
     text, data = run("tensor_parallel", tmp_path)
     assert "all-reduces/step" in text
-    assert {row["tp"] for row in data["rows"]} == {1, 2} and all(row["same_tokens"] for row in data["rows"])
-    assert all(row["all_reduces_per_step"] > 0 for row in data["rows"] if row["tp"] == 2)
+    assert {row["tp"] for row in data["steps"]} == {1, 2} and all(row["same_tokens"] for row in data["steps"])
+    assert all(row["all_reduces_per_step"] > 0 for row in data["steps"] if row["tp"] == 2)
 
 
-def test_step_times_dry_run():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_times.py"), "--dry-run",
-                           "--new-tokens", "4"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("graphs ", "eager "))]
+def test_step_times_quick(tmp_path):
+    # --quick is its --dry-run: a tiny model on the CPU, decode at fixed shapes.
+    text, data = run("step_times", tmp_path)
     # Both engines, decode steps apart from the steps with a prefill chunk.
-    assert {(r[0], r[4]) for r in rows} == {(m, k) for m in ("graphs", "eager") for k in ("decode", "mixed")}
-    assert all(int(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert {(r["engine"], r["kind"]) for r in data["steps"]} == {(m, k) for m in ("graphs", "eager")
+                                                                 for k in ("decode", "mixed")}
+    assert all(r["steps"] > 0 and r["median_ms"] > 0 for r in data["steps"])
+
+
+def test_ray_replicas_quick(tmp_path):
+    pytest.importorskip("ray")
+    pytest.importorskip("fastapi")
+    text, data = run("ray_replicas", tmp_path, "--models", "tiny-gemma3")
+    assert {row["router"] for row in data["routers"]} == {"hybrid", "default"}
+    assert all(row["hit_rate"] > 0 and row["ttft_mean_ms"] > 0 for row in data["routers"])
+
+
+def test_vllm_replay_quick(tmp_path):
+    pytest.importorskip("vllm")
+    text, data = run("vllm_replay", tmp_path)
+    assert all(row["admissions"] > 0 for row in data["models"])
+
+
+def test_gpu_profile_quick(tmp_path):
+    # --quick is its --dry-run: a shrunk model on the CPU.
+    text, data = run("gpu_profile", tmp_path, "--steps", "2", "--batches", "1", "--modes", "eager")
+    assert all(case["step_ms"] > 0 and case["top"] for case in data["cases"])
+
+
+def test_every_benchmark_is_run_quick_here():
+    """Each module that runs on the harness has its --quick run above."""
+    here = open(__file__).read()
+    for name in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
+        if name.endswith(".py") and "harness.main(" in open(os.path.join(ROOT, "benchmarks", name)).read():
+            assert f"def test_{name[:-3]}_quick" in here, name
+
+
+def test_interleaved_takes_turns_in_rotating_order():
+    order = []
+    runs = harness.interleaved({n: (lambda n=n: order.append(n) or len(order)) for n in "abc"}, 3)
+    assert "".join(order) == "abcbcacab"
+    assert runs == {"a": [1, 6, 8], "b": [2, 4, 9], "c": [3, 5, 7]}
+    assert harness.spread([3, 1, 2]) == {"median": 2, "low": 1, "high": 3, "runs": [3, 1, 2]}
+    assert harness.ratios([2, 6], [1, 2])["median"] == 2.5
+
+
+def test_the_environment_names_the_machine():
+    env = harness.environment(threads=2)
+    assert env["cpu"] and env["cores"] >= 1 and env["python"] and "torch" in env["packages"]
+    assert f"{env['usable_cores']} cores" in harness.machine(env)
+    assert harness.machine({"machine": "not recorded"}) == "not recorded"
+
