@@ -4,8 +4,8 @@ the system's C compiler, kept in a cache directory, loaded through ctypes.
 Why C and not a torch extension: the source includes no torch header, so it
 builds in about a second where a torch extension takes most of a minute,
 and the library loads in any torch. Why build here and not ship a binary:
-`-march=native` gives the machine's own vector width (AVX-512 on this
-project's machines).
+`-march=native` gives the machine's own vector width (AVX2, AVX-512, NEON:
+whatever the CPU has).
 
 `library()` gives the loaded library, or None where there is no compiler,
 the build fails or `HYBRIDKV_NATIVE=0`; callers then keep the torch

@@ -2,13 +2,14 @@
 
 Why not always `F.linear`: a decode step of a small model on the CPU is a
 few thin matrix products that read every weight once, so its speed is the
-rate at which the product reads weights. On this project's machines (AMD
-EPYC, AVX2, two cores) torch's float32 `F.linear` runs MKL's GEMM and reads
-Gemma-3 270M's 671 MB LM head at ~12 GB/s in a batch-1 step; oneDNN's matmul
-(torch.ops.mkldnn, the op torch.compile's CPU backend emits) reads the same
-dense weight at ~27 GB/s, and a copy reordered to its blocked layout ("packed")
-is faster still at batch 16 and 64 (benchmarks/cpu_linear.py). The results
-agree to float32 rounding (the order of the sums differs).
+rate at which the product reads weights. torch's float32 `F.linear` runs
+MKL's GEMM, which read Gemma-3 270M's 671 MB LM head in a batch-1 step at
+under half the rate of oneDNN's matmul (torch.ops.mkldnn, the op
+torch.compile's CPU backend emits) on the same dense weight, and a copy
+reordered to oneDNN's blocked layout ("packed") is faster still at batch 16
+and 64: benchmarks/cpu_linear.py measures the three, and its result file
+names the machine. The results agree to float32 rounding (the order of the
+sums differs).
 
 Choices (`configure(model, device)`, once at engine start):
   "torch"   F.linear: CUDA (cuBLAS), dtypes other than float32, or where the
