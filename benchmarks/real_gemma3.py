@@ -132,11 +132,11 @@ def configs(threads: int) -> dict[str, dict]:
         "vllm": {"runner": "vllm", "env": {**vllm, "VLLM_CPU_OMP_THREADS_BIND": cpus,
                                            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}},
         "vllm (default)": {"runner": "vllm", "env": vllm},
-        # llama.cpp at every core for prefill and decode, 512-token batches; its context
-        # defaults are 4 threads (oversubscribing 2 cores), llama-cpp-python's Llama
-        # half the cores for decoding.
+        # llama.cpp with every core for prefill and decode; as it comes, its context takes
+        # 4 threads and llama-cpp-python's Llama half the cores for decoding.
         "llama.cpp": {"runner": "llama.cpp", "options": {"threads": threads, "batch": 512, "ubatch": 512,
                                                          "flash_attn": True}},
+        "llama.cpp (default)": {"runner": "llama.cpp", "options": {}},
     }
 
 
@@ -302,7 +302,9 @@ class TransformersRunner:
 
 class LlamaCppRunner:
     """`options`: threads (prefill and decode), batch and ubatch (tokens per
-    llama_decode call and per compute pass), flash_attn (on or off)."""
+    llama_decode call and per compute pass), flash_attn (on or off); none:
+    llama.cpp's own defaults (its context's for batches, llama-cpp-python's
+    Llama for staggered requests)."""
 
     def __init__(self, spec):
         import llama_cpp
@@ -323,9 +325,9 @@ class LlamaCppRunner:
         llama_cpp = self.llama_cpp
         if self.llm is None:
             o = self.options
-            self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=4096, n_threads=o["threads"],
-                                       n_threads_batch=o["threads"], n_batch=o["batch"], n_ubatch=o["ubatch"],
-                                       flash_attn=o["flash_attn"], verbose=False)
+            chosen = dict(n_threads=o["threads"], n_threads_batch=o["threads"], n_batch=o["batch"],
+                          n_ubatch=o["ubatch"], flash_attn=o["flash_attn"]) if o else {}
+            self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=4096, verbose=False, **chosen)
         self.llm.reset()
         start = time.perf_counter()
         ttfts, first_ids = [], None
@@ -353,19 +355,21 @@ class LlamaCppRunner:
         params = llama_cpp.llama_context_default_params()
         per_seq = max(len(p) for p in prompts) + new_tokens + 16
         params.n_ctx = -(-len(prompts) * per_seq // 256) * 256
-        params.n_batch, params.n_ubatch = o["batch"], o["ubatch"]
         params.n_seq_max = len(prompts)
-        params.n_threads = params.n_threads_batch = o["threads"]
-        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if o["flash_attn"]
-                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        if o:
+            params.n_batch, params.n_ubatch = o["batch"], o["ubatch"]
+            params.n_threads = params.n_threads_batch = o["threads"]
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if o["flash_attn"]
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         ctx = llama_cpp.llama_init_from_model(self.model, params)
         vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        batch = llama_cpp.llama_batch_init(o["batch"], 0, len(prompts))
+        size = params.n_batch
+        batch = llama_cpp.llama_batch_init(size, 0, len(prompts))
 
         def decode(items):  # [(token, position, sequence, wants logits)] -> {sequence: argmax}
             picks = {}
-            for first in range(0, len(items), o["batch"]):
-                part = items[first:first + o["batch"]]
+            for first in range(0, len(items), size):
+                part = items[first:first + size]
                 batch.n_tokens = len(part)
                 for k, (tok, pos, seq, logits) in enumerate(part):
                     batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
