@@ -370,8 +370,8 @@ def run(args) -> dict:
         off, on = median_run(runs[0], "ttft_mean"), median_run(runs[1], "ttft_mean")
         gain = statistics.median(a["ttft_mean"] / b["ttft_mean"] for a, b in zip(*runs))
         print(f"{model:<16} {off['ttft_mean']:>8.3f}s {on['ttft_mean']:>8.3f}s {gain:>5.1f}x {on['hit_rate']:>9.1%}")
-        shared.append({"model": model, "prompts": n, "batch_tokens": args.batch_tokens, "off": off, "on": on, "ttft_gain": gain,
-                       "runs": {"off": runs[0], "on": runs[1]}})
+        shared.append({"model": model, "prompts": n, "batch_tokens": args.batch_tokens, "off": off, "on": on,
+                       "ttft_gain": gain, "runs": {"off": runs[0], "on": runs[1]}})
     return {"throughput": rows, "shared_prefix": shared}
 
 
