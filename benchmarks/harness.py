@@ -210,12 +210,14 @@ def gpus() -> list[str]:
 
 
 def commit() -> str | None:
-    """The commit measured, "+" if the tree had changes to tracked files."""
+    """The commit measured, "+" where the code (hybridkv/, benchmarks/ but its
+    results) had uncommitted changes."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         if head.returncode:
             return None
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "hybridkv", "benchmarks"], cwd=ROOT)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "hybridkv", "benchmarks",
+                                ":!benchmarks/results"], cwd=ROOT)
         return head.stdout.strip() + ("+" if dirty.returncode else "")
     except OSError:
         return None
