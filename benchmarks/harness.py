@@ -152,10 +152,10 @@ def ratios(numerators: list[float], denominators: list[float]) -> dict:
 def environment(threads: int | None = None) -> dict:
     """The facts a measurement depends on, recorded with it."""
     cpu, flags = cpu_info()
-    env = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-           "threads": threads, "memory_gib": memory_gib(), "os": f"{platform.system()} {platform.release()}",
-           "python": platform.python_version(), "packages": packages(), "gpu": gpus(), "commit": commit()}
-    return env
+    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "threads": threads, "memory_gib": memory_gib(), "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "interpreter": sys.executable, "packages": packages(),
+            "gpu": gpus(), "commit": commit()}
 
 
 def cpu_info() -> tuple[str, list[str]]:
