@@ -85,12 +85,14 @@ def main(run: Callable[[argparse.Namespace], dict], arguments: Callable | None =
         args.out = os.path.join(RESULTS, out(args) if out else f"{name}.json")
     use_threads(args.threads)
     command = " ".join(["python -m", f"benchmarks.{name}"] + [shlex.quote(a) for a in sys.argv[1:]])
-    started = now()
+    started, env = now(), environment(args.threads)  # the code and machine as the run starts
     tables = run(args)
     if tables is None:  # it chose to write nothing (e.g. no GPU here)
         return
     if args.out:
-        write(args.out, result(name, command, started, args, tables))
+        arguments = {k: v for k, v in vars(args).items() if k != "out"}
+        write(args.out, {"benchmark": name, "command": command, "date": started, "environment": env,
+                         "arguments": arguments, "tables": tables})
     else:
         print("(--quick: no result written; --out PATH keeps one)")
 
@@ -102,12 +104,6 @@ def use_threads(threads: int) -> None:
         os.environ[var] = str(threads)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
-
-
-def result(name: str, command: str, date: str, args: argparse.Namespace, tables: dict) -> dict:
-    arguments = {k: v for k, v in vars(args).items() if k != "out"}
-    return {"benchmark": name, "command": command, "date": date, "environment": environment(args.threads),
-            "arguments": arguments, "tables": tables}
 
 
 def write(path: str, data: dict) -> None:
