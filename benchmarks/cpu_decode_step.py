@@ -6,8 +6,9 @@ Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
   engine         as shipped: the "cpu" backend. Steps of up to
-                 cpu_decoder.MAX_ROWS sequences run each decoder layer as
-                 one C call (layers/cpu_decoder.py); bigger ones run the
+                 decoder.MAX_ROWS sequences run each decoder layer as
+                 one C call (layers/backends/cpu/decoder.py, the route
+                 "cpu:decoder-layers"); bigger ones run the
                  modules, with decode attention, norms, rotary and the
                  gated activation in hybridkv's C kernels and every weight
                  in oneDNN's packed layout, the tied LM head included (a
@@ -104,7 +105,7 @@ def weights_read(model, repeat: int) -> float:
 def run(args) -> dict:
     from benchmarks import real_gemma3
     from hybridkv import Engine, SamplingParams
-    from hybridkv.layers import cpu_decoder
+    from hybridkv.layers.backends.cpu import decoder, modules
     from hybridkv.layers.linear import Linear
 
     batches, new_tokens, repeat = ([1, 2], 6, 1) if args.quick else ([1, 16, 64], 40, args.repeat)
@@ -113,26 +114,26 @@ def run(args) -> dict:
                     max_num_seqs=max(batches), progress=False)
     engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     model = engine.runner.model
-    head, packed_head = model.lm_head, model.lm_head._packed
-    fused = [m for m in model.modules() if getattr(m, "native", None) is not None]
+    head, packed_head = model.lm_head, getattr(model.lm_head, "packed", None)
     native = engine.backend.name == "cpu"
+    shipped_usable = modules.usable
 
-    def switch(modules=False, gathered=False, elementwise=False, dense_head=False):
+    def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False):
         """Undo the chosen parts of the shipped engine (none: as shipped)."""
-        cpu_decoder.MAX_ROWS = 0 if modules or gathered or elementwise else shipped_rows
-        head._packed = None if dense_head else packed_head
-        for module in fused:
-            module.native = None if elementwise else engine.backend.attention.lib
+        decoder.MAX_ROWS = 0 if layer_modules or gathered or elementwise else shipped_rows
+        if packed_head is not None:
+            head.packed = None if dense_head else packed_head
+        modules.usable = (lambda x: False) if elementwise else shipped_usable  # the C norms, rotary, activation
         if native:  # the reference's decode groups where the kernel "cannot" read the pool
             engine.backend.attention.supports = (lambda q, cache: False) if gathered else cpu_attention_supports
 
     cpu_attention_supports = engine.backend.attention.supports if native else None
-    shipped_rows = cpu_decoder.MAX_ROWS
-    configs = {"engine": {}, "layer modules": {"modules": True}, "gathered decode": {"gathered": True},
+    shipped_rows = decoder.MAX_ROWS
+    configs = {"engine": {}, "layer modules": {"layer_modules": True}, "gathered decode": {"gathered": True},
                "torch elementwise": {"elementwise": True}, "dense LM head": {"dense_head": True}}
     if not native:  # no C kernels here: nothing to undo
         configs.pop("layer modules"), configs.pop("gathered decode"), configs.pop("torch elementwise")
-    elif model.model.layers[0].native_decoder is None:
+    elif not isinstance(model.model.layers[0], decoder.CpuDecoderLayer):
         configs.pop("layer modules")  # no room for the decoder layers' dense weights: the engine runs the modules
     if packed_head is None or head.weight.numel() == 0:
         configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare

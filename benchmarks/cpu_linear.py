@@ -2,7 +2,7 @@
 GEMM) against oneDNN's matmul (torch.ops.mkldnn) on the dense weight and on
 a copy reordered to its layout, for the shapes of Gemma-3 270M's layers and
 its 262,144 x 640 LM head, float32, at batch 1, 16 and 64. This is what
-layers/linear.py chooses from.
+the cpu backend chooses from (layers/backends/cpu/linear.py).
 
 The weights are larger than the caches (each shape is replicated to ~64 MB
 and cycled through, as a step reads 18 layers' weights once each), so the

@@ -12,7 +12,7 @@ These machines are noisy (the same cell moves by 20% between runs), so each
 comparison runs `--repeat` times as interleaved pairs (A, B, A, B, ...); the
 tables show medians, and a ratio is the median of the per-pair ratios.
 
-    python -m benchmarks.engine_throughput             # CPU, tiny and small models
+    python -m benchmarks.engine_throughput             # CPU, tiny and small models (and tiny gpt-oss)
     python -m benchmarks.engine_throughput --quick     # seconds: CI smoke run
     python -m benchmarks.engine_throughput --device cuda --dtype bfloat16   # GPU, 1B shapes
     python -m benchmarks.engine_throughput --device cuda --graphs both      # and with CUDA graphs off
@@ -299,7 +299,8 @@ def run(args) -> dict:
     elif args.quick:
         models = ["tiny-gemma3"]
     else:
-        models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba"]
+        models = list(GPU_MODELS) if gpu else ["tiny-gemma3", "small-gemma3", "tiny-jamba", "small-jamba",
+                                               "tiny-gpt-oss"]
     n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
     n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])
@@ -307,7 +308,7 @@ def run(args) -> dict:
                   dry=args.dry_run)
     # (On the CPU, dry runs included, there are no graphs: one hybridkv row.)
     graph_modes = [True] if args.device == "cpu" else {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
-    # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/flashinfer_attention.py).
+    # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/backends/flashinfer).
     modes = [(backend, graphs) for backend in (args.backends.split(",") if args.backends else [None])
              for graphs in graph_modes if not (graphs and backend == "flashinfer" and args.device != "cpu")]
     rows = []

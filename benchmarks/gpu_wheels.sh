@@ -10,7 +10,7 @@
 #               cuda-tile, nvidia-cudnn-frontend, nccl4py, nccl-extensions);
 #               mamba-ssm built here without its CUDA extension
 #               (MAMBA_SKIP_CUDA_BUILD: its Triton kernels are what the
-#               "flashinfer" backend uses, layers/mamba_ssm_state.py); and
+#               "flashinfer" backend uses, layers/backends/flashinfer/mamba_ssm.py); and
 #               causal-conv1d's source, which the GPU machine can build
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: gpu_wheels (git ignores it)

@@ -128,7 +128,7 @@ def run(args) -> dict:
     rows = []
     for budget in budgets:
         layout = plan_layout(specs, budget)
-        mamba = next(g for g in layout.groups if g.kind == "mamba")
+        mamba = next(g for g in layout.groups if g.recurrent)
         state_mib = mamba.pages_per_block * layout.page_size_bytes / 2**20
         print(f"{args.model}, KV budget {budget} ({layout.num_pages:,} pages; one Mamba state = {state_mib:.1f} MiB), "
               f"{num} conversations")

@@ -12,9 +12,9 @@ at batch 64.
 
 Where they import, the field's kernels run on the same pool in the same
 run: FlashInfer's paged decode and prefill attention (the "flashinfer"
-backend, layers/flashinfer_attention.py; its per-step plan timed apart,
+backend, layers/backends/flashinfer/attention.py; its per-step plan timed apart,
 host work done once per step and column) and mamba-ssm's
-selective_state_update (layers/mamba_ssm_state.py: on gathered states, as
+selective_state_update (layers/backends/flashinfer/mamba_ssm.py: on gathered states, as
 that backend runs it; the gather and write-back timed with it).
 
 Bandwidth is bytes that must move (K/V rows a query may see, states read
@@ -43,7 +43,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from hybridkv.core import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
+from hybridkv.layers.backends.reference import attention as paged_attention  # noqa: E402
+from hybridkv.layers.backends.triton import attention as kernel_attention  # noqa: E402
+from hybridkv.layers.backends.triton import kernels as triton_kernels  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
 from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
 
@@ -130,7 +132,7 @@ class PagedLayer:
         self.meta = {"torch": paged_attention.build(step), "triton": kernel_attention.build(step)}
         self.flashinfer = None
         if flashinfer is not None and device.type == "cuda":
-            from hybridkv.layers import flashinfer_attention
+            from hybridkv.layers.backends.flashinfer import attention as flashinfer_attention
 
             self.flashinfer = flashinfer_attention.FlashInferAttention(flashinfer, device)
             self.meta["flashinfer"] = flashinfer_attention.build(step)
@@ -149,12 +151,13 @@ class PagedLayer:
             return paged_attention.attend(self.q, self.cache, self.meta["torch"], 0, scale, None)
         if name == "flashinfer":  # planned on the first call, the plan kept in the metadata
             return self.flashinfer.attend(self.q, self.cache, self.meta["flashinfer"], 0, scale, None)
-        return kernel_attention.attend(backend.kernels(), self.q, self.cache, self.meta["triton"], 0, scale, None)
+        return kernel_attention.TritonAttention(triton_kernels()).attend(self.q, self.cache, self.meta["triton"], 0,
+                                                                         scale, None)
 
     def flashinfer_plan_seconds(self, scale) -> float:
         """Host time of a step's FlashInfer plan for one column (fresh
         metadata each time, as each engine step makes), median of 20."""
-        from hybridkv.layers import flashinfer_attention
+        from hybridkv.layers.backends.flashinfer import attention as flashinfer_attention
 
         times = []
         for _ in range(20):
@@ -221,7 +224,7 @@ def decode_rows(args, device, timer, peak):
             step = layer.meta["triton"].step
             rows_t, table_rows = step.inputs.decodes.tokens, step.inputs.decodes.table_rows
             q_pos, first = step.inputs.positions[rows_t], step.first_key[rows_t]
-            ops = backend.kernels()
+            ops = triton_kernels()
             out2 = torch.empty_like(layer.q)
             configs = ([(16, 1, 4), (32, 2, 4)] if args.quick else
                        [(n, s, w) for n in (32, 64, 128) for s in (1, 2, 4) for w in (4, 8)])
@@ -274,7 +277,7 @@ def prefill_sweep(args, layer, ref, err, scale, timer) -> dict:
     checked against the reference first."""
     step = layer.meta["triton"].step
     chunks = step.inputs.chunks
-    ops = backend.kernels()
+    ops = triton_kernels()
     out = torch.empty_like(layer.q)
     configs = ([(16, 32, 4, None, False), (32, 32, 4, None, False)] if args.quick else
                [(m, n, w, st, dot16) for dot16 in (False, True) for m, n, w, st in
@@ -307,7 +310,7 @@ def store_rows(args, device, timer, peak):
         v = torch.randn_like(k)
         ref = layer.meta["torch"]
         slots = layer.meta["triton"].slots[0]
-        ops = backend.kernels()
+        ops = triton_kernels()
         ops.store_kv(layer.cache, k, v, slots)
         err = max((layer.cache[ref.store_pages[0], 0, ref.store_offsets] - k).abs().max().item(),
                   (layer.cache[ref.store_pages[0], 1, ref.store_offsets] - v).abs().max().item())
@@ -347,7 +350,7 @@ def mamba_rows(args, device, timer, peak):
     dt = F.softplus(torch.randn(batch, I, device=device))
     A = -torch.exp(torch.randn(I, N, device=device))
     B, C, D = torch.randn(batch, N, device=device), torch.randn(batch, N, device=device), torch.randn(I, device=device)
-    ops = backend.kernels()
+    ops = triton_kernels()
 
     def conv():
         return ops.mamba_conv_step(pool, read, write, zero, conv_at, torch.bfloat16, x, weight, bias, silu=True)
@@ -393,13 +396,13 @@ def mamba_rows(args, device, timer, peak):
 
 def mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, xc, dt, A, B, C, D, gate, ref_y, moved, timer):
     """mamba-ssm's selective_state_update as the "flashinfer" backend runs
-    it (layers/mamba_ssm_state.py): the states gathered from their pages,
+    it (layers/backends/flashinfer/mamba_ssm.py): the states gathered from their pages,
     updated in place, written back; and the kernel alone on gathered rows;
     its error against the reference's output `ref_y`. None where mamba-ssm
     does not import (or no CUDA). The pool is left as it was."""
     if pool.device.type != "cuda":
         return None
-    from hybridkv.layers.mamba_ssm_state import load_kernels
+    from hybridkv.layers.backends.flashinfer.mamba_ssm import load_kernels
 
     try:
         kernels = load_kernels()
@@ -409,7 +412,7 @@ def mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, xc, dt, A, 
         return None
     update = kernels[0]
     rows = torch.arange(batch, dtype=torch.int32, device=pool.device)
-    zero_bias = torch.zeros(I, device=pool.device)  # (mamba-ssm 2.3.2 needs one: layers/mamba_ssm_state.py)
+    zero_bias = torch.zeros(I, device=pool.device)  # (mamba-ssm 2.3.2 needs one: backends/flashinfer/mamba_ssm.py)
     width = read.shape[1]
 
     def step():

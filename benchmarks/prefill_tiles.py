@@ -1,6 +1,6 @@
 """Prefill attention in query tiles against one masked call per chunk.
 
-The torch attention reference (layers/paged_attention.py) cuts a long
+The torch attention reference (layers/backends/reference/attention.py) cuts a long
 prefill chunk into query tiles that score only the keys they may read. This
 script prefills the same prompts with the engine both ways, interleaved in
 one process (these machines are noisy), and prints the best time of each.
@@ -27,7 +27,7 @@ def result_name(args) -> str:
 
 
 def run(args) -> dict:
-    import hybridkv.layers.paged_attention as attention
+    import hybridkv.layers.backends.reference.attention as attention
     from benchmarks import real_gemma3
     from benchmarks.engine_throughput import prompts_for
     from hybridkv import Engine, SamplingParams

@@ -5,7 +5,7 @@ engine names (Engine, SamplingParams) load on first use.
 """
 
 from .core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheLayout, KVCacheManager, MambaSpec,
-                   SlidingWindowSpec, plan_layout)
+                   RecurrentSpec, SlidingWindowSpec, plan_layout)
 
 __version__ = "0.1.0"
 
@@ -29,4 +29,4 @@ def __getattr__(name):
 
 
 __all__ = ["ChunkedLocalSpec", "Engine", "FullAttentionSpec", "KVCacheLayout", "KVCacheManager",
-           "MambaSpec", "SamplingParams", "SlidingWindowSpec", "plan_layout"]
+           "MambaSpec", "RecurrentSpec", "SamplingParams", "SlidingWindowSpec", "plan_layout"]

@@ -1,10 +1,12 @@
-"""The `hybridkv` command: plan | demo | serve."""
+"""The `hybridkv` command: plan | demo | serve | build-kernels."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+from .tiny_models import MODELS as TINY_MODELS
 
 CONTEXTS = (1024, 8192, 32768, 131072)
 
@@ -35,7 +37,8 @@ def _plan(args) -> int:
 def _demo(args) -> int:
     from .demo import main as demo_main
 
-    demo_main(tiny=args.tiny, num_requests=args.requests, max_tokens=args.max_tokens, progress=not args.no_progress)
+    demo_main(tiny=args.tiny or bool(args.model), num_requests=args.requests, max_tokens=args.max_tokens,
+              progress=not args.no_progress, models=args.model)
     return 0
 
 
@@ -59,17 +62,42 @@ def _serve(args) -> int:
     serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           kv_events=args.kv_events, kv_events_replay=replay, kv_events_topic=args.kv_events_topic,
-          **_engine_options(args))
+          **_limits(args), **_engine_options(args))
     return 0
 
 
+def _build_kernels(args) -> int:
+    """Compile the cpu backend's C kernels for this machine (an install
+    where a compiler was found did it already)."""
+    from .layers.backends.cpu import build
+
+    try:
+        path = build.build_into(build.cache_dir()) if args.cache else build.build()
+    except (RuntimeError, OSError) as e:
+        print(f"hybridkv build-kernels: error: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
+def _limits(args) -> dict:
+    """--max-body-bytes and --max-prompt-chars (None: the server's defaults)."""
+    from .core.layout import parse_memory
+
+    if args.max_prompt_chars is not None and args.max_prompt_chars <= 0:
+        raise ValueError(f"--max-prompt-chars must be positive, got {args.max_prompt_chars}")
+    body = parse_memory(args.max_body_bytes) if args.max_body_bytes is not None else None
+    return {"max_body_bytes": body, "max_prompt_chars": args.max_prompt_chars}
+
+
 def _engine_options(args) -> dict:
-    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    return dict(backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size)
+                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed)
 
 
 def _serve_replicas(args) -> int:
@@ -96,7 +124,7 @@ def _serve_replicas(args) -> int:
         name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
                    host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-                   engine_options=_engine_options(args))
+                   engine_options=_engine_options(args), **_limits(args))
     return 0
 
 
@@ -114,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve a batch of questions on the real Gemma-3 270M (or --tiny models)")
     demo.add_argument("--tiny", action="store_true",
-                      help="the built-in tiny Gemma-3 and Jamba models (random weights) instead of the real model")
+                      help="the built-in tiny Gemma-3, Jamba and gpt-oss models (random weights) instead of the real "
+                           "model")
+    demo.add_argument("--model", action="append", choices=sorted(n for n in TINY_MODELS if n.startswith("tiny-")),
+                      help="with --tiny: this built-in model (repeatable; default tiny-gemma3, tiny-jamba and "
+                           "tiny-gpt-oss)")
     demo.add_argument("--requests", type=int, default=32, help="requests per tiny model (default 32)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--no-progress", action="store_true")
@@ -133,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients use (default: the folder's name)")
     serve.add_argument("--max-waiting", type=int, default=512,
                        help="answer 503 while this many requests wait for admission (default 512)")
+    serve.add_argument("--max-body-bytes", default=None, metavar="BYTES",
+                       help="answer 413 to larger request bodies, before reading them (default: room for the "
+                            "longest prompt that can fit the context, plus 1MiB)")
+    serve.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                       help="answer 400 to longer text prompts, before tokenizing them (default: the context "
+                            "times the longest token's characters)")
     serve.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default) or auto")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
@@ -151,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft tokens verified per step with --speculative-method (default 4)")
     serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    serve.add_argument("--backend", default=None,
+                       help="the implementation of a step's ops: auto, torch, cpu, triton, flashinfer or "
+                            "triton+flashinfer (default: $HYBRIDKV_BACKEND, else auto; docs/kernels.md)")
+    serve.add_argument("--seed", type=int, default=None,
+                       help="draws of requests that send no seed: fresh at each start (default), or this "
+                            "64-bit integer's, for reproducible runs")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")
@@ -166,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",
                        help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)
+
+    kernels = sub.add_parser("build-kernels", help="compile the cpu backend's C kernels for this machine")
+    kernels.add_argument("--cache", action="store_true",
+                         help="into the cache folder (~/.cache/hybridkv/native) even if the package folder is "
+                              "writable")
+    kernels.set_defaults(func=_build_kernels)
     return parser
 
 

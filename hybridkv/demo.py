@@ -4,8 +4,10 @@ and show what the hybrid cache did.
 By default on the real Gemma-3 270M (the `gemma` extra: a GGUF file,
 converted once into the cache on first use): real completions, one prompt
 longer than its 512-token sliding window. `--tiny` (or a machine without the
-model package) runs the built-in tiny Gemma-3-style and Jamba-style models
-instead (random weights, built on the fly: the text is noise)."""
+model package) runs the built-in tiny Gemma-3-style, Jamba-style and
+gpt-oss-style models instead (random weights, built on the fly: the text is
+noise); `--model` picks any built-in tiny model instead (one of every family
+the engine runs: tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -130,7 +132,7 @@ def print_table(row: dict) -> None:
     print(f"  TTFT mean / p90          {row['ttft_mean_ms']:8.1f} ms / {row['ttft_p90_ms']:.1f} ms")
     print(f"  prefix-cache hit rate    {100 * row['hit_rate']:9.1f} % of prompt tokens")
     print(f"  peak KV pages per group  {', '.join(f'{k} {p}' for k, p in zip(groups, row['peak_pages_by_group']))}")
-    released = [(k, p) for k, p in zip(groups, row["released_pages_by_group"]) if k != "full" and k != "mamba"]
+    released = [(k, p) for k, p in zip(groups, row["released_pages_by_group"]) if k in ("sliding_window", "chunked_local")]
     if released:
         print(f"  pages released mid-request (left the window): "
               f"{', '.join(f'{k} {p}' for k, p in released)}")
@@ -140,7 +142,8 @@ def print_table(row: dict) -> None:
     print(f"  preemptions              {row['preemptions']:10d}")
 
 
-def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progress: bool = True) -> list[dict]:
+def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progress: bool = True,
+         models: list[str] | None = None) -> list[dict]:
     path = None if tiny else real_model_path()
     if not tiny and path is None:
         print("hybridkv demo: the real Gemma-3 270M is not installed (pip install -e '.[gemma]'); "
@@ -150,7 +153,8 @@ def main(tiny: bool = False, num_requests: int = 32, max_tokens: int = 32, progr
         print_completions(row)
         print_table(row)
         return [row]
-    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in ("tiny-gemma3", "tiny-jamba")]
+    names = models or ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss")
+    rows = [run_tiny(name, num_requests, max_tokens, progress) for name in names]
     for row in rows:
         print_table(row)
     print("\n(random weights: the text is noise; the numbers are what matters)")

@@ -1,5 +1,6 @@
-"""Small random models to run everything without a download: a Gemma-3-style
-and a Jamba-style model with seeded weights and a byte-level BPE tokenizer
+"""Small random models to run everything without a download: one of every
+family the engine runs (Gemma-3, Jamba, Nemotron-H, Granite-4.0-H, Bamba,
+Falcon-H1, LFM2, gpt-oss) with seeded weights and a byte-level BPE tokenizer
 trained on a built-in corpus, saved as ordinary Hugging Face folders (built
 with transformers' own classes) in a cache folder.
 
@@ -49,12 +50,43 @@ MODELS = {
     "tiny-jamba": ("jamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
                                  mamba_d_state=16, mamba_dt_rank=8)),
+    # head_dim 64, what vLLM's CPU attention runs: the vLLM connector's tests and benchmark.
+    "vllm-tiny-gemma3": ("gemma3", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32)),
+    "tiny-gpt-oss": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, sliding_window=32, num_local_experts=4,
+                                     num_experts_per_tok=2)),
     "small-gemma3": ("gemma3", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=12,
                                     num_attention_heads=6, num_key_value_heads=2, head_dim=32, sliding_window=128)),
     "small-jamba": ("jamba", dict(hidden_size=192, intermediate_size=576, num_hidden_layers=8, num_attention_heads=6,
                                   num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, num_experts=4,
                                   mamba_d_state=16, mamba_dt_rank=12)),
+    # The Mamba-2 hybrids (8 heads of 16 channels, state 16, conv 4) and LFM2's short convolutions.
+    "tiny-nemotron-h": ("nemotron_h", dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "linear_attention", "mlp"],
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4)),
+    "tiny-granite-4h": ("granitemoehybrid", dict(
+        hidden_size=64, intermediate_size=64, shared_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "mamba", "attention", "mamba"],
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0)),
+    "tiny-bamba": ("bamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_d_state=16)),
+    "tiny-falcon-h1": ("falcon_h1", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128,
+                                         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)),
+    "tiny-lfm2": ("lfm2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
+                               num_key_value_heads=2, block_multiple_of=32,
+                               layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"])),
 }
+# (transformers' config and model class of each family above but Gemma-3's and Jamba's)
+FAMILY_CLASSES = {"nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+                  "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+                  "bamba": ("BambaConfig", "BambaForCausalLM"),
+                  "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+                  "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}
 
 
 def sample_text(rng: random.Random, words: int) -> str:
@@ -83,7 +115,8 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tokenizer=None) -> str:
     """Save a seeded random model `name` (see MODELS) with its tokenizer at `path`."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig, JambaForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, JambaConfig,
+                              JambaForCausalLM)
 
     from .layers.dtypes import TORCH_DTYPES
 
@@ -98,10 +131,20 @@ def build_model(name: str, path: str, dtype: str = "float32", seed: int = 0, tok
         config = Gemma3TextConfig(**ids, **sizes, query_pre_attn_scalar=sizes["head_dim"],
                                   final_logit_softcapping=30.0, sliding_window_pattern=6)
         model = Gemma3ForCausalLM(config)
-    else:
+    elif family == "gpt_oss":
+        # YaRN as the released configs (factor 32 over 4,096 tokens), scaled to this context.
+        rope = dict(rope_type="yarn", rope_theta=150000.0, factor=2.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)
+        model = GptOssForCausalLM(GptOssConfig(**ids, **sizes, rope_parameters=rope))
+    elif family == "jamba":
         config = JambaConfig(**ids, **sizes, expert_layer_period=2, expert_layer_offset=1, num_experts_per_tok=2,
                              mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False)
         model = JambaForCausalLM(config)
+    else:
+        import transformers
+
+        config_class, model_class = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
+        model = model_class(config_class(**ids, **sizes))
     model = model.to(TORCH_DTYPES[dtype]).eval()
     tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(os.path.abspath(path)) or ".")
     try:

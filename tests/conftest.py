@@ -16,6 +16,16 @@ except ImportError:
     pass
 
 
+def pytest_configure(config):
+    # The cpu backend's C kernels, built for this machine and the source as
+    # it is now (an install builds them; an edited kernels.c needs a new
+    # build, which the tests make here rather than skip or test a stale one).
+    from hybridkv.layers.backends.cpu import build
+
+    if build.built_library() is None and build.compiler() is not None:
+        print(f"hybridkv: built the CPU kernels for this source: {build.build()}")
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="device for engine tests (cpu, cuda)")
     parser.addoption("--dtype", default="float32", help="engine dtype for oracle tests (float32, bfloat16)")

@@ -1,5 +1,5 @@
 """FlashInfer's two paged wrappers as documented, computed by `emulate`
-(layers/flashinfer_attention.py): stands in for the library on the CPU, so
+(layers/backends/flashinfer/attention.py): stands in for the library on the CPU, so
 that the backends built on it run whole there (their argument conversion is
 checked against the reference in test_flashinfer_attention.py)."""
 
@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from hybridkv.layers.flashinfer_attention import PagedArgs, emulate
+from hybridkv.layers.backends.flashinfer.attention import PagedArgs, emulate
 
 
 class _Wrapper:

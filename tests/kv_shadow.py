@@ -112,7 +112,7 @@ class ShadowRunner:
         end = n + num_tokens + len(drafts)
         for manager in kv.coordinator.managers:
             table = req.tables[manager.index]
-            if manager.kind == "mamba":
+            if manager.recurrent:
                 read, write = table
                 assert write, "a forward pass without a Mamba write block"
                 for p in kv.block_cache.pages(write):
@@ -147,7 +147,7 @@ class ShadowRunner:
                     continue
                 for p in pool.pages(block):
                     got = self.content.get(p)
-                    if manager.kind == "mamba":
+                    if manager.recurrent:
                         assert got == prefix, f"cached Mamba state {block} is not the state after its prefix"
                     else:
                         assert got is not None and got[:len(prefix)] == prefix and len(got) == len(prefix), (
@@ -161,7 +161,7 @@ class ShadowRunner:
         n, bs, tokens = req.num_computed, kv.block_size, req.tokens
         for manager in kv.coordinator.managers:
             table = req.tables[manager.index]
-            if manager.kind == "mamba":
+            if manager.recurrent:
                 read, write = table
                 if n == 0:
                     assert not read, f"{request_id}: a state before any token"

@@ -16,8 +16,8 @@ TIE = 1e-4
 
 def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32,
           head_dim: int | None = None) -> str:
-    """A small random model of `family` saved at `path`. `head_dim` (Gemma-3
-    and Jamba) widens the attention heads for kernels that take no smaller
+    """A small random model of `family` saved at `path`. `head_dim` (Gemma-3,
+    gpt-oss and Jamba) widens the attention heads for kernels that take no smaller
     ones (FlashInfer: 64 and up); by default they are 16 wide (Jamba: 8)."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, JambaConfig,
                               JambaForCausalLM)
@@ -49,6 +49,18 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
         else:
             layer_types = ["sliding_attention", "full_attention"] * 2
             model = MinistralForCausalLM(MinistralConfig(**common, layer_types=layer_types))
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        # Alternating window and full layers, sinks, experts; YaRN as the
+        # released configs (scaled down); a SwiGLU limit the tiny weights reach.
+        config = GptOssConfig(
+            vocab_size=211, hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=head_dim or 16, sliding_window=sliding_window, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=512, swiglu_limit=0.2,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False))
+        model = GptOssForCausalLM(config)
     elif family == "jamba":
         config = JambaConfig(  # (its heads are hidden_size / num_attention_heads wide)
             vocab_size=211, hidden_size=4 * head_dim if head_dim else 32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -56,17 +68,79 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)
         model = JambaForCausalLM(config)
+    elif family in RECURRENT_FAMILIES:
+        model = recurrent_family(family)
     else:
         raise ValueError(family)
     # Random init leaves A_log at log(1..N) and dt small; perturb the Mamba
     # parameters so the recurrent state really matters in the comparison.
+    # gpt-oss's sinks start near 0 and its experts' biases at 0: make both
+    # matter (a sink ignored anywhere then moves the logits).
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("A_log") or name.endswith("mamba.D") or "dt_proj.bias" in name:
+            if name.endswith(("A_log", "mamba.D", "mixer.D", "dt_bias")) or "dt_proj.bias" in name:
                 param.add_(0.3 * torch.randn_like(param))
+            if family in RECURRENT_FAMILIES and name.endswith(("mamba.D", "mixer.D")):
+                # Mamba-2: the skip term D x small beside what the state carries
+                # (a state written wrong must show in the logits, not drown in D x),
+                # and steps dt = softplus(dt_bias + ...) of 0.1-2, not the init's 0.001-0.1.
+                param.mul_(0.1)
+            if family in RECURRENT_FAMILIES and name.endswith("dt_bias"):
+                param.copy_(torch.randn_like(param))
+            if name.endswith("sinks"):
+                param.add_(2.0 * torch.randn_like(param))
+            elif name.endswith("_proj_bias"):
+                param.add_(0.05 * torch.randn_like(param))
     model = model.to(dtype).eval()
     model.save_pretrained(path)
     return path
+
+
+# The families whose recurrent layers are Mamba-2 (SSD) or short convolutions,
+# tiny: hidden 64, Mamba-2 with 8 heads of 16 channels in 2 groups of B/C
+# (state 8, conv 4); every config scalar that changes the math set away
+# from its neutral value (Granite's and Falcon-H1's multipliers), MoE where
+# the family has it, and transformers' own chunked scan in chunks of 8.
+RECURRENT_FAMILIES = ("nemotron_h", "granite_hybrid", "bamba", "falcon_h1", "lfm2")
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+               mamba_chunk_size=8)
+_COMMON = dict(vocab_size=211, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=0.1)  # (projections wide enough that B, C and the conv window carry weight)
+
+
+def recurrent_family(family: str):
+    import transformers as tf
+
+    if family == "nemotron_h":
+        config = tf.NemotronHConfig(
+            **_COMMON, head_dim=16, intermediate_size=96,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+            mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
+            n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48, moe_latent_size=32, routed_scaling_factor=1.5)
+        return tf.NemotronHForCausalLM(config)
+    if family == "granite_hybrid":
+        config = tf.GraniteMoeHybridConfig(
+            **_COMMON, **_MAMBA2, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+            intermediate_size=32, shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+            embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.5)
+        return tf.GraniteMoeHybridForCausalLM(config)
+    if family == "bamba":
+        config = tf.BambaConfig(**_COMMON, **_MAMBA2, num_hidden_layers=3, attn_layer_indices=[1],
+                                intermediate_size=96)
+        return tf.BambaForCausalLM(config)
+    if family == "falcon_h1":
+        config = tf.FalconH1Config(
+            **_COMMON, **_MAMBA2, head_dim=16, num_hidden_layers=2, intermediate_size=96, mamba_d_ssm=128,
+            mamba_rms_norm=True, embedding_multiplier=1.5, lm_head_multiplier=0.8, mlp_multipliers=[1.3, 0.6],
+            key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.7,
+            ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 2.0], ssm_in_multiplier=1.1, ssm_out_multiplier=0.8)
+        return tf.FalconH1ForCausalLM(config)
+    if family == "lfm2":
+        config = tf.Lfm2Config(**_COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+                               intermediate_size=96, block_multiple_of=32, conv_bias=True)
+        return tf.Lfm2ForCausalLM(config)
+    raise ValueError(family)
 
 
 def load_reference(path: str):

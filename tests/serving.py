@@ -1,11 +1,16 @@
-"""Run a FastAPI app on a free loopback port in a thread, for tests."""
+"""Run a FastAPI app on a free loopback port in a thread, or `hybridkv
+serve` in a process of its own, for tests."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 
 @contextlib.contextmanager
@@ -30,3 +35,42 @@ def running(app):
         thread.join(timeout=30)
         sock.close()
         assert not thread.is_alive(), "the server did not shut down"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(args: list[str], log_path, env: dict | None = None, ready: str = "/health", timeout: float = 180):
+    """`hybridkv serve ARGS --port P` in a new process (and session: it and
+    all it starts can be told apart); yields (base URL, the process) once
+    `ready` answers, and stops it with SIGTERM after."""
+    port = free_port()
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", *args, "--port", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                               start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert process.poll() is None, open(log_path).read()[-3000:]
+            try:
+                with urllib.request.urlopen(base + ready, timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start: " + open(log_path).read()[-3000:]
+                time.sleep(0.5)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()

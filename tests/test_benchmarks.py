@@ -3,6 +3,7 @@ result (no timing is asserted: these machines are noisy)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -78,7 +79,7 @@ def test_engine_throughput_quick(tmp_path):
 
 
 def test_kernels_quick(tmp_path):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     text, data = run("kernels", tmp_path)
     assert "GB/s" in text and data
 
@@ -120,7 +121,7 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     # benchmarks/gpu_suite.sh --dry-run: every part of the GPU run, small and
     # on the CPU (kernels under triton's interpreter), so that the script is
     # known to work before a GPU is lent.
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
@@ -226,11 +227,14 @@ def test_gpu_profile_quick(tmp_path):
 
 
 def test_every_benchmark_is_run_quick_here():
-    """Each module that runs on the harness has its --quick run above."""
-    here = open(__file__).read()
+    """Each module that runs on the harness has its --quick run above (or,
+    for one that runs inside vLLM, in tests_vllm/, which its CI job runs)."""
+    tests = [open(__file__).read()] + [open(os.path.join(ROOT, "tests_vllm", f)).read()
+                                       for f in os.listdir(os.path.join(ROOT, "tests_vllm")) if f.endswith(".py")]
     for name in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
-        if name.endswith(".py") and "harness.main(" in open(os.path.join(ROOT, "benchmarks", name)).read():
-            assert f"def test_{name[:-3]}_quick" in here, name
+        source = open(os.path.join(ROOT, "benchmarks", name)).read() if name.endswith(".py") else ""
+        if re.search(r'^if __name__ == "__main__":\n(?:\s.*\n)*?\s+harness\.main\(', source, re.M):
+            assert any(re.search(rf"def test_{name[:-3]}\w*_quick", t) for t in tests), name
 
 
 def test_interleaved_takes_turns_in_rotating_order():

@@ -29,19 +29,19 @@ def test_plan_bad_input_is_a_clear_error(tmp_path, capsys):
 
 
 def test_plan_plot_draws_the_layout(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs the plot extra: pip install -e '.[plot]'")
     out = tmp_path / "layout.png"
     jamba = next(p for p in MODELS if p.endswith("jamba-1.5-mini.json"))
     assert main(["plan", jamba, "--memory", "80GiB", "--plot", str(out)]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_demo_tiny_serves_both_families(capsys):
+def test_demo_tiny_serves_every_family(capsys):
     # `hybridkv demo --tiny`, smaller: every request finishes, the shared
     # system prompt is hit, and the pool holds less than a contiguous cache.
     assert main(["demo", "--tiny", "--requests", "6", "--max-tokens", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    for name in ("tiny-gemma3", "tiny-jamba"):
+    for name in ("tiny-gemma3", "tiny-jamba", "tiny-gpt-oss"):
         assert name in out
     assert "sliding_window" in out and "mamba" in out
     from hybridkv.demo import run_tiny
@@ -50,6 +50,19 @@ def test_demo_tiny_serves_both_families(capsys):
     assert row["requests"] == 6 and row["tokens_per_s"] > 0
     assert row["hit_rate"] > 0.5  # all six share a ~120-word system prompt
     assert 0 < row["peak_bytes"] < row["contiguous_bytes"]
+
+
+def test_demo_tiny_runs_one_model_of_every_recurrent_family(capsys):
+    # `hybridkv demo --tiny --model NAME`: the Mamba-2 hybrids and LFM2,
+    # each hitting the shared system prompt through its recurrent checkpoints.
+    names = ["tiny-nemotron-h", "tiny-granite-4h", "tiny-bamba", "tiny-falcon-h1", "tiny-lfm2"]
+    args = ["demo", "--tiny", "--requests", "2", "--max-tokens", "2", "--no-progress"]
+    assert main(args + [a for name in names for a in ("--model", name)]) == 0
+    out = capsys.readouterr().out
+    for name in names:
+        assert name in out
+    assert out.count("mamba2 + full groups") == 3 and "full + mamba2 groups" in out  # Falcon-H1: attention first
+    assert "short_conv + full groups" in out and "prefix-cache hit rate" in out
 
 
 def test_demo_the_readme_main_job_speaks_on_the_real_model(capsys):

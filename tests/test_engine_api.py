@@ -135,6 +135,57 @@ def test_a_stop_string_at_the_very_start_leaves_empty_text(engine):
     assert cut.text == "" and cut.finish_reason == "stop"
 
 
+def sampled(engine, seed=None, n=1, prompt=(5, 6, 7)):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=seed, n=n)
+    return [c.token_ids for c in engine.generate([list(prompt)], params, use_tqdm=False)[0].outputs]
+
+
+def test_every_bit_of_a_seed_counts_and_children_have_their_own_streams(engine):
+    mine = sampled(engine, seed=7)
+    assert sampled(engine, seed=7) == mine
+    assert sampled(engine, seed=7 + 2**32) != mine and sampled(engine, seed=7 - 2**32) != mine
+    two = sampled(engine, seed=7, n=2)
+    assert two[0] == mine[0]  # continuation 0 is the seed's stream whatever n is
+    assert two[1] != sampled(engine, seed=8)[0]  # child 1 is not seed + 1
+
+
+def test_unseeded_requests_draw_fresh_entropy_per_engine_unless_it_has_a_seed():
+    path = tiny_model_dir("tiny-gemma3")
+    runs = {}
+    for name, seed in (("a", None), ("b", None), ("c", 3), ("d", 3)):
+        engine = Engine(path, kv_cache_memory="32MiB", max_model_len=256, progress=False, seed=seed)
+        runs[name] = [sampled(engine)[0] for _ in range(2)]
+        if name == "a":
+            seeded_zero = sampled(engine, seed=0)[0]
+    assert runs["a"] != runs["b"]  # a restart does not repeat the last run's draws
+    assert runs["c"] == runs["d"]  # an engine seed makes runs reproducible
+    assert runs["c"][0] != runs["c"][1]
+    assert seeded_zero not in runs["a"]
+    with pytest.raises(ValueError, match="seed"):
+        Engine(path, kv_cache_memory="32MiB", progress=False, seed=2**63)
+
+
+def test_max_tokens_none_generates_what_fits_the_pool_and_the_context():
+    # A pool of 63 pages holds one request of 160 tokens, far from the
+    # context of 8192: max_tokens=None asks for what fits, not the context.
+    small = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="256KiB", progress=False)
+    assert small.max_model_len == 8192 and small.max_tokens_that_fit(30) == 130
+    out = small.generate([[5, 6, 7] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 130 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="at most 130 for this prompt"):
+        small.add_request([5, 6, 7] * 10, SamplingParams(max_tokens=131))
+    assert small.max_tokens_that_fit(500) == 0
+    with pytest.raises(ValueError, match="needs .* KV cache pages"):
+        small.add_request([5] * 500, SamplingParams(max_tokens=None))
+    assert small.kv.num_free_pages == small.kv.num_total_pages
+    roomy = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="32MiB", max_model_len=64, progress=False)
+    assert roomy.max_tokens_that_fit(30) == 34  # the context caps it
+    out = roomy.generate([[5, 6, 7] * 10], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 34
+
+
 def test_extreme_temperatures_and_seeds_do_not_break_the_loop(engine):
     tiny = engine.generate([[5, 6]], SamplingParams(temperature=1e-300, max_tokens=4, n=2, seed=2**63 - 1),
                            use_tqdm=False)[0]

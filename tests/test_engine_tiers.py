@@ -12,7 +12,9 @@ import warnings
 
 import pytest
 
+from disk_faults import dead_pid
 from hybridkv import Engine, SamplingParams
+from hybridkv.engine.kv_tiers import _machine_id
 from oracle import check_tokens, load_reference, model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -157,11 +159,12 @@ def test_an_unwritable_disk_tier_warns_and_serving_goes_on(family_model, tmp_pat
 
 def test_a_write_cut_short_by_a_killed_process_is_never_read(family_model, tmp_path):
     # A process killed between writing a block's temporary file and renaming
-    # it leaves the temporary file: the next start removes it unread.
+    # it leaves the temporary file: the next start removes it unread
+    # (tests/test_faults.py kills a real writer mid-write).
     family, path, reference = family_model
     doc = served_and_stopped(path, tmp_path)
     files = sorted(glob.glob(os.path.join(tmp_path, "*", "g*", "*.kv")))
-    half = files[0] + ".4242.tmp"
+    half = f"{files[0]}.{_machine_id()}-{dead_pid()}-0badf00d.tmp"  # its writer is gone
     with open(files[0], "rb") as f:
         open(half, "wb").write(f.read()[:100])
     second = small_engine(path, kv_disk_cache=str(tmp_path))

@@ -1,6 +1,6 @@
 """The FlashInfer backend's side of the bargain, on the CPU: the page
-tables, windows and query ranges it hands FlashInfer (layers/
-flashinfer_attention.py), read under FlashInfer's documented semantics
+tables, windows and query ranges it hands FlashInfer (layers/backends/
+flashinfer/attention.py), read under FlashInfer's documented semantics
 (`emulate`), give the torch reference's attention for decodes and prefill
 chunks, full and sliding-window, soft-capped or not, in any column of
 multi-page blocks. Slots the arguments must not name hold NaN. The kernels
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
-from hybridkv.layers import flashinfer_attention as fi
-from hybridkv.layers import paged_attention
+from hybridkv.layers import backends
+from hybridkv.layers.backends.flashinfer import attention as fi
+from hybridkv.layers.backends.reference import attention as paged_attention
 from hybridkv.layers.step import StepInputs, attention_step
 
 # (tokens cached, tokens this step) per sequence: decodes and chunks mixed.
@@ -84,8 +85,7 @@ def test_only_full_and_window_layers_in_16_bit_caches_are_taken():
 
 
 def test_asking_for_flashinfer_without_it_is_a_clear_error():
-    from hybridkv.layers import backend
-
+    backend = backends
     try:
         import flashinfer  # noqa: F401
     except ImportError:
@@ -98,13 +98,17 @@ def test_asking_for_flashinfer_without_it_is_a_clear_error():
 
 def test_the_backend_refuses_a_layout_it_cannot_run():
     from hybridkv.core import plan_layout
+    from hybridkv.layers.backends.flashinfer import FlashInferBackend
 
-    attention = fi.FlashInferAttention.__new__(fi.FlashInferAttention)  # no FlashInfer here: only the check
-    attention.check_layout(plan_layout({"a": SlidingWindowSpec(2, 16, "bfloat16", sliding_window=8)}, 1 << 20))
-    with pytest.raises(ValueError, match="16-bit caches"):
-        attention.check_layout(plan_layout({"a": FullAttentionSpec(2, 16, "float32")}, 1 << 20))
-    with pytest.raises(ValueError, match="ChunkedLocalSpec"):
-        attention.check_layout(plan_layout({"a": ChunkedLocalSpec(2, 16, "bfloat16", chunk_size=32)}, 1 << 20))
+    backend = FlashInferBackend.__new__(FlashInferBackend)  # no FlashInfer here: only what it declares
+    cuda = torch.device("cuda")
+    backend.check_layout(plan_layout({"a": SlidingWindowSpec(2, 16, "bfloat16", sliding_window=8)}, 1 << 20), cuda)
+    with pytest.raises(ValueError, match="no float32 attention cache"):
+        backend.check_layout(plan_layout({"a": FullAttentionSpec(2, 16, "float32")}, 1 << 20), cuda)
+    with pytest.raises(ValueError, match="no chunked local attention"):
+        backend.check_layout(plan_layout({"a": ChunkedLocalSpec(2, 16, "bfloat16", chunk_size=32)}, 1 << 20), cuda)
+    with pytest.raises(ValueError, match="runs on cuda, not cpu"):
+        backend.check_layout(plan_layout({"a": FullAttentionSpec(2, 16, "bfloat16")}, 1 << 20), "cpu")
 
 
 def test_the_self_test_passes_on_the_documented_semantics_and_catches_a_wrong_window():
@@ -128,16 +132,17 @@ def test_prefill_through_flashinfer_beside_the_kernels_reads_what_the_reference_
     # "triton+flashinfer": a mixed step's chunks through FlashInfer (its
     # documented semantics), its decodes and stores through hybridkv's
     # kernels (triton's interpreter here); a chunked-local group all kernels.
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     import fake_flashinfer
 
-    from hybridkv.layers import backend
+    from hybridkv.layers.backends.triton import kernels
 
     cache, q, step = make_case(spec)
     cache, q = cache.to(torch.bfloat16), q.to(torch.bfloat16)
     column, scale = 1, 16 ** -0.5
     ref = paged_attention.attend(q.float(), cache.float().nan_to_num(0.0), paged_attention.build(step), column,
                                  scale, None)
-    attention = fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), backend.kernels())
+    attention = fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), kernels())
     meta = attention.build(step)
     assert (meta.flashinfer is None) == (spec.kind == "chunked_local")
     out = attention.attend(q, cache, meta, column, scale)
@@ -150,23 +155,30 @@ def test_prefill_through_flashinfer_beside_the_kernels_reads_what_the_reference_
     assert torch.equal(cache[step.store_pages[column], 0, step.store_offsets], k)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "jamba"])
+@pytest.mark.parametrize("family", ["gemma3", "jamba", "gpt_oss"])
 def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate(tmp_path_factory, monkeypatch,
                                                                                  family):
     # The whole engine with FlashInfer (its documented semantics) taking the
     # prefill chunks: chunked prompts beside decodes, bf16 caches, the same
-    # greedy tokens as hybridkv's kernels alone.
+    # greedy tokens as hybridkv's kernels alone. gpt-oss's layers have
+    # attention sinks, which FlashInfer does not take here: its chunks stay
+    # on the kernels, and the prepare report says so.
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     import fake_flashinfer
     from oracle import model_dir
 
     from hybridkv import Engine, SamplingParams
     from hybridkv.engine import engine as engine_module
-    from hybridkv.layers import backend
-    from hybridkv.layers.mamba_state import KernelMamba
+    from hybridkv.layers.backends.flashinfer import TritonFlashInferBackend
+    from hybridkv.layers.backends.triton import kernels
+    from hybridkv.layers.backends.triton.recurrent import TritonRecurrent
 
-    ops = backend.kernels()
-    combined = backend.Backend("triton+flashinfer",
-                               fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), ops), KernelMamba(ops))
+    ops = kernels()
+    # The backend as its constructor builds it, but on the CPU and the stand-in.
+    combined = TritonFlashInferBackend.__new__(TritonFlashInferBackend)
+    combined.capabilities = backends.Capabilities()
+    backends.Backend.__init__(combined, fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), ops),
+                              TritonRecurrent(ops))
     chosen = engine_module.choose_backend
     monkeypatch.setattr(engine_module, "choose_backend",
                         lambda name, device: combined if name == "triton+flashinfer" else chosen(name, device))
@@ -178,8 +190,11 @@ def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate
         engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, dtype="bfloat16",
                         progress=False, backend=name)
         assert engine.backend.name == name
+        declined = " ".join(engine.stats["backend"]["declined"])
+        assert ("4 layers with attention sinks" in declined) == (name == "triton+flashinfer" and family == "gpt_oss")
         outs = engine.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
     assert generate("triton+flashinfer") == generate("triton")
-    assert {kind for _, kind in combined.attention.prefill._wrappers} == {"prefill"}
+    planned = {kind for _, kind in combined.attention.prefill._wrappers}
+    assert planned == (set() if family == "gpt_oss" else {"prefill"})

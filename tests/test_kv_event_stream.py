@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from hybridkv.core.prefix_index import PrefixIndex
 from hybridkv.serving.kv_wire import WireFormat
 from hybridkv.serving.zmq_events import KVEventPublisher, KVEventSubscriber, subscribe_to_server
 from kv_shadow import MIXES, layer_specs, layout_for_requests, random_workload
+from serving import free_port
 
 
 # vLLM 0.32's KV event schema, declared here from its documented fields
@@ -275,12 +275,6 @@ def test_a_taken_port_is_a_clear_error():
         first.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, body: dict | None = None, timeout: float = 60) -> dict:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -289,8 +283,8 @@ def _get(url: str, body: dict | None = None, timeout: float = 60) -> dict:
 
 
 def test_hybridkv_serve_publishes_events_a_router_applies_and_predicts_the_next_hit(tmp_path):
-    http, events = _free_port(), _free_port()
-    replay = _free_port()
+    http, events = free_port(), free_port()
+    replay = free_port()
     command = [sys.executable, "-m", "hybridkv.cli", "serve", "--port", str(http), "--kv-cache-memory", "8MiB",
                "--kv-events", f"tcp://*:{events}", "--kv-events-replay", f"tcp://*:{replay}",
                "--kv-events-topic", "kv", "--log-level", "warning"]

@@ -1,14 +1,18 @@
-"""Linear layers' product, chosen once per device: oneDNN for float32 on
-the CPU (packed weights replace the dense ones; a weight shared with an
-embedding keeps its dense copy beside the packed one, or only the dense one
-where memory is short), F.linear elsewhere; the same results either way."""
+"""Linear layers: siblings fused into one product; the CPU's attention
+product (`product_nt`) equal to x @ w.T for any strides; the cpu backend's
+oneDNN Linear (backends/cpu/linear.py: packed weights replace the dense
+ones; a weight shared with an embedding keeps its dense copy beside the
+packed one, or only the dense one where memory is short) equal to
+F.linear."""
 
 import pytest
 import torch
 from torch import nn
 
 from hybridkv.layers import linear
-from hybridkv.layers.linear import Linear, configure
+from hybridkv.layers.backends import PrepareReport
+from hybridkv.layers.backends.cpu import linear as cpu_linear
+from hybridkv.layers.linear import Linear
 
 
 class Tiny(nn.Module):
@@ -21,31 +25,35 @@ class Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("spare", [1 << 40, 0])
-def test_cpu_float32_uses_onednn_and_agrees_with_f_linear(spare, monkeypatch):
+def test_packed_onednn_linears_agree_with_f_linear(spare, monkeypatch):
     if linear._onednn_ops() is None:
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr(linear, "spare_memory", lambda: spare)
+    monkeypatch.setattr(cpu_linear, "spare_memory", lambda: spare)
     torch.manual_seed(0)
     model = Tiny()
     x = torch.randn(7, 16)
     expected = (nn.functional.linear(x, model.up.weight, model.up.bias), nn.functional.linear(x, model.embed.weight))
-    assert configure(model, torch.device("cpu")) == "onednn"
-    assert model.up.weight.numel() == 0 and model.up._packed is not None  # dense copy dropped
+    report = PrepareReport("cpu")
+    cpu_linear.pack_linears(model, report)
+    assert isinstance(model.up, cpu_linear.OneDNNLinear) and isinstance(model.head, cpu_linear.OneDNNLinear)
+    assert model.up.weight.numel() == 0 and model.up.packed is not None  # dense copy dropped
     assert model.head.weight is model.embed.weight  # the embedding's rows stay readable
-    assert (model.head._packed is not None) == bool(spare)  # a packed copy beside them where memory allows
+    assert (model.head.packed is not None) == bool(spare)  # a packed copy beside them where memory allows
+    assert bool(report.declined) == (not spare)  # and the report says when it is not
     got = (model.up(x), model.head(x), model.embed(torch.tensor([3])))
     for g, e in zip(got, (*expected, model.embed.weight[3:4])):
         assert torch.allclose(g, e, rtol=1e-5, atol=1e-5)
     assert model.up(x[None]).shape == (1, 7, 40)  # leading dimensions kept
 
 
-def test_other_dtypes_and_the_override_keep_f_linear(monkeypatch):
-    assert linear.choose(torch.device("cpu"), torch.bfloat16) == "torch"
-    monkeypatch.setenv("HYBRIDKV_LINEAR", "torch")
-    assert linear.choose(torch.device("cpu"), torch.float32) == "torch"
-    model = Tiny()
-    assert configure(model, torch.device("cpu")) == "torch"
-    assert model.up._matmul is None and model.up.weight.numel() == 40 * 16
+def test_other_dtypes_and_devices_have_no_onednn_product():
+    assert linear.onednn_ops(torch.device("cpu"), torch.bfloat16) is None
+    assert linear.onednn_ops(torch.device("meta"), torch.float32) is None
+    model = Tiny().to(torch.bfloat16)
+    report = PrepareReport("cpu")
+    cpu_linear.pack_linears(model, report)
+    assert type(model.up) is Linear and model.up.weight.numel() == 40 * 16
+    assert "F.linear runs" in report.declined[0]
 
 
 def test_fused_linear_is_the_parts_side_by_side():
@@ -56,12 +64,9 @@ def test_fused_linear_is_the_parts_side_by_side():
     assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
-@pytest.mark.parametrize("override", [None, "torch"])
-def test_product_nt_is_x_times_w_transposed_for_any_strides(override, monkeypatch):
-    # Attention's products on the CPU (paged_attention._attend_products):
-    # a transposed (strided) right operand, as the value rows are passed.
-    if override:
-        monkeypatch.setenv("HYBRIDKV_LINEAR", override)
+def test_product_nt_is_x_times_w_transposed_for_any_strides():
+    # Attention's products on the CPU (the reference's prefill tiles): a
+    # transposed (strided) right operand, as the value rows are passed.
     # Small products go to torch.mm, big ones (ONEDNN_MIN_PRODUCT) to oneDNN.
     gen = torch.Generator().manual_seed(0)
     for m, k, n in ((9, 24, 13), (256, 256, 130)):

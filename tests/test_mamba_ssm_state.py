@@ -1,7 +1,7 @@
-"""The mamba-ssm / causal-conv1d adapter (layers/mamba_ssm_state.py) on the
+"""The mamba-ssm / causal-conv1d adapter (layers/backends/flashinfer/mamba_ssm.py) on the
 CPU: with the two kernels' documented semantics in torch in their place,
 a decode step updates the same states and gives the same outputs as the
-reference (mamba_state.TorchMamba), states on multi-page blocks read from
+reference's recurrent side, states on multi-page blocks read from
 one page run and written to another, one sequence starting from the zero
 state. The kernels themselves need a GPU."""
 
@@ -12,8 +12,8 @@ import torch
 
 from hybridkv.core import FullAttentionSpec, MambaSpec, plan_layout
 from hybridkv.layers.kv_buffers import KVBuffers
-from hybridkv.layers.mamba_ssm_state import MambaSsmMamba, emulated_kernels
-from hybridkv.layers.mamba_state import TorchMamba
+from hybridkv.layers.backends.flashinfer.mamba_ssm import MambaSsmRecurrent, emulated_kernels
+from hybridkv.layers.backends.reference.recurrent import ReferenceRecurrent
 from hybridkv.layers.step import StepInputs
 
 CHANNELS, WIDTH, STATE = 24, 4, 8
@@ -56,8 +56,8 @@ def run(backend, layout, buffers, read, write, seed=1):
 
 
 def test_the_adapter_with_the_kernels_semantics_equals_the_reference():
-    reference = run(TorchMamba(), *setup())
-    adapted = run(MambaSsmMamba(*emulated_kernels()), *setup())
+    reference = run(ReferenceRecurrent(), *setup())
+    adapted = run(MambaSsmRecurrent(*emulated_kernels()), *setup())
     for ours, theirs in zip(adapted, reference):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-5, rtol=1e-5)
     assert reference[2].any()  # the written states are there
@@ -65,7 +65,7 @@ def test_the_adapter_with_the_kernels_semantics_equals_the_reference():
 
 def test_without_causal_conv1d_the_conv_step_is_the_reference():
     selective_state_update, _ = emulated_kernels()
-    reference = run(TorchMamba(), *setup())
-    adapted = run(MambaSsmMamba(selective_state_update, None), *setup())
+    reference = run(ReferenceRecurrent(), *setup())
+    adapted = run(MambaSsmRecurrent(selective_state_update, None), *setup())
     for ours, theirs in zip(adapted, reference):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-5, rtol=1e-5)

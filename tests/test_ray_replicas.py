@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import threading
 import time
 
+import httpx
 import pytest
 
-pytest.importorskip("fastapi")
-ray = pytest.importorskip("ray")
-httpx = pytest.importorskip("httpx")
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
 from ray import serve  # noqa: E402
 
@@ -27,8 +25,9 @@ from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.engine import Engine, SamplingParams  # noqa: E402
 from hybridkv.server.protocol import render_chat  # noqa: E402
 from hybridkv.serving.event_feed import EventReporter, IndexFeed, RecentRoutes, snapshot_events  # noqa: E402
-from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray  # noqa: E402
+from hybridkv.serving.ray import REPLICA_HEADER, build_application, start_ray, stop_local_ray  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
+from serving import free_port  # noqa: E402
 
 # Gemma-3's pool is small on purpose: 61 pages, so a second long prompt on a
 # replica evicts the sliding-window blocks the first one released early.
@@ -38,16 +37,10 @@ STATS_PERIOD_S = 0.2
 SETTLE_S = 1.0  # a few report periods: long enough for the routers to hear of what the replicas cached
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     start_ray(num_cpus=6, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for name in OPTIONS:
         app = build_application(tiny_model_dir(name), model_name=name, num_replicas=2, engine_options=OPTIONS[name],
@@ -58,8 +51,7 @@ def cluster():
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     yield client
     client.close()
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_ray()  # with Ray's agents, which outlive ray.shutdown()
 
 
 def _wait_running(app: str, replicas: int = 2, timeout: float = 120) -> None:

@@ -1,19 +1,22 @@
 """The batched sampler: greedy rows are the first maximum, a broken row
 fails alone, filters keep only what they allow, and a seeded request's
-tokens do not depend on the rest of the batch."""
+tokens do not depend on the rest of the batch. The random streams
+(seeding.py): every bit of a 64-bit seed counts, children of n > 1 have
+streams of their own, unseeded requests draw fresh entropy per engine."""
 
 import pytest
 import torch
 
 from hybridkv import SamplingParams
 from hybridkv.engine.sampler import sample
+from hybridkv.engine.seeding import engine_stream, pick, request_stream
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def draw(logits, params, generators=None, seed=0):
-    generators = generators or [None] * len(params)
-    return sample(logits, params, generators, torch.Generator().manual_seed(seed))
+def draw(logits, params, streams=None, seed=0):
+    streams = streams or [None] * len(params)
+    return sample(logits, params, streams, engine_stream(seed))
 
 
 def test_greedy_rows_take_the_first_maximum():
@@ -60,8 +63,44 @@ def test_a_seeded_row_ignores_the_rest_of_the_batch(filters):
     seeded = SamplingParams(temperature=1.0, seed=11, **filters)
 
     def alone():
-        return draw(logits[2:3], [seeded], [torch.Generator().manual_seed(11)])[0]
+        return draw(logits[2:3], [seeded], [request_stream(11, 0)])[0]
 
     mixed = draw(logits, [SamplingParams(temperature=0.7), GREEDY, seeded, SamplingParams(temperature=1.3, top_k=3)],
-                 [None, None, torch.Generator().manual_seed(11), None], seed=5)
+                 [None, None, request_stream(11, 0), None], seed=5)
     assert mixed[2] == alone()
+
+
+def test_pick_inverts_the_cumulative_distribution():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    uniforms = [0.0, 0.2499, 0.25, 0.9999, 1 - 1e-16]
+    assert pick(probs, uniforms).tolist() == [1, 1, 3, 3, 3]  # never a column of probability 0
+    assert pick(probs * 7, uniforms).tolist() == [1, 1, 3, 3, 3]  # unnormalised rows too
+
+
+def draws(stream, n=8):
+    return stream.random(n).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, -1, 2**62 + 3, -(2**63)])
+def test_every_bit_of_a_64_bit_seed_counts(seed):
+    mine = draws(request_stream(seed, 0))
+    assert mine == draws(request_stream(seed, 0))
+    for k in (1, 2, 2**31 - 1):
+        other = (seed + (k << 32) + 2**63) % 2**64 - 2**63  # seed + k * 2**32, wrapped into 64 bits
+        assert draws(request_stream(other, 0)) != mine, k
+    assert draws(request_stream(seed ^ (1 << 63), 0)) != mine  # the top bit too
+
+
+def test_a_childs_stream_is_its_own():
+    # Child i of seed s is neither seed s + i's stream nor another child's.
+    seen = {}
+    for seed in range(4):
+        for index in range(4):
+            seen[(seed, index)] = tuple(draws(request_stream(seed, index)))
+    assert len(set(seen.values())) == len(seen)
+
+
+def test_unseeded_draws_are_fresh_per_engine_unless_it_has_a_seed():
+    assert draws(engine_stream(None)) != draws(engine_stream(None))
+    assert draws(engine_stream(3)) == draws(engine_stream(3))
+    assert draws(engine_stream(0)) != draws(request_stream(0, 0))  # an engine seed is no request's seed

@@ -7,15 +7,12 @@ import json
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-
-import torch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.cli import build_parser, main  # noqa: E402
@@ -364,6 +361,11 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 0}, "max_tokens must be"),
     ("/v1/chat/completions", {"messages": []}, "messages must not be empty"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    # tiny-gemma3: a context of 8192 tokens, none longer than 15 characters
+    ("/v1/completions", {"prompt": "x" * 122_881}, "the prompt has 122881 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 100_000},
+                                           {"role": "user", "content": [{"type": "text", "text": "y" * 30_000}]}]},
+     "the prompt has 130000 characters"),
 ]
 
 
@@ -376,6 +378,25 @@ def test_bad_input_is_a_400_with_a_message(server, path, body, message):
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
+    # The default bound: room for the longest prompt that can fit (4 bytes a
+    # character, 122,880 characters) and 1 MiB.
+    limit = 4 * 122_880 + (1 << 20)
+    huge = b'{"prompt": "' + b"x" * limit + b'"}'
+    r = http(server, "POST", "/v1/completions", content=huge, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_too_large" and f"limit of {limit} bytes" in error["message"]
+
+    def chunked():  # no Content-Length: the server stops reading at the bound
+        for _ in range(len(huge) // 65536 + 1):
+            yield b"x" * 65536
+
+    r = http(server, "POST", "/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert http(server, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_the_server_keeps_serving_after_bad_input(server, client):
@@ -431,6 +452,10 @@ def test_serve_command_options():
     args = build_parser().parse_args(["serve", "--model", "model.gguf"])
     assert (args.model, args.model_option) == (None, "model.gguf")
     assert main(["serve", "a", "--model", "b.gguf"]) == 2
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "4MiB", "--max-prompt-chars", "1000", "--seed", "7"])
+    assert (args.max_body_bytes, args.max_prompt_chars, args.seed) == ("4MiB", 1000, 7)
+    assert main(["serve", "--max-prompt-chars", "0"]) == 2
+    assert main(["serve", "--max-body-bytes", "-3"]) == 2
 
 
 def test_usage_reports_cached_prompt_tokens_streamed_or_not(server, client):
@@ -484,6 +509,21 @@ def test_speculative_server_streams_the_same_text_and_counts_drafts(ref_engine):
         assert m["hybridkv_spec_decode_draft_tokens_total"] == engine.stats["spec_draft_tokens"] > 0
         assert m["hybridkv_spec_decode_accepted_tokens_total"] == engine.stats["spec_accepted_tokens"]
         assert_every_block_free(server)
+
+
+def test_a_chat_without_max_tokens_generates_what_fits_a_pool_smaller_than_the_context():
+    # 63 pages hold one request of 160 tokens; the context is 8192.
+    engine = Engine(tiny_model_dir(MODEL), kv_cache_memory="256KiB", progress=False)
+    app = build_app(engine, model_name=MODEL, api_key=KEY)
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = chat_ids(engine, messages)
+    with running(app) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0) as client:
+            chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(prompt)
+    assert chat.usage.completion_tokens == engine.max_tokens_that_fit(len(prompt)) > 16
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_a_restarted_server_with_a_disk_tier_hits_the_system_prompt_on_its_first_request(tmp_path):

@@ -1,6 +1,6 @@
 import pytest
 
-from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, RecurrentSpec, SlidingWindowSpec
 from hybridkv.core.hf_config import load_config, specs_from_config
 
 
@@ -18,6 +18,7 @@ def test_spec_bytes():
     lambda: ChunkedLocalSpec(num_kv_heads=2, head_size=8, chunk_size=-1),
     lambda: MambaSpec(shapes=((8, 0),), dtypes=("float32",)),
     lambda: MambaSpec(shapes=((8, 3), (8, 4)), dtypes=("float32",)),
+    lambda: RecurrentSpec(shapes=((8, 3),), dtypes=("float32",), kind="rwkv"),
 ])
 def test_non_positive_or_unknown_spec_values_are_rejected(make):
     with pytest.raises(ValueError):
@@ -57,7 +58,11 @@ def _mix(name):
     ("mistral-7b-v0.1.json", {"sliding_window4096": 32}),
     ("llama-4-scout.json", {"chunked_local": 36, "full": 12}),
     ("jamba-1.5-mini.json", {"mamba": 28, "full": 4}),
-    ("nemotron-h-8b.json", {"mamba": 24, "full": 4}),
+    ("nemotron-h-8b.json", {"mamba2": 24, "full": 4}),
+    ("qwen3-next-80b-a3b.json", {"gated_delta": 36, "full": 12}),
+    ("granite-4.0-h-tiny.json", {"mamba2": 36, "full": 4}),
+    ("lfm2-1.2b.json", {"short_conv": 10, "full": 6}),
+    ("falcon-h1-0.5b.json", {"mamba2": 36, "full": 36}),
     ("llama-3.1-8b.json", {"full": 32}),
 ])
 def test_hybrid_layer_mix_read_from_real_configs(name, expected):
@@ -83,3 +88,20 @@ def test_unknown_architecture_names_what_is_supported():
     with pytest.raises(ValueError, match="missing 'sliding_window'"):
         specs_from_config({"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 2,
                            "head_dim": 8, "layer_types": ["sliding_attention"] * 6})
+
+
+def test_every_recurrent_kind_is_one_spec_and_mixers_never_share_a_group():
+    # MambaSpec (the public name) is the recurrent spec of kind "mamba"; a
+    # state of the same shapes but another mixer is another group, and the
+    # layout says which mixer each group steps (and reads it back).
+    from hybridkv.core import plan_layout
+    from hybridkv.core.layout import KVCacheLayout
+
+    shapes, dtypes = ((16, 3), (16, 8)), ("float32", "float32")
+    assert MambaSpec(shapes=shapes, dtypes=dtypes) == RecurrentSpec(shapes=shapes, dtypes=dtypes, kind="mamba")
+    specs = {"l0": MambaSpec(shapes=shapes, dtypes=dtypes), "l1": RecurrentSpec(shapes, dtypes, kind="mamba2"),
+             "l2": RecurrentSpec(((16, 3),), ("float32",), kind="short_conv"), "l3": FullAttentionSpec(2, 8)}
+    layout = plan_layout(specs, 1 << 20, block_size=4)
+    assert [(g.kind, g.recurrent) for g in layout.groups] == [
+        ("mamba", True), ("mamba2", True), ("short_conv", True), ("full", False)]
+    assert KVCacheLayout.from_dict(layout.to_dict()) == layout

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
+from hybridkv.engine.seeding import engine_stream
 from hybridkv.engine.speculative import PromptLookup, accept_drafts
 from oracle import check_tokens, load_reference, model_dir, reference_logits
 
@@ -78,7 +79,7 @@ def test_greedy_acceptance_keeps_drafts_while_they_are_the_argmax_then_adds_one(
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 4, 9, 2]):
         logits[row, best] = 1.0
-    default = torch.Generator().manual_seed(0)
+    default = engine_stream(0)
     params = SamplingParams(temperature=0)
     assert accept_drafts(logits, [3, 4, 9], params, None, default) == [3, 4, 9, 2]  # all, then the bonus
     assert accept_drafts(logits, [3, 5, 9], params, None, default) == [3, 4]  # up to the first miss
@@ -100,7 +101,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     probs, order = _filtered_probabilities(logits, [params] * 3, _needs_sort(params, vocab))
     if order is not None:
         probs = torch.zeros_like(probs).scatter_(1, order, probs)
-    gen = torch.Generator().manual_seed(1)
+    gen = engine_stream(1)
     trials = 6000
     for drafts in ([0, 1], [int(probs[0].argmax()), int(probs[1].argmax())], [5, 5]):
         first = torch.zeros(vocab)
@@ -119,10 +120,11 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
 
 # -- the engine ----------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["gemma3", "jamba"])
+@pytest.fixture(scope="module", params=["gemma3", "jamba", "gpt_oss"])
 def family_model(request, tmp_path_factory):
-    # Gemma-3 with a window of 8 and blocks of 4: drafts cross the window
-    # and its block releases; Jamba with rolling checkpoints every 4 tokens.
+    # Gemma-3 and gpt-oss (attention sinks, experts) with a window of 8 and
+    # blocks of 4: drafts cross the window and its block releases; Jamba
+    # with rolling checkpoints every 4 tokens.
     path = model_dir(tmp_path_factory, request.param, sliding_window=8)
     return request.param, path, load_reference(path)
 
@@ -298,7 +300,7 @@ def test_hybrid_speculative_seeded_sampling_is_reproducible(family_model):
 def test_hybrid_speculative_triton_backend_matches_transformers(family_model):
     # The Triton backend keeps decode states in the pool and gathers the
     # verified chunks with the prefills: the rollback must work there too.
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
     family, path, reference = family_model
     prompts = quoting_prompts(3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

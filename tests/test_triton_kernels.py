@@ -1,4 +1,4 @@
-"""hybridkv's Triton kernels (layers/triton_ops.py) against the torch
+"""hybridkv's Triton kernels (layers/backends/triton/ops.py) against the torch
 reference: K/V store, paged attention (decode, prefill, mixed steps) for
 every attention type, the Mamba decode step, and the engine with the
 kernels switched on.
@@ -10,8 +10,8 @@ real-size tests at the end (Gemma-3-27B's attention at 8K and 32K, batch
 64; a Jamba-1.5-Mini Mamba layer).
 
 The interpreter must be switched on before the kernels are decorated, so
-TRITON_INTERPRET is set here, before hybridkv.layers.triton_ops is imported
-(nothing else imports it: layers/backend.py imports it on first use).
+TRITON_INTERPRET is set here, before the kernels are imported (nothing
+imports them before a triton backend is built).
 
 Cache slots no query may read hold NaN, and so does the null page: a kernel
 that loads one of them (a key outside the window, a released block,
@@ -32,13 +32,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs the triton extra: pip install -e '.[triton]'")
 
 from hybridkv import Engine, SamplingParams  # noqa: E402
 from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec, plan_layout  # noqa: E402
 from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.layers import backend, kernel_attention, paged_attention  # noqa: E402
-from hybridkv.layers import triton_ops as ops  # noqa: E402
+from hybridkv.layers import backends as backend  # noqa: E402
+from hybridkv.layers.backends.reference import attention as paged_attention  # noqa: E402
+from hybridkv.layers.backends.triton import attention as kernel_attention  # noqa: E402
+from hybridkv.layers.backends.triton import ops  # noqa: E402
 from hybridkv.layers.mamba_ops import causal_conv_step, selective_scan_step  # noqa: E402
 from hybridkv.layers.step import StepInputs, attention_step  # noqa: E402
 from oracle import model_dir  # noqa: E402
@@ -60,7 +62,7 @@ gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="real sizes: CUDA only (t
 
 def test_kernels_run_compiled_on_cuda_or_under_the_interpreter():
     assert ops.INTERPRETED == (DEVICE == "cpu"), (
-        "hybridkv.layers.triton_ops was imported before this module chose TRITON_INTERPRET")
+        "hybridkv.layers.backends.triton.ops was imported before this module chose TRITON_INTERPRET")
 
 
 def layer_cache(pages, bs, kv_heads, dim, dtype, layers_per_page=2):
@@ -174,17 +176,17 @@ class AttentionCase:
         step = attention_step(inputs, self.table, self.spec, self.bs)
         return inputs, paged_attention.build(step), kernel_attention.build(step)
 
-    def reference(self, scale, softcap, meta=None):
+    def reference(self, scale, softcap, meta=None, sinks=None):
         """The torch reference on a NaN-free copy (it reads masked slots of
         blocks it gathers; the engine's store keeps those finite, this test
         poisons them)."""
         meta = meta or self.meta
         if self.poison:  # a clean copy (small)
             return paged_attention.attend(self.q, self.cache.nan_to_num(0.0), meta, self.column, scale,
-                                          softcap).float()
+                                          softcap, sinks).float()
         self.cache[0] = 0.0
         try:
-            return paged_attention.attend(self.q, self.cache, meta, self.column, scale, softcap).float()
+            return paged_attention.attend(self.q, self.cache, meta, self.column, scale, softcap, sinks).float()
         finally:
             self.cache[0] = float("nan")
 
@@ -192,11 +194,12 @@ class AttentionCase:
 CASES = [("full", 0), ("sliding", 5), ("sliding", 23), ("sliding", 40), ("chunked", 24), ("chunked", 48)]
 
 
-def check_attention(case, scale, softcap, splits=1, direct=True):
-    ref = case.reference(scale, softcap)
+def check_attention(case, scale, softcap, splits=1, direct=True, sinks=None):
+    ref = case.reference(scale, softcap, sinks=sinks)
     atol, rtol = TOL[case.dtype]
     # 1. Through the kernel backend's metadata and ops.
-    out = kernel_attention.attend(ops, case.q, case.cache, case.kernel_meta, case.column, scale, softcap)
+    out = kernel_attention.TritonAttention(ops).attend(case.q, case.cache, case.kernel_meta, case.column, scale,
+                                                       softcap, sinks)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     if not direct:
@@ -213,12 +216,12 @@ def check_attention(case, scale, softcap, splits=1, direct=True):
     if decode:
         r = ints(rows[decode])
         ops.paged_decode_attention(out, case.q, case.cache, r, table, ints(table_rows[decode]), positions[r],
-                                   first[r], scale=scale, softcap=softcap, splits=splits, block_n=16)
+                                   first[r], scale=scale, softcap=softcap, sinks=sinks, splits=splits, block_n=16)
     if prefill:
         ops.paged_prefill_attention(out, case.q, case.cache, ints(rows[prefill]),
                                     ints([case.step[i][1] for i in prefill]), table, ints(table_rows[prefill]),
                                     positions, first, max_length=max(case.step[i][1] for i in prefill), scale=scale,
-                                    softcap=softcap, block_m=16, block_n=32)
+                                    softcap=softcap, sinks=sinks, block_m=16, block_n=32)
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
 
@@ -294,6 +297,18 @@ def test_soft_capped_attention_matches_the_reference(kind, size):
     check_attention(case, scale=2.0, softcap=5.0, splits=2)
 
 
+@pytest.mark.parametrize("kind,size", [("sliding", 5), ("sliding", 23), ("full", 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_match_the_reference(kind, size, dtype):
+    # gpt-oss: a logit per query head in each softmax's denominator; they
+    # start the online softmax, in the first of several key splits only.
+    case = AttentionCase(KINDS[kind], size, 16, 2, dtype, seed=11)
+    sinks = torch.randn(case.q.shape[1], generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    assert (case.reference(0.3, None, sinks=sinks) - case.reference(0.3, None)).abs().max() > 0.1
+    check_attention(case, scale=0.3, softcap=None, splits=3, sinks=sinks)
+    check_attention(case, scale=0.3, softcap=5.0, splits=1, sinks=sinks.to(torch.bfloat16))
+
+
 def test_a_layer_in_a_later_column_of_multi_page_blocks():
     # A group whose block spans 3 pages; the layer reads column 2.
     case = AttentionCase("sliding_window", 23, 16, 2, torch.float32, width=3, column=2, seed=11)
@@ -329,7 +344,7 @@ def test_fixed_shape_decode_metadata_reads_what_the_exact_one_reads(kind, size):
     assert len(ref_meta.decodes) == 1 and ref_meta.decodes[0].pages.shape[-1] == \
         paged_attention.read_bound(case.spec, 16, case.table.shape[2])
     torch.testing.assert_close(case.reference(0.3, None, meta=ref_meta), exact, atol=2e-6, rtol=1e-5)
-    out = kernel_attention.attend(ops, case.q, case.cache, kernel_meta, case.column, 0.3, None)
+    out = kernel_attention.TritonAttention(ops).attend(case.q, case.cache, kernel_meta, case.column, 0.3, None)
     torch.testing.assert_close(out.float(), exact, atol=2e-5, rtol=1e-5)
 
 
@@ -341,7 +356,7 @@ def test_store_matches_the_reference_and_zeroes_the_rest_of_the_last_block():
     cache[:] = float("nan")  # what another layer type may have left in the pages
     expected = cache.clone()
     paged_attention.store(expected, k, v, case.meta, case.column)
-    kernel_attention.store(ops, cache, k, v, case.kernel_meta, case.column)
+    kernel_attention.TritonAttention(ops).store(cache, k, v, case.kernel_meta, case.column)
     written = ~torch.isnan(cache)
     assert torch.equal(cache[written], expected[written])  # the kernel writes the same slots
     # The reference also zeroes the rest of a sequence's last block after its
@@ -494,12 +509,12 @@ def test_backend_is_chosen_once_auto_is_the_c_kernel_on_cpu_and_triton_there_nee
     assert backend.choose("triton", DEVICE).name == "triton"
     if DEVICE == "cuda":
         assert backend.choose("auto", "cuda").name == "triton"
-    monkeypatch.setenv("HYBRIDKV_KERNELS", "torch")
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "torch")
     assert backend.choose(None, DEVICE).name == "torch"
     monkeypatch.setattr(ops, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         backend.choose("triton", "cpu")
-    with pytest.raises(ValueError, match="unknown kernel backend"):
+    with pytest.raises(ValueError, match="unknown backend"):
         backend.choose("cuda", DEVICE)
 
 
@@ -514,7 +529,7 @@ import os, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hybridkv.layers import triton_ops as ops
+from hybridkv.layers.backends.triton import ops
 
 def compile(fn, args, consts, **options):
     signature, attrs, consts = {}, {}, dict(consts)
@@ -542,16 +557,19 @@ for dt in ("bf16", "fp32"):
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
     common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
-                  scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
+                  sinks_ptr="*fp32", scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
     # The tiles kernel_attention.decode_block_n picks: 128 (full) and 32 (window) keys in 16-bit, 64 else.
-    for softcap, splits, block_n in ((False, 1, 128), (True, 4, 32), (False, 2, 64)):
+    # (sinks: gpt-oss's windowed layers, split and not)
+    for softcap, sinks, splits, block_n in ((False, False, 1, 128), (True, False, 4, 32), (False, False, 2, 64),
+                                            (False, True, 1, 32), (False, True, 4, 128)):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
-                part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G,
-                GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64, SPLITS=splits,
-                PRECISION=prec))
-    for softcap, dot16 in ((False, False), (True, False), (False, dt == "bf16")):
+                part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS,
+                GROUP=G, GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64,
+                SPLITS=splits, PRECISION=prec))
+    for softcap, sinks, dot16 in ((False, False, False), (True, False, False), (False, False, dt == "bf16"),
+                                  (False, True, False)):
         compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
-                dict(HAS_SOFTCAP=softcap, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
+                dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
                      BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec,
                      DOT_16=dot16),
                 num_warps=4 if dt == "fp32" else 8)
@@ -648,7 +666,7 @@ def test_real_size_jamba_1_5_mini_mamba_decode_step():
 
 
 def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
-    from hybridkv.layers import kernel_check
+    from hybridkv.layers.backends.triton import check as kernel_check
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel_check.check(ops, device)  # the kernels agree with the dense rules
@@ -663,3 +681,10 @@ def test_the_startup_self_test_passes_and_catches_a_broken_kernel(monkeypatch):
 
     with pytest.raises(AssertionError, match="decode attention"):
         kernel_check.check(Broken(), device)
+
+    class NoSinks(Broken):  # a decode kernel that drops the attention sinks
+        def paged_decode_attention(self, *args, sinks=None, **kw):
+            return ops.paged_decode_attention(*args, **kw)
+
+    with pytest.raises(AssertionError, match="decode attention"):
+        kernel_check.check(NoSinks(), device)

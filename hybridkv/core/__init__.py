@@ -10,11 +10,12 @@ from .hashing import BlockHasher
 from .coordinator import Coordinator, HybridCoordinator, UnitaryCoordinator, make_coordinator
 from .kv_cache_manager import CacheStats, GroupHit, HitExplanation, KVCacheManager, UnknownRequestError
 from .layout import KVCacheGroup, KVCacheLayout, LayerView, parse_memory, plan_layout
-from .specs import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from .specs import RECURRENT_KINDS, ChunkedLocalSpec, FullAttentionSpec, MambaSpec, RecurrentSpec, SlidingWindowSpec
 
 __all__ = [
     "NULL", "BlockCache", "BlockHasher", "CacheStats", "CheckpointPolicy", "ChunkedLocalSpec", "Coordinator", "FastPath", "NO_FAST_PATH",
     "FullAttentionSpec", "GroupHit", "HitExplanation", "HybridCoordinator", "KVCacheGroup", "KVCacheLayout",
-    "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "PageAllocator", "SlidingWindowSpec", "UnitaryCoordinator",
+    "KVCacheManager", "LayerView", "MambaSpec", "POLICIES", "PageAllocator", "RECURRENT_KINDS", "RecurrentSpec",
+    "SlidingWindowSpec", "UnitaryCoordinator",
     "UnknownRequestError", "make_coordinator", "parse_memory", "plan_layout",
 ]

@@ -22,7 +22,7 @@ import math
 import random
 
 from .layout import KVCacheLayout
-from .specs import AttentionSpec, LayerSpec, MambaSpec
+from .specs import AttentionSpec, LayerSpec
 
 
 def length_mix(max_tokens: int, n: int = 2000, seed: int = 0) -> list[int]:
@@ -52,7 +52,7 @@ def _kept_tokens(spec: AttentionSpec, tokens: int) -> int:
 def exact_bytes(specs: dict[str, LayerSpec], tokens: int) -> int:
     total = 0
     for spec, count in _by_spec(specs).items():
-        if isinstance(spec, MambaSpec):
+        if spec.recurrent:
             total += count * spec.state_bytes
         else:
             total += count * _kept_tokens(spec, tokens) * spec.bytes_per_token
@@ -62,7 +62,7 @@ def exact_bytes(specs: dict[str, LayerSpec], tokens: int) -> int:
 def contiguous_bytes(specs: dict[str, LayerSpec], max_tokens: int, cap_windows: bool = True) -> int:
     total = 0
     for spec, count in _by_spec(specs).items():
-        if isinstance(spec, MambaSpec):
+        if spec.recurrent:
             total += count * spec.state_bytes
         elif spec.kind == "sliding_window" and cap_windows:
             total += count * min(max_tokens, spec.sliding_window) * spec.bytes_per_token
@@ -85,8 +85,8 @@ class PaddedGroups:
         for spec, count in counts.items():
             self.groups.append((spec, math.ceil(count / self.group_layers)))
         self.padding_layers = sum(n * self.group_layers for _, n in self.groups) - sum(counts.values())
-        attention = [s for s, _ in self.groups if not isinstance(s, MambaSpec)]
-        states = [s.state_bytes for s, _ in self.groups if isinstance(s, MambaSpec)]
+        attention = [s for s, _ in self.groups if not s.recurrent]
+        states = [s.state_bytes for s, _ in self.groups if s.recurrent]
         per_token = max((s.bytes_per_token for s in attention), default=0) * self.group_layers
         self.block_size = block_size
         if states and per_token:
@@ -99,7 +99,7 @@ class PaddedGroups:
         pages = 0
         bs = self.block_size
         for spec, groups in self.groups:
-            if isinstance(spec, MambaSpec):
+            if spec.recurrent:
                 blocks = 1
             else:
                 all_blocks = math.ceil(tokens / bs)
@@ -118,7 +118,7 @@ class PaddedGroups:
         real = alloc = 0
         for spec, groups in self.groups:
             count = self._counts[spec]
-            if isinstance(spec, MambaSpec):
+            if spec.recurrent:
                 real += count * spec.state_bytes
             else:
                 real += count * spec.bytes_per_token * self.block_size

@@ -32,8 +32,9 @@ from .page_allocator import NULL
 from .request import NO_FAST_PATH, CacheRequest, FastPath, Lookup, ScanMemo
 from .specs import NEVER
 
-# Groups whose hits are sparsest go first, so the candidate drops fastest.
-_LOOKUP_ORDER = {"mamba": 0, "full": 1, "chunked_local": 2, "sliding_window": 3}
+# Groups whose hits are sparsest go first, so the candidate drops fastest:
+# recurrent groups (checkpoints only), then full, chunked, sliding.
+_LOOKUP_ORDER = {"full": 1, "chunked_local": 2, "sliding_window": 3}
 
 
 class Coordinator:
@@ -52,7 +53,7 @@ class Coordinator:
             if caching and recurrent else None
         self.managers = [make_manager(g, self.block_cache, caching, hasher.verifies, self.checkpoints)
                          for g in layout.groups]
-        self._lookup_order = sorted(self.managers, key=lambda m: _LOOKUP_ORDER[m.kind])
+        self._lookup_order = sorted(self.managers, key=lambda m: 0 if m.recurrent else _LOOKUP_ORDER[m.kind])
         self._events_follow_allocation = any(m.events_follow_allocation for m in self.managers)
         self.pending_copies: list = []  # (group, src pages, dst pages), for the runner
         self.tier = None  # the store below the pool (core/tiers.py), once attached

@@ -28,7 +28,8 @@ class BlockStored(NamedTuple):
     token_ids: list  # the blocks' tokens, one block after the other
     block_size: int
     group_idx: int
-    kind: str  # "full", "sliding_window", "chunked_local", "mamba" (a Mamba key: the state after its prefix)
+    kind: str  # "full", "sliding_window", "chunked_local", or a recurrent kind ("mamba", "mamba2", ...: a key
+    #            stands for the state after its prefix)
 
 
 class BlockRemoved(NamedTuple):

@@ -8,7 +8,7 @@ import json
 import os
 
 from .dtypes import MODEL_DTYPES, dtype_name
-from .specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, MambaSpec, SlidingWindowSpec
+from .specs import ChunkedLocalSpec, FullAttentionSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
 
 # The one list of supported models. Every config.json `model_type` this
 # reader plans a KV cache for, with the config.json `architectures` of it
@@ -23,8 +23,11 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "llama": ("LlamaForCausalLM",),
     "mistral": ("MistralForCausalLM",),
     "ministral": ("MinistralForCausalLM",),
-    "mixtral": (), "gpt_oss": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
-    "qwen3_moe": (), "bamba": (), "granitemoehybrid": (), "nemotron_h": (), "qwen3_next": (),
+    "gpt_oss": ("GptOssForCausalLM",),
+    "mixtral": (), "llama4": (), "llama4_text": (), "cohere2": (), "qwen2": (), "qwen3": (),
+    "qwen3_moe": (), "bamba": ("BambaForCausalLM",), "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
+    "nemotron_h": ("NemotronHForCausalLM",), "qwen3_next": (), "falcon_h1": ("FalconH1ForCausalLM",),
+    "lfm2": ("Lfm2ForCausalLM",),
 }
 # config.json architecture -> model_type, for the architectures the engine runs.
 ENGINE_ARCHITECTURES = {arch: model_type for model_type, archs in MODEL_TYPES.items() for arch in archs}
@@ -74,15 +77,16 @@ def _attention_dims(cfg: dict, family: str) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
-def _mamba1_spec(cfg: dict, dtype: str, state_dtype: str) -> MambaSpec:
+def _mamba1_spec(cfg: dict, dtype: str, state_dtype: str) -> RecurrentSpec:
     # mamba_inner: a tensor-parallel rank's share of the channels (engine/tensor_parallel.py).
     d_inner = cfg.get("mamba_inner") or cfg.get("mamba_expand", 2) * _need(cfg, "hidden_size", "Jamba")
     d_conv, d_state = cfg.get("mamba_d_conv", 4), cfg.get("mamba_d_state", 16)
     # The conv state keeps the d_conv - 1 inputs before the current one.
-    return MambaSpec(shapes=((d_inner, d_conv - 1), (d_inner, d_state)), dtypes=(dtype, state_dtype))
+    return RecurrentSpec(shapes=((d_inner, d_conv - 1), (d_inner, d_state)), dtypes=(dtype, state_dtype),
+                         kind="mamba")
 
 
-def _mamba2_spec(cfg: dict, family: str, dtype: str, state_dtype: str, names: dict) -> MambaSpec:
+def _mamba2_spec(cfg: dict, family: str, dtype: str, state_dtype: str, names: dict) -> RecurrentSpec:
     get = lambda key, default=None: cfg.get(names.get(key, key), default)  # noqa: E731
     n_heads = get("n_heads")
     if n_heads is None:
@@ -90,10 +94,13 @@ def _mamba2_spec(cfg: dict, family: str, dtype: str, state_dtype: str, names: di
     expand, hidden = get("expand", 2), _need(cfg, "hidden_size", family)
     d_head = get("d_head")
     if d_head in (None, "auto"):
-        d_head = expand * hidden // n_heads
+        # Falcon-H1 may name the channels outright (mamba_d_ssm); else expand x hidden.
+        d_head = (cfg.get("mamba_d_ssm") or expand * hidden) // n_heads
     n_groups, d_state, d_conv = get("n_groups", 1), get("d_state", 128), get("d_conv", 4)
+    # The conv window runs over x, B and C; the SSM state is [heads, head_dim, state].
     conv_dim = n_heads * d_head + 2 * n_groups * d_state
-    return MambaSpec(shapes=((conv_dim, d_conv - 1), (n_heads, d_head, d_state)), dtypes=(dtype, state_dtype))
+    return RecurrentSpec(shapes=((conv_dim, d_conv - 1), (n_heads, d_head, d_state)), dtypes=(dtype, state_dtype),
+                         kind="mamba2")
 
 
 _MAMBA2_NAMES = {
@@ -104,12 +111,15 @@ _MAMBA2_NAMES = {
     "nemotron_h": {"n_heads": "mamba_num_heads", "d_head": "mamba_head_dim", "n_groups": "n_groups",
                    "d_state": "ssm_state_size", "d_conv": "conv_kernel", "expand": "expand"},
 }
+_MAMBA2_NAMES["falcon_h1"] = _MAMBA2_NAMES["bamba"]
 
 
 def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
-    """One of 'full', 'sliding', 'chunked', 'recurrent', 'none' per layer."""
-    n = _need(cfg, "num_hidden_layers", model_type)
+    """One of 'full', 'sliding', 'chunked', 'recurrent', 'none' per layer, or
+    'parallel' (attention and a recurrent mixer side by side: Falcon-H1)."""
     types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    # (transformers 5 saves Nemotron-H without num_hidden_layers: its block list says it)
+    n = len(types) if types and cfg.get("num_hidden_layers") is None else _need(cfg, "num_hidden_layers", model_type)
     if model_type == "nemotron_h":
         pattern = cfg.get("hybrid_override_pattern")
         if pattern:
@@ -118,13 +128,18 @@ def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
     if model_type == "jamba":
         period, offset = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
         return ["full" if i % period == offset else "recurrent" for i in range(n)]
+    if model_type == "falcon_h1":
+        return ["parallel"] * n
+    if model_type == "lfm2" and not types:  # (LFM2's first configs name the attention layers by index)
+        indices = cfg.get("full_attn_idxs")
+        return ["full" if indices is None or i in indices else "recurrent" for i in range(n)]
     if model_type == "bamba" and not types:
         indices = set(cfg.get("attn_layer_indices") or ())
         return ["full" if i in indices else "recurrent" for i in range(n)]
     if types:
         table = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding",
                  "chunked_attention": "chunked", "linear_attention": "recurrent", "mamba": "recurrent",
-                 "mlp": "none", "moe": "none"}
+                 "conv": "recurrent", "mlp": "none", "moe": "none"}
         try:
             return [table[t] for t in types]
         except KeyError as e:
@@ -155,7 +170,9 @@ def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
 def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str = "float32",
                       prefix: str = "model.layers") -> dict[str, LayerSpec]:
     """Per-layer KV cache specs, named `{prefix}.{i}`; layers without a cache
-    (Nemotron-H's MLP blocks) are left out."""
+    (Nemotron-H's MLP blocks) are left out. A parallel layer (Falcon-H1) has
+    two: its attention at `{prefix}.{i}` and its Mamba state at
+    `{prefix}.{i}.mamba`."""
     cfg = text_config(config)
     model_type = cfg.get("model_type") or config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -169,8 +186,12 @@ def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str =
     for i, kind in enumerate(kinds):
         if kind == "none":
             continue
-        if kind in ("full", "sliding", "chunked") and attn is None:
+        if kind in ("full", "sliding", "chunked", "parallel") and attn is None:
             attn = _attention_dims(cfg, model_type)
+        if kind == "parallel":
+            specs[f"{prefix}.{i}"] = FullAttentionSpec(num_kv_heads=attn[0], head_size=attn[1], dtype=kv_dtype)
+            specs[f"{prefix}.{i}.mamba"] = _recurrent_spec(cfg, model_type, kv_dtype, state_dtype)
+            continue
         if kind == "full":
             spec = FullAttentionSpec(num_kv_heads=attn[0], head_size=attn[1], dtype=kv_dtype)
         elif kind == "sliding":
@@ -187,7 +208,7 @@ def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str =
     return specs
 
 
-def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) -> MambaSpec:
+def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) -> RecurrentSpec:
     if model_type == "jamba":
         return _mamba1_spec(cfg, dtype, state_dtype)
     if model_type in _MAMBA2_NAMES:
@@ -200,5 +221,12 @@ def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) ->
         v_dim = _need(cfg, "linear_value_head_dim", model_type)
         conv = cfg.get("linear_conv_kernel_dim", 4)
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        return MambaSpec(shapes=((conv_dim, conv - 1), (v_heads, k_dim, v_dim)), dtypes=(dtype, state_dtype))
+        return RecurrentSpec(shapes=((conv_dim, conv - 1), (v_heads, k_dim, v_dim)), dtypes=(dtype, state_dtype),
+                             kind="gated_delta")
+    if model_type == "lfm2":
+        # The gated short convolution keeps only its window: the L_cache - 1
+        # inputs (B * x, hidden wide) before the next token.
+        width = cfg.get("conv_L_cache", 3)
+        return RecurrentSpec(shapes=((_need(cfg, "hidden_size", model_type), width - 1),), dtypes=(dtype,),
+                             kind="short_conv")
     raise ValueError(f"{model_type}: recurrent layers are not supported")

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from functools import reduce
 
-from .specs import ATTENTION_KINDS, SPEC_TYPES, AttentionSpec, LayerSpec, MambaSpec
+from .specs import ATTENTION_KINDS, SPEC_TYPES, AttentionSpec, LayerSpec, RecurrentSpec
 
 # A Mamba state is rounded up to whole pages; pick pages small enough that
 # the rounding costs at most this fraction of the state.
@@ -59,8 +59,9 @@ class KVCacheGroup:
 
     @property
     def recurrent(self) -> bool:
-        """One state per request (Mamba), not a block table over positions."""
-        return isinstance(self.spec, MambaSpec)
+        """One state per request (a recurrent layer of any kind), not a
+        block table over positions."""
+        return self.spec.recurrent
 
     @property
     def num_layers(self) -> int:
@@ -138,6 +139,8 @@ class KVCacheLayout:
             kind = fields.pop("kind")
             if kind not in SPEC_TYPES:
                 raise ValueError(f"unknown layer kind {kind!r} in a layout; expected one of {sorted(SPEC_TYPES)}")
+            if SPEC_TYPES[kind] is RecurrentSpec:
+                fields["kind"] = kind  # a field of the spec, not only its class
             return SPEC_TYPES[kind](**fields)
 
         groups = tuple(KVCacheGroup(**{**g, "spec": spec(g["spec"]), "layer_names": tuple(g["layer_names"])})
@@ -162,7 +165,7 @@ class KVCacheLayout:
 
 
 def _spec_brief(spec: LayerSpec) -> str:
-    if isinstance(spec, MambaSpec):
+    if spec.recurrent:
         return f"state {spec.state_bytes:,} B"
     extra = ""
     if spec.kind == "sliding_window":
@@ -185,7 +188,7 @@ def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
     return all_blocks if span is None else min(all_blocks, -(-(span - 1 + chunk) // bs) + 1)
 
 
-def _mamba_layer_layout(spec: MambaSpec) -> tuple[int, tuple[int, ...]]:
+def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
     """Padded bytes of one layer's state and the offsets of its parts."""
     offsets, pos = [], 0
     for nbytes in spec.part_bytes:
@@ -264,7 +267,7 @@ def plan_layout(
 
     by_spec: dict[LayerSpec, list[str]] = {}
     for name, spec in specs.items():
-        if not isinstance(spec, (AttentionSpec, MambaSpec)):
+        if not isinstance(spec, (AttentionSpec, RecurrentSpec)):
             raise ValueError(f"layer {name!r}: expected a layer spec, got {type(spec).__name__}")
         by_spec.setdefault(spec, []).append(name)
 

@@ -128,7 +128,7 @@ class PrefixIndex:
         servable = None
         for manager in self._full_first:
             row = holders[manager.index][:limit]
-            if manager.kind == "mamba":
+            if manager.recurrent:
                 ok = row
             else:
                 ok = self._window_and(row, manager, limit)

@@ -23,6 +23,7 @@ def _require_positive(owner: str, **values: int) -> None:
 class AttentionSpec:
     """Common part of the attention specs: K and V rows of one layer."""
 
+    recurrent = False
     num_kv_heads: int
     head_size: int
     dtype: str = "bfloat16"
@@ -119,25 +120,42 @@ class ChunkedLocalSpec(AttentionSpec):
         return (j // self.chunk_size + 1) * self.chunk_size - 1
 
 
+# The recurrent mixers the engine knows, by the name their groups carry.
+# The core treats them all alike (one state per request, the checkpoint
+# rule); the kind keeps groups of different mixers apart and tells a
+# backend which state update a group's layers run.
+RECURRENT_KINDS = (
+    "mamba",  # Mamba-1 (Jamba): conv window [I, K-1], SSM state [I, N]
+    "mamba2",  # Mamba-2 / SSD (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1): conv [I + 2GN, K-1], [H, P, N]
+    "short_conv",  # gated short convolution (LFM2): conv window [D, K-1] only
+    "gated_delta",  # Gated DeltaNet (Qwen3-Next): conv window over q, k, v and a per-head [k, v] matrix
+)
+
+
 @dataclass(frozen=True)
-class MambaSpec:
-    """A fixed-size recurrent state per request (Mamba conv + SSM state,
-    or any other recurrent layer): `shapes[i]` has dtype `dtypes[i]`."""
+class RecurrentSpec:
+    """A fixed-size recurrent state per request: `shapes[i]` has dtype
+    `dtypes[i]` (e.g. a convolution window and an SSM state). `kind` names
+    the mixer (one of RECURRENT_KINDS): layers of different kinds never
+    share a group, whatever their shapes."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
-    kind = "mamba"
+    kind: str = "mamba"
+    recurrent = True
 
     def __post_init__(self) -> None:
         shapes = tuple(tuple(s) for s in self.shapes)
         dtypes = tuple(self.dtypes)
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
+        if self.kind not in RECURRENT_KINDS:
+            raise ValueError(f"unknown recurrent kind {self.kind!r}; expected one of {', '.join(RECURRENT_KINDS)}")
         if not shapes or len(shapes) != len(dtypes):
-            raise ValueError(f"MambaSpec needs one dtype per state shape, got shapes={shapes} dtypes={dtypes}")
+            raise ValueError(f"a recurrent spec needs one dtype per state shape, got shapes={shapes} dtypes={dtypes}")
         for shape in shapes:
             if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
-                raise ValueError(f"MambaSpec shapes must be tuples of positive integers, got {shape!r}")
+                raise ValueError(f"recurrent state shapes must be tuples of positive integers, got {shape!r}")
         for d in dtypes:
             dtype_size(d)
 
@@ -150,6 +168,11 @@ class MambaSpec:
         return sum(self.part_bytes)
 
 
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec
-SPEC_TYPES = {spec.kind: spec for spec in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalSpec, MambaSpec)}
+# The name of the public API (DESIGN.md, section 7): a Mamba state is the
+# first recurrent kind; `MambaSpec(shapes, dtypes)` is a RecurrentSpec of kind "mamba".
+MambaSpec = RecurrentSpec
+
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | RecurrentSpec
+SPEC_TYPES = {**{spec.kind: spec for spec in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalSpec)},
+              **dict.fromkeys(RECURRENT_KINDS, RecurrentSpec)}
 ATTENTION_KINDS = ("full", "sliding_window", "chunked_local")

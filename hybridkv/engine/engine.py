@@ -15,6 +15,7 @@ children after the prompt, check stop conditions, free finished sequences.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import os
@@ -28,7 +29,7 @@ from ..core import KVCacheManager, plan_layout
 from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
-from ..layers.backend import choose as choose_backend
+from ..layers.backends import choose as choose_backend
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -39,7 +40,15 @@ from .runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduled, Scheduler
+from .seeding import engine_stream, request_stream
 from .speculative import PromptLookup, accept_drafts
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave one token of the context to generate."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt of {num_tokens} tokens does not fit the model context of "
+                         f"{max_model_len} tokens (one token must remain to generate)")
+
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -49,7 +58,7 @@ def _positive(name, value):
 class Engine:
     def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
+                 dtype: str = "auto", device: str = "cpu", seed: int | None = None, max_model_len: int | None = None,
                  checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
                  enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
@@ -57,9 +66,10 @@ class Engine:
                  kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
                  kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
                  tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_KERNELS), "torch", "cpu",
-        "triton", "flashinfer" or "triton+flashinfer" (layers/backend.py),
-        chosen once here. `enforce_eager`: no
+        """`backend`: "auto" (default, or $HYBRIDKV_BACKEND), "torch", "cpu",
+        "triton", "flashinfer" or "triton+flashinfer" (layers/backends/),
+        chosen once here; how it prepared the model and how many steps ran
+        each route is in `stats["backend"]`. `enforce_eager`: no
         CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
         shapes (None: where CUDA graphs capture them).
         `speculative_method="ngram"`: each decoding step also verifies up to
@@ -78,11 +88,18 @@ class Engine:
         as it changes (core/events.py); `take_kv_events()` hands it over,
         for a publisher or a router's prefix index.
         `tensor_parallel_size`: split the model over that many processes
-        (tensor_parallel.py; this one and N - 1 workers), one manager here."""
+        (tensor_parallel.py; this one and N - 1 workers), one manager here.
+        `seed`: the draws of requests without a seed of their own; None
+        (default): fresh entropy at each start, so a restart does not repeat
+        them; a 64-bit integer: runs that add the same requests in the same
+        order draw the same (seeding.py)."""
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         _positive("tensor_parallel_size", tensor_parallel_size)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not -(1 << 63) <= seed < (1 << 63)):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {seed!r}")
         if tensor_parallel_size > 1 and (kv_host_cache_memory is not None or kv_disk_cache is not None):
             raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
                              "each rank's pool would need its own")
@@ -116,7 +133,8 @@ class Engine:
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
                                  checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
         self.backend = choose_backend(backend, self.device)
-        self.backend.check_layout(self.layout)  # a backend may not take every layer type
+        # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
+        self.backend.check_layout(self.layout, self.device, self.model)
         self.parallel = None
         if parallel:
             from .tensor_parallel import TensorParallel
@@ -136,7 +154,7 @@ class Engine:
         self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.random = engine_stream(seed)  # unseeded requests' draws (seeding.py)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -228,14 +246,17 @@ class Engine:
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model context of "
-                             f"{self.max_model_len} tokens (one token must remain to generate)")
-        full = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
-        if need > self.kv.num_total_pages:
+        check_prompt_length(len(ids), self.max_model_len)
+        fit = self.max_tokens_that_fit(len(ids))
+        wanted = 1 if params.max_tokens is None else min(params.max_tokens, self.max_model_len - len(ids))
+        if wanted > fit:
+            full = len(ids) + wanted
+            need = self.layout.pages_per_request(full, chunk=self.scheduler.max_num_batched_tokens)
             raise ValueError(f"a request of {full} tokens needs {need} KV cache pages, the cache holds "
-                             f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens")
+                             f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens "
+                             f"(at most {fit} for this prompt)")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=fit)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -244,17 +265,43 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, text, ids, params, time.perf_counter(), cache_salt)
         seq_id = request_id if params.n == 1 else f"{request_id}#0"
-        seq = Sequence(seq_id, request, 0, self._generator(params, 0))
+        seq = Sequence(seq_id, request, 0, self._stream(params, 0))
         self.scheduler.add(seq, ids)  # the KV cache manager checks the ids once more
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.num_prompt_tokens += len(ids)
         return request_id
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def max_tokens_that_fit(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with a prompt of this many tokens may
+        generate: up to the context, and only as many as the KV cache can
+        hold for it alone (0: not even the prompt and one token fit). What
+        `max_tokens=None` asks for."""
+        chunk, pages = self.scheduler.max_num_batched_tokens, self.kv.num_total_pages
+
+        def fits(length: int) -> bool:
+            return self.layout.pages_per_request(length, chunk=chunk) <= pages
+
+        low, high = num_prompt_tokens, self.max_model_len  # fits(low) or low is the prompt; fits(high) unknown
+        if high <= low or not fits(low + 1):
+            return 0
+        if fits(high):
+            return high - low
+        low += 1
+        while high - low > 1:  # pages grow with length: the longest that fits lies in [low, high)
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low - num_prompt_tokens
+
+    @staticmethod
+    def _stream(params: SamplingParams, index: int):
+        """Continuation `index`'s own random stream, for a seeded request (seeding.py)."""
         if params.seed is None or params.greedy:
             return None
-        return torch.Generator(device="cpu").manual_seed(params.seed + index)
+        return request_stream(params.seed, index)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id) if isinstance(request_id, str) else None
@@ -316,7 +363,7 @@ class Engine:
             # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
             chosen = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
             tokens = sample(chosen, [q.request.params for q, _ in to_sample],
-                            [q.generator for q, _ in to_sample], self.generator)
+                            [q.stream for q, _ in to_sample], self.random)
         else:
             tokens = []
         sampled = [(seq, token) for (seq, _), token in zip(to_sample, tokens) if token is not None]
@@ -376,8 +423,8 @@ class Engine:
             seq = s.seq
             touched[seq.request.request_id] = seq.request
             self.num_draft_tokens += len(s.drafts)
-            tokens = accept_drafts(logits[row:row + s.count], s.drafts, seq.request.params, seq.generator,
-                                   self.generator)
+            tokens = accept_drafts(logits[row:row + s.count], s.drafts, seq.request.params, seq.stream,
+                                   self.random)
             if tokens is None:
                 kept[seq.seq_id] = 0
                 ends.append((seq, "error"))
@@ -407,7 +454,7 @@ class Engine:
         for index in range(1, request.params.n):
             child_id = f"{request.request_id}#{index}"
             self.kv.fork(parent.seq_id, child_id)
-            child = Sequence(child_id, request, index, self._generator(request.params, index))
+            child = Sequence(child_id, request, index, self._stream(request.params, index))
             self.scheduler.add_running(child)
             request.sequences.append(child)
             children.append(child)
@@ -527,6 +574,7 @@ class Engine:
             "steps": self.num_steps,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "backend": {**self.runner.prepare_report.as_dict(), "routes": dict(self.runner.routes)},
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,
             "prefix_hit_rate": cache.hit_rate,

@@ -13,19 +13,25 @@ On disk (`DiskTier`), one file per block under
 group, width, page size, the identity digest, the key), the pages' bytes,
 and a CRC-32 of all of it. The identity (`kv_identity`) hashes the weights'
 fingerprint, the dtype and the layout, so another model or layout never
-reads these files. A file is written under a temporary name and renamed
-into place, so a reader never sees half a block; one that is truncated,
-corrupt or of another version is a miss and is removed. A write that fails
-(a full disk, a read-only directory) warns once and turns writing off;
-serving goes on.
+reads these files. A file is written under a temporary name of its writer
+and renamed into place, so a reader never sees half a block, and several
+processes may share the directory; one that is truncated, corrupt or of
+another version is a miss and is removed. A write that fails is a lost
+block, never an error for a request: on a full disk the tier makes room
+from its own LRU and tries again, after other errors it pauses and tries
+again later (`DiskTier`); serving goes on.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
 import os
+import re
+import secrets
+import socket
 import struct
 import time
 import warnings
@@ -43,11 +49,12 @@ _HEADER = struct.Struct("<4sHHII32sB")  # magic, version, group, width, page siz
 _TRAILER = struct.Struct("<I")  # CRC-32 of header, key and pages
 
 
-def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout) -> bytes:
+def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = "") -> bytes:
     """What made the KV: the weights (each weight file's name, size and
     first MiB, where safetensors keeps its header of names, shapes and
-    offsets), the dtype, and the layout (page size, block size, groups).
-    A 32-byte digest."""
+    offsets), the dtype, and the layout (page size, block size, groups);
+    `extra`: anything else that shapes the KV or its keys (another engine's
+    name, version and cache options). A 32-byte digest."""
     h = hashlib.sha256(f"hybridkv-kv-v{FORMAT_VERSION}".encode())
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")) +
                        glob.glob(os.path.join(model_dir, "config.json"))):
@@ -57,6 +64,8 @@ def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout) -> bytes:
             h.update(f.read(1 << 20))
     groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
     h.update(json.dumps([dtype, layout.page_size_bytes, layout.block_size, repr(groups)]).encode())
+    if extra:
+        h.update(extra.encode())
     return h.digest()
 
 
@@ -105,36 +114,76 @@ class HostTier:
 
 
 class DiskTier:
-    """Blocks in files, an LRU by byte budget (see the module docstring)."""
+    """Blocks in files, an LRU by byte budget (see the module docstring).
+    Usable alone: give it a directory, the identity of what made the KV
+    (`kv_identity`), the page size and a byte budget; `write`, `read`,
+    `remove`, `clear`; `files` (item -> bytes, oldest first), `bytes`,
+    `writable` and `describe()` say what it holds and how it fares.
 
-    def __init__(self, directory: str, identity: bytes, page_size: int, budget_bytes: int):
+    Several processes may share the directory. Each writes under temporary
+    names of its own (`<key>.kv.<machine>-<pid>-<random>.tmp`, the machine
+    being the host, its boot and its process namespace), and a start-up
+    removes a temporary file only when no live writer can still rename it:
+    its owner's process is gone, or it is older than `STALE_TEMP_SECONDS`.
+    Each process keeps its own LRU and budget over the files it knows of;
+    a file another one removed is a miss.
+
+    A write that fails does not end writing: on a full disk (ENOSPC,
+    EDQUOT) the tier removes its own oldest files and tries again; after
+    any other error (a read-only or vanished directory, an I/O error) it
+    pauses and tries again after `retry_seconds`, doubling the pause at
+    each failure up to `MAX_RETRY_SECONDS`; a write that succeeds resets
+    it. A temporary file that another process removed loses that block
+    only."""
+
+    STALE_TEMP_SECONDS = 600.0  # a write takes milliseconds: a temporary file this old has no live writer
+    MAX_RETRY_SECONDS = 300.0
+    _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+    def __init__(self, directory: str, identity: bytes, page_size: int, budget_bytes: int, *,
+                 retry_seconds: float = 10.0):
         self.root = os.path.join(directory, identity.hex()[:32])
         self.identity = identity
         self.page_size = page_size
         self.budget = budget_bytes
-        self.writable = True
         self.files: OrderedDict[tuple, int] = OrderedDict()  # (group, key) -> bytes, oldest first
         self.bytes = 0
+        self.retry_seconds = retry_seconds
+        self.resume_at = 0.0  # time.monotonic() from which writing is on again
+        self.pause = 0.0  # the last pause: the next one doubles it
+        self.writes = 0  # blocks written
+        self.write_errors = 0  # writes that failed, for any reason
+        self.last_error: str | None = None
+        self.swept_temps = 0  # temporary files of dead writers removed at start
+        self._machine = _machine_id()
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
-            self._stop_writing(e)
+            self._failed(e)
         self._scan()
+
+    @property
+    def writable(self) -> bool:
+        """Writing is on (False while paused after an error)."""
+        return time.monotonic() >= self.resume_at
 
     def _path(self, group: int, key: bytes) -> str:
         return os.path.join(self.root, f"g{group}", key.hex() + ".kv")
 
     def _scan(self) -> None:
-        """What an earlier run left: every whole block file, oldest first
-        (contents are checked when read); temporary files of a write that
-        never finished are removed."""
+        """What the directory holds: every whole block file, oldest first
+        (contents are checked when read); temporary files whose writer is
+        gone are removed, those a live writer may still rename are left."""
         found = []
+        now = time.time()
         for path in glob.glob(os.path.join(self.root, "g*", "*")):
             name = os.path.basename(path)
             try:
-                if not name.endswith(".kv"):
-                    os.unlink(path)  # a write cut short (the process died before its rename)
+                if name.endswith(".tmp"):
+                    self._sweep(path, name, now)
                     continue
+                if not name.endswith(".kv"):
+                    continue  # not a file of this tier
                 group = int(os.path.basename(os.path.dirname(path))[1:])
                 key = bytes.fromhex(name[:-3])
                 stat = os.stat(path)
@@ -145,11 +194,13 @@ class DiskTier:
             self.files[(group, key)] = size
             self.bytes += size
 
-    def _stop_writing(self, error: OSError) -> None:
-        if self.writable:
-            warnings.warn(f"the disk KV tier at {self.root} stops storing blocks: {error}", RuntimeWarning,
-                          stacklevel=3)
-        self.writable = False
+    def _sweep(self, path: str, name: str, now: float) -> None:
+        """Remove a temporary file if no live writer can rename it."""
+        owner = _TEMP_NAME.match(name)
+        dead = owner is not None and owner["machine"] == self._machine and not _alive(int(owner["pid"]))
+        if dead or now - os.stat(path).st_mtime > self.STALE_TEMP_SECONDS:
+            os.unlink(path)
+            self.swept_temps += 1
 
     def write(self, group: int, key: bytes, content: torch.Tensor) -> list:
         """Store a block atomically; returns the items removed for room."""
@@ -163,15 +214,40 @@ class DiskTier:
         pages = memoryview(content.numpy()).cast("B")  # written from the tensor's memory, not copied
         crc = _TRAILER.pack(zlib.crc32(pages, zlib.crc32(head)))
         size = len(head) + len(pages) + len(crc)
+        if size > self.budget:
+            return []  # larger than the whole tier: refused before anything is removed
+        removed = self._make_room(self.budget - size)
+        while True:
+            try:
+                self._write_file(self._path(group, key), (head, pages, crc))
+                break
+            except OSError as e:
+                self.write_errors += 1
+                self.last_error = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror or e}"
+                if e.errno not in self._NO_ROOM or not self.files:
+                    if e.errno != errno.ENOENT:  # ENOENT: another process removed our temporary file
+                        self._failed(e)
+                    return removed
+                removed += self._make_room(max(0, self.bytes - size))  # a full disk: our oldest go, then again
+        self.files[(group, key)] = size
+        self.bytes += size
+        self.writes += 1
+        self.pause = 0.0
+        return removed
+
+    def _make_room(self, limit: int) -> list:
+        """Remove the oldest files until at most `limit` bytes are held."""
         removed = []
-        while self.files and self.bytes + size > self.budget:
+        while self.files and self.bytes > limit:
             old = next(iter(self.files))
             self.remove(old)
             removed.append(old)
-        if size > self.budget:
-            return removed
-        path = self._path(group, key)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        return removed
+
+    def _write_file(self, path: str, chunks) -> None:
+        """Write `chunks` to `path` atomically: into a temporary file owned
+        by this process, then renamed into place."""
+        tmp = f"{path}.{self._machine}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
             try:
                 f = open(tmp, "wb")
@@ -179,20 +255,22 @@ class DiskTier:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 f = open(tmp, "wb")
             with f:
-                f.write(head)
-                f.write(pages)
-                f.write(crc)
+                for chunk in chunks:
+                    f.write(chunk)
             os.replace(tmp, path)
-        except OSError as e:
+        except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            self._stop_writing(e)
-            return removed
-        self.files[(group, key)] = size
-        self.bytes += size
-        return removed
+            raise
+
+    def _failed(self, error: OSError) -> None:
+        """Pause writing after an error other than a full disk."""
+        self.pause = min(self.MAX_RETRY_SECONDS, 2 * self.pause if self.pause else self.retry_seconds)
+        self.resume_at = time.monotonic() + self.pause
+        warnings.warn(f"the disk KV tier at {self.root} stops storing blocks for {self.pause:g} s: {error}",
+                      RuntimeWarning, stacklevel=3)
 
     def read(self, group: int, key: bytes) -> torch.Tensor | None:
         """The block's pages, or None (and the file removed) if it is
@@ -240,19 +318,63 @@ class DiskTier:
         for item in list(self.files):
             self.remove(item)
 
+    def describe(self) -> dict:
+        """State and counters, for stats and metrics."""
+        return {"blocks": len(self.files), "bytes_used": self.bytes, "budget_bytes": self.budget,
+                "writable": self.writable, "writes": self.writes, "write_errors": self.write_errors,
+                "last_error": self.last_error,
+                "retry_in_seconds": max(0.0, self.resume_at - time.monotonic())}
+
+
+_TEMP_NAME = re.compile(r"^[0-9a-f]+\.kv\.(?P<machine>[0-9a-f]{12})-(?P<pid>[0-9]+)-[0-9a-f]+\.tmp$")
+
+
+def _machine_id() -> str:
+    """Where a process id means one process: the host, its boot and the
+    process namespace (containers on one kernel have their own pids)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
 
 class TieredStore:
     """The tiers below one engine's pool, as the manager sees them
     (core/tiers.py's KVTier): host memory, then disk; either may be off."""
 
-    def __init__(self, pool: torch.Tensor, layout: KVCacheLayout, *, host_bytes: int = 0,
-                 disk_dir: str | None = None, disk_bytes: int = 0, identity: bytes | None = None):
+    def __init__(self, pool: torch.Tensor | None, layout: KVCacheLayout, *, host_bytes: int = 0,
+                 disk_dir: str | None = None, disk_bytes: int = 0, identity: bytes | None = None,
+                 pin: bool | None = None):
+        # `pool`: the engine's pages, which put / load / flush copy from and
+        # to. None for an owner that copies pages itself and hands the store
+        # their content (keep, fetch): another engine's worker. `pin`: pin
+        # the host slab (DMA copies); by default, when the pool is on a GPU.
         self.pool = pool
         page = layout.page_size_bytes
-        self.host = HostTier(host_bytes // page, page, pool.device.type == "cuda") if host_bytes >= page else None
+        if pin is None:
+            pin = pool is not None and pool.device.type == "cuda"
+        self.host = HostTier(host_bytes // page, page, pin) if host_bytes >= page else None
         self.disk = DiskTier(disk_dir, identity, page, disk_bytes) if disk_dir else None
         self.index: list[dict] = [{} for _ in layout.groups]
         self.changed = lambda: None  # set by the manager
+        # Called with ((group, key), TierRef or None) whenever an index entry
+        # is set again (the tier that holds the block now, or gone): for an
+        # owner that mirrors the index elsewhere (another engine's scheduler).
+        self.moved = None
         self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
         self.store_bytes_by_group = [0] * len(layout.groups)  # what each layer type costs the tiers
         self.load_seconds = 0.0  # reading hits back and copying them into the pool
@@ -263,7 +385,11 @@ class TieredStore:
 
     # -- the manager's side ------------------------------------------------------
     def put(self, group: int, key: bytes, pages) -> None:
-        content = self.pool[list(pages)].cpu()
+        self.keep(group, key, self.pool[list(pages)].cpu())
+
+    def keep(self, group: int, key: bytes, content: torch.Tensor) -> None:
+        """Store a block's content ([width, page size] bytes, on the host):
+        host memory, else disk."""
         self.counters["stores"] += 1
         self.counters["store_bytes"] += content.numel()
         self.store_bytes_by_group[group] += content.numel()
@@ -296,6 +422,8 @@ class TieredStore:
         elif self.index[group].pop(key, None) is not None:
             self.counters["evictions"] += 1
             self.changed()
+        if self.moved is not None:
+            self.moved(item, self.index[group].get(key))
 
     def fetch(self, ref: TierRef):
         started = time.perf_counter()
@@ -354,8 +482,7 @@ class TieredStore:
         if self.host is not None:
             out["host_blocks"] = len(self.host.blocks)
             out["host_bytes_used"] = (self.host.slab.shape[0] - len(self.host.free)) * self.host.slab.shape[1]
+            out["host_capacity_bytes"] = self.host.slab.numel()
         if self.disk is not None:
-            out["disk_blocks"] = len(self.disk.files)
-            out["disk_bytes_used"] = self.disk.bytes
-            out["disk_writable"] = self.disk.writable
+            out.update({f"disk_{k}": v for k, v in self.disk.describe().items()})
         return out

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
@@ -25,7 +23,7 @@ class Sequence:
     never copied: the scheduler sets `token_ids` when it hands the sequence
     to the manager, and sampled tokens join through the manager."""
 
-    def __init__(self, seq_id: str, request: "Request", index: int, generator: torch.Generator | None):
+    def __init__(self, seq_id: str, request: "Request", index: int, stream):
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -33,7 +31,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.generator = generator
+        self.stream = stream  # a seeded request's own random stream (seeding.py), else None
         self.text: str | None = None  # set when a stop string cut it; else decoded at the end
         self.detokenizer: IncrementalDetokenizer | None = None  # for stop strings, made on first use
         self.drafter = None  # speculative decoding: its n-gram index (speculative.PromptLookup), made on first use

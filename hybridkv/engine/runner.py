@@ -8,8 +8,10 @@ Who builds what (docs/engine.md has the diagram):
   sequence's table row, the split into decodes and chunks) into device
   tensors, once; for each attention group it adds what every backend reads
   (`attention_step`: where the new K/V goes, each query's first key);
-* the backend chosen at start (layers/backend.py) turns them into its own
-  metadata, once per KV cache group, and its ops are what the layers call.
+* the backend chosen at start (layers/backends/) turns them into its own
+  metadata, once per KV cache group, and its ops are what the layers call;
+  it prepared the model once (`prepare_report` says how) and names each
+  eager step's route, which the runner counts (`routes`).
 
 Two kinds of step. A decode step (one new token per sequence) at fixed
 shapes: padded to a bucket of sequences (1, 2, 4, ... up to max_num_seqs),
@@ -24,6 +26,8 @@ graph to gain, and the exact reads are cheaper than a bound), unless
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,10 +35,8 @@ import torch
 
 from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
-from ..layers.backend import Backend
+from ..layers.backends import Backend
 from ..layers.kv_buffers import KVBuffers
-from ..layers.linear import configure as configure_linears
-from ..layers.mamba_state import keep_accepted
 from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
 from .scheduler import Scheduled
@@ -99,11 +101,11 @@ class ModelRunner:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
-            module.backend = backend
-        backend.bind(model)  # on every rank alike (tensor_parallel.py builds its runners here too)
-        # After binding: the "cpu" backend's decoder layers take the dense
-        # weights that packing the Linear layers for oneDNN would drop.
-        self.linear_backend = configure_linears(model, device)  # layers/linear.py
+        # The backend adapts the model once, on every rank alike
+        # (tensor_parallel.py builds its runners here too).
+        self.prepare_report = backend.prepare(model, layout, device)
+        logging.getLogger("hybridkv.backend").info("%s", self.prepare_report)
+        self.routes: Counter = Counter()  # steps per route ("cpu:decoder-layers", "triton:graph", ...)
         self._mamba_metadata: list = []
         self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
@@ -137,8 +139,12 @@ class ModelRunner:
         self.buffers.copy_pages(copies)
         self.tables.flush()
         if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
+            self.count_route("graph" if self.use_graphs else "fixed-shape")
             return self._decode(steps, rows)
         return self.run_plan(self._plan(steps, rows))
+
+    def count_route(self, route: str) -> None:
+        self.routes[f"{self.backend.name}:{route}"] += 1
 
     # -- the fixed-shape decode step -------------------------------------------
     def bucket(self, n: int) -> int:
@@ -170,7 +176,7 @@ class ModelRunner:
         a CUDA graph captures, and what torch.compile(fullgraph=True) takes)."""
         inputs = StepInputs.fixed(self.decode_ids[:size], self.decode_positions[:size],
                                   self.decode_table_rows[:size], self.decode_order[:size])
-        return self._forward(inputs, all_rows=True)
+        return self._run(self._batch(inputs), all_rows=True)
 
     def _capture(self, size: int) -> None:
         """Capture the bucket's decode step, run on padding only (the sink
@@ -221,7 +227,10 @@ class ModelRunner:
             self.tables.apply(plan.table_changes)
         inputs = StepInputs.from_host(plan.ids, plan.first_positions, plan.counts, plan.rows, self.device,
                                       plan.verifying)
-        hidden = self._forward(inputs, all_rows=False)
+        batch = self._batch(inputs)
+        batch.route = self.backend.route(batch)  # once per step, here
+        self.count_route(batch.route)
+        hidden = self._run(batch, all_rows=False)
         if plan.verifying is not None:
             self._verified = ([m for m in self._mamba_metadata if m.verifies], plan.seq_ids)
         self._mamba_metadata = []  # (its gathered states are not kept past the step)
@@ -238,26 +247,30 @@ class ModelRunner:
         if self.parallel is not None and self.kv is not None and metas:
             self._accepted = accepted  # the workers apply it before the next step (StepPlan.accepted)
         for meta in metas:
-            keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
+            self.backend.recurrent.keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
         self._verified = ([], [])
 
-    def _forward(self, inputs: StepInputs, all_rows: bool) -> torch.Tensor:
-        """Build each group's metadata with the backend (an attention group's
-        from its `attention_step`), run the model, write back the Mamba
-        states; the logits of every row, or the hidden states."""
+    def _batch(self, inputs: StepInputs) -> StepBatch:
+        """Each group's metadata, built by the backend (an attention
+        group's from its `attention_step`)."""
         batch = StepBatch(inputs, self.buffers)
         tables = self.tables
         backend = self.backend
         for group in self.layout.groups:
             g = group.index
             if group.recurrent:
-                batch.mamba[g] = backend.mamba.build(inputs, self.buffers, tables.read[g], tables.write[g],
-                                                     tables.zero[g])
+                batch.recurrent[g] = backend.recurrent.build(inputs, self.buffers, tables.read[g], tables.write[g],
+                                                             tables.zero[g], kind=group.kind)
             else:
                 step = attention_step(inputs, tables.attention[g], group.spec, group.block_size)
                 batch.attention[g] = backend.attention.build(step)
+        return batch
+
+    def _run(self, batch: StepBatch, all_rows: bool) -> torch.Tensor:
+        """Run the model, write back the recurrent states; the logits of
+        every row, or the hidden states."""
         hidden = self.model(batch)
-        self._mamba_metadata = list(batch.mamba.values())  # keep_accepted reads verified states from it
-        for meta in batch.mamba.values():
-            backend.mamba.finish(meta)
+        self._mamba_metadata = list(batch.recurrent.values())  # keep_accepted reads verified states from it
+        for meta in batch.recurrent.values():
+            self.backend.recurrent.finish(meta)
         return self.model.compute_logits(hidden) if all_rows else hidden

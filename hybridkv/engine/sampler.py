@@ -1,8 +1,9 @@
 """Next tokens from logits, for the whole batch at once: greedy rows from
 one max over the batch, the others through temperature, top-k and top-p as
-batched tensor ops, then one draw per row. A request with a seed draws from
-its own generator (its tokens do not depend on what else is batched); the
-rest share the engine's generator in one batched draw.
+batched tensor ops, then one draw per row: a uniform number, turned into a
+token by the row's cumulative probabilities (seeding.py). A request with a
+seed draws from its own stream (its tokens do not depend on what else is
+batched); the rest share the engine's stream.
 
 Cost matters here: a 262,144-word vocabulary makes a batch-64 logits tensor
 67 MB, and a pass over it costs as much as a layer of the model on the CPU.
@@ -12,9 +13,11 @@ row is finite), and a sort happens only for rows that ask for top-k/top-p.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampling_params import SamplingParams
+from .seeding import pick
 
 
 def _needs_sort(p: SamplingParams, vocab: int) -> bool:
@@ -41,30 +44,29 @@ def _filtered_probabilities(logits: torch.Tensor, params: list[SamplingParams], 
     return torch.softmax(ranked.masked_fill(drop, float("-inf")), dim=-1), order
 
 
-def _draw(logits, rows, params, generators, default, sort) -> list[int]:
+def _draw(logits, rows, params, streams, default, sort) -> list[int]:
     """Tokens for `rows` of `logits`, all filtered the same way (a row's
     token must not depend on which other rows are drawn with it)."""
     chosen = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
     probs, order = _filtered_probabilities(chosen, [params[i] for i in rows], sort)
-    probs = probs.to(default.device)
-    choice = torch.empty(len(rows), dtype=torch.long, device=probs.device)
-    shared = [j for j, i in enumerate(rows) if generators[i] is None]
-    if shared:
-        index = torch.tensor(shared, device=probs.device)
-        choice[index] = torch.multinomial(probs[index], 1, generator=default)[:, 0]
+    shared = [j for j, i in enumerate(rows) if streams[i] is None]
+    uniforms = np.empty(len(rows))
+    uniforms[shared] = default.random(len(shared))
     for j, i in enumerate(rows):
-        if generators[i] is not None:
-            choice[j] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+        if streams[i] is not None:
+            uniforms[j] = streams[i].random()
+    choice = pick(probs, uniforms)
     if order is not None:
-        choice = order.to(choice.device).gather(1, choice[:, None])[:, 0]
+        choice = order.gather(1, choice[:, None])[:, 0]
     return choice.tolist()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default: torch.Generator) -> list[int | None]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], streams: list[np.random.Generator | None],
+           default: np.random.Generator) -> list[int | None]:
     """One token per row of `logits` [rows, vocab] (float32); None for a row
     whose logits are not all finite (a broken model: the caller fails that
-    request alone)."""
+    request alone). `streams[r]`: row r's own random stream (a seeded
+    request), or None to draw from `default` (seeding.py)."""
     best, picks = logits.max(dim=-1)  # NaN or +inf anywhere makes the max non-finite
     finite = torch.isfinite(best).tolist()
     out: list[int | None] = [token if ok else None for token, ok in zip(picks.tolist(), finite)]
@@ -72,6 +74,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for sort in (False, True):
         rows = [i for i, p in enumerate(params) if not p.greedy and finite[i] and _needs_sort(p, vocab) == sort]
         if rows:
-            for i, token in zip(rows, _draw(logits, rows, params, generators, default, sort)):
+            for i, token in zip(rows, _draw(logits, rows, params, streams, default, sort)):
                 out[i] = token
     return out

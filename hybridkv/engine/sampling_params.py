@@ -15,7 +15,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: smallest set of tokens with this much probability
     top_k: int = 0  # 0 or -1: no limit
     seed: int | None = None  # per-request generator: same seed, same tokens
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit the KV cache and the context (Engine.max_tokens_that_fit)
     stop: list[str] | str | None = None  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -27,7 +27,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
         integer("n", self.n, 1)
-        integer("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \

@@ -23,10 +23,12 @@ drafts (the proof is the standard one for speculative sampling).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampler import _filtered_probabilities, _needs_sort
 from .sampling_params import SamplingParams
+from .seeding import pick
 
 
 class PromptLookup:
@@ -82,10 +84,11 @@ class PromptLookup:
 
 
 def accept_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-                  generator: torch.Generator | None, default: torch.Generator) -> list[int] | None:
+                  stream: np.random.Generator | None, default: np.random.Generator) -> list[int] | None:
     """The tokens a verified step emits: the accepted drafts, then one more
     (the bonus, or the replacement of the first rejected draft). `logits`
-    [len(drafts) + 1, vocab] float32. None if a row needed is not finite."""
+    [len(drafts) + 1, vocab] float32. None if a row needed is not finite.
+    Draws come from the request's own stream, or `default` (seeding.py)."""
     k = len(drafts)
     if params.greedy:
         best, picks = logits.max(dim=-1)
@@ -102,9 +105,8 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
     probs, order = _filtered_probabilities(logits, [params] * (k + 1), _needs_sort(params, vocab))
     if order is not None:  # back to vocabulary order
         probs = torch.zeros_like(probs).scatter_(1, order, probs)
-    probs = probs.to(default.device)
-    gen = generator or default
-    draws = torch.rand(k, generator=gen, device=probs.device).tolist() if k else []
+    rng = stream if stream is not None else default
+    draws = rng.random(k).tolist()
     out = []
     for i, draft in enumerate(drafts):
         p = probs[i]
@@ -116,7 +118,7 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
         if not residual.sum() > 0:  # p(draft) was 1 up to rounding
             out.append(draft)
             continue
-        out.append(int(torch.multinomial(residual, 1, generator=gen)[0]))
+        out.append(int(pick(residual[None], [rng.random()])[0]))
         return out
-    out.append(int(torch.multinomial(probs[k], 1, generator=gen)[0]))
+    out.append(int(pick(probs[k:], [rng.random()])[0]))
     return out

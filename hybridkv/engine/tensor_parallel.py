@@ -155,7 +155,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
-        from ..layers.backend import choose as choose_backend
+        from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
         from .runner import ModelRunner
 

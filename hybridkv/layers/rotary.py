@@ -15,11 +15,16 @@ def inverse_frequencies(config, layer_type: str | None = None, head_dim: int | N
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        if layer_type is not None and layer_type in (config.rope_parameters or {}):
-            return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
-        return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        # On the CPU even while the model is built on the meta device (the
+        # loader's), where their tensors would have no values.
+        with torch.device("cpu"):
+            if layer_type is not None and layer_type in (config.rope_parameters or {}):
+                return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+            return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Only the first part of each head may rotate (Bamba: half of it).
+    dim = int(dim * params.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
     return inv_freq, 1.0
 
@@ -45,5 +50,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, rotary dim]. With a
+    rotary dim below head_dim only the first channels of each head rotate."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]

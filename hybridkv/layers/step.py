@@ -8,7 +8,9 @@ with one token (`Decodes`) and those with several (`Chunks`: prefill chunks,
 drafts to verify). Each attention group adds, once per step, where its new
 K/V goes and which keys each query reads (`AttentionStep`). The backend turns
 these into its own per-group metadata (`StepBatch.attention[group]`,
-`StepBatch.mamba[group]`), which the layers hand back to the backend's ops.
+`StepBatch.recurrent[group]`), which the layers hand back to the backend's
+ops, and names the step's route (`StepBatch.route`, with what that route
+reads in `route_state`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ class StepBatch:
     inputs: StepInputs
     buffers: object  # the KV buffers (kv_buffers.KVBuffers): the pool the layers' caches view
     attention: dict[int, object] = field(default_factory=dict)  # group -> the backend's attention metadata
-    mamba: dict[int, object] = field(default_factory=dict)  # group -> the backend's Mamba metadata
+    recurrent: dict[int, object] = field(default_factory=dict)  # group -> the backend's recurrent (Mamba) metadata
+    route: str = ""  # how the step runs (Backend.route), counted by the runner
+    route_state: object = None  # what that route reads, where it needs more than the metadata
 
     @property
     def input_ids(self) -> torch.Tensor:

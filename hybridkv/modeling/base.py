@@ -10,15 +10,16 @@ from ..layers.step import StepBatch
 
 class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
-    layer). The runner binds it to its KV cache group, the backend that runs
-    its cache ops (layers/backend.py) and its place in the pool: `group`, and
-    for attention `column` (which page of a block holds this layer); the
-    step's `buffers` give its view of the pool by `layer_name`."""
+    layer). The runner binds it to its KV cache group and its place in the
+    pool: `group`, and for attention `column` (which page of a block holds
+    this layer); the step's `buffers` give its view of the pool by
+    `layer_name`. The backend binds `ops`, the side of it (attention or
+    recurrent, layers/backends/base.py) whose ops the layer calls."""
 
     layer_name: str = ""
     group: int = -1
     column: int = 0
-    backend = None
+    ops = None
 
 
 class CausalLM(nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import cpu_decoder
+from ..layers.decoder import DecoderParts
 from ..layers.step import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -52,13 +52,11 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
 
-    native_decoder = None  # a cpu_decoder.NativeDecoder once the "cpu" backend binds one
-
-    def native_parts(self) -> cpu_decoder.Parts:
+    def parts(self) -> DecoderParts:
         attn = self.self_attn
-        return cpu_decoder.Parts(attn, self.mlp, self.input_layernorm, self.pre_feedforward_layernorm,
-                                 self.post_attention_layernorm, self.post_feedforward_layernorm,
-                                 attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
+        return DecoderParts(attn, self.mlp, self.input_layernorm, self.pre_feedforward_layernorm,
+                            self.post_attention_layernorm, self.post_feedforward_layernorm,
+                            attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
 
     def forward(self, x, cos_sin, batch):
         h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, batch))
@@ -92,10 +90,8 @@ class GemmaForCausalLM(CausalLM):
         weight = self.model.embed_tokens.weight
         x = self.model.embed_tokens(batch.input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
         cos_sin = {t: r.cos_sin(batch.positions, x.dtype) for t, r in self.rotary.items()}
-        native = cpu_decoder.plan(batch, self.model.layers)  # a small decode step: each layer one C call
         for layer, layer_type in zip(self.model.layers, self.layer_types):
-            x = layer(x, cos_sin[layer_type], batch) if native is None else \
-                layer.native_decoder(x, cos_sin[layer_type], native)
+            x = layer(x, cos_sin[layer_type], batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

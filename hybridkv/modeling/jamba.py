@@ -17,26 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
-from ..layers.mamba_ops import causal_conv, selective_scan
 from ..layers.norm import RMSNorm
-from ..layers.step import StepBatch, capturing
+from ..layers.recurrent_state import padded_chunks
+from ..layers.step import StepBatch
 from .base import CacheLayer, CausalLM
+from .experts import mix_experts
 from .sublayers import GatedMLP, PagedSelfAttention
-
-
-def _padded_prefills(prefills, device):
-    """The step's prefill chunks side by side, longest first (a stable sort:
-    chunks already in that order keep it): state rows, token rows [chunks,
-    longest] (padding repeats a chunk's last token), lengths, and which
-    entries are real tokens."""
-    prefills = sorted(prefills, key=lambda p: -p[2])
-    rows = torch.tensor([row for row, _, _ in prefills], device=device)
-    starts = torch.tensor([start for _, start, _ in prefills], device=device)
-    lengths = torch.tensor([count for _, _, count in prefills], device=device)
-    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
-    valid = offsets < lengths[:, None]
-    tokens = starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
-    return rows, tokens, lengths, valid
 
 
 class JambaMamba(CacheLayer, nn.Module):
@@ -76,8 +62,8 @@ class JambaMamba(CacheLayer, nn.Module):
         return dt, self.b_layernorm(B), self.c_layernorm(C)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        meta = batch.mamba[self.group]
-        ops = self.backend.mamba
+        meta = batch.recurrent[self.group]
+        ops = self.ops
         xz = self.in_proj(h)
         x_all, gate_all = xz[:, :self.inner], xz[:, self.inner:]
         weight = self.conv1d.weight[:, 0, :]
@@ -89,7 +75,7 @@ class JambaMamba(CacheLayer, nn.Module):
             x = ops.conv_step(meta, self.layer_name, x_all[tokens], weight, self.conv1d.bias)
             dt, B, C = self._ssm_inputs(x)
             y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
-        if meta.prefills:  # chunks of several tokens: the reference scan on gathered states
+        if meta.prefills:  # chunks of several tokens, side by side
             self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
         if meta.verifies:  # chunks that verify drafts: also keep each token's state
             self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
@@ -97,21 +83,13 @@ class JambaMamba(CacheLayer, nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
-        conv_state, ssm_state = meta.state_views(self.layer_name)
-        rows, tokens, lengths, valid = _padded_prefills(chunks, x_all.device)
-        x_in = x_all[tokens]
-        before = conv_state[rows]
-        x, new_conv = causal_conv(x_in, lengths, before, weight, self.conv1d.bias)
-        x = F.silu(x)
+        ops = self.ops
+        rows, tokens, lengths, valid = padded_chunks(chunks, x_all.device)
+        x = ops.conv_prefill(meta, self.layer_name, rows, x_all[tokens], lengths, weight, self.conv1d.bias, keep)
         dt, B, C = self._ssm_inputs(x)
-        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
-        conv_state[rows] = new_conv.to(conv_state.dtype)
-        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        y = ops.ssm_prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
         gate = gate_all[tokens].float()
         y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
-        if keep:  # in meta.verifies order, longest first (keep_accepted picks one state per chunk)
-            meta.verify_states[self.layer_name] = (torch.cat([before.to(x_in.dtype), x_in.transpose(1, 2)], 2),
-                                                   per_token)
 
 
 class JambaMoE(nn.Module):
@@ -128,20 +106,7 @@ class JambaMoE(nn.Module):
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        if capturing(x):
-            # A captured or traced step: every expert on every token, weighted
-            # by its routing weight (zero where not chosen), so that no shape
-            # depends on the routing. At decode sizes the experts' weights are
-            # read once either way; eagerly, only the chosen experts run.
-            for e, expert in enumerate(self.experts):
-                weight = (weights * (chosen == e)).sum(-1, keepdim=True)
-                out += expert(x) * weight
-        else:
-            for e in torch.unique(chosen).tolist():
-                token_idx, slot = torch.where(chosen == e)
-                y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, y.to(out.dtype))
+        out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
         return out if self.reduce is None else self.reduce(out)
 
 

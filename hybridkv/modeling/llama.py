@@ -1,14 +1,16 @@
 """Llama-style decoders: Llama, and Mistral / Ministral (sliding window on all
 or some layers). RMSNorm `w * x`, RoPE, SiLU-gated MLP, scale head_dim ** -0.5.
 The layer type of each layer comes from the KV specs (core/hf_config.py),
-so Mistral-7B-v0.1 is a window-only model and Ministral can interleave."""
+so Mistral-7B-v0.1 is a window-only model and Ministral can interleave.
+A family of the same shape with another attention or feed-forward (gpt-oss)
+subclasses the model and builds its layers (`decoder_layer`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..layers import cpu_decoder
+from ..layers.decoder import DecoderParts
 from ..layers.step import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -25,17 +27,20 @@ class LlamaAttention(PagedSelfAttention):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    """x += attention(norm(x)); x += feed_forward(norm(x)): Llama's
+    attention and gated MLP unless given others."""
+
+    def __init__(self, config, attention: nn.Module | None = None, mlp: nn.Module | None = None,
+                 scale_in_float32: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention or LlamaAttention(config)
+        self.mlp = mlp or GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=scale_in_float32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                scale_in_float32=scale_in_float32)
 
-    native_decoder = None  # a cpu_decoder.NativeDecoder once the "cpu" backend binds one
-
-    def native_parts(self) -> cpu_decoder.Parts:
-        return cpu_decoder.Parts(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
+    def parts(self) -> DecoderParts:
+        return DecoderParts(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
 
     def forward(self, x, cos_sin, batch):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
@@ -43,23 +48,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    scale_in_float32 = False  # the norms' convention (layers/norm.py)
+
     def __init__(self, config):
         super().__init__(config)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.layers = nn.ModuleList(self.decoder_layer(config) for _ in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=self.scale_in_float32)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)
 
+    def decoder_layer(self, config) -> nn.Module:
+        return LlamaDecoderLayer(config)
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        native = cpu_decoder.plan(batch, self.model.layers)  # a small decode step: each layer one C call
         for layer in self.model.layers:
-            x = layer(x, cos_sin, batch) if native is None else layer.native_decoder(x, cos_sin, native)
+            x = layer(x, cos_sin, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,15 @@ def _model_classes():
     """model_type -> (model class, checkpoint name prefixes to rename), for
     the model types whose architectures the engine runs (hf_config's
     MODEL_TYPES, which names the architectures)."""
+    from .bamba import BambaForCausalLM
+    from .falcon_h1 import FalconH1ForCausalLM
     from .gemma3 import Gemma2ForCausalLM, GemmaForCausalLM
+    from .granite_hybrid import GraniteMoeHybridForCausalLM
+    from .gpt_oss import GptOssForCausalLM
     from .jamba import JambaForCausalLM
+    from .lfm2 import Lfm2ForCausalLM
     from .llama import LlamaForCausalLM
+    from .nemotron_h import NemotronHForCausalLM
 
     return {
         "gemma3_text": (GemmaForCausalLM, {}),
@@ -35,6 +41,12 @@ def _model_classes():
         "llama": (LlamaForCausalLM, {}),
         "mistral": (LlamaForCausalLM, {}),
         "ministral": (LlamaForCausalLM, {}),
+        "nemotron_h": (NemotronHForCausalLM, {"backbone.": "model."}),
+        "granitemoehybrid": (GraniteMoeHybridForCausalLM, {}),
+        "bamba": (BambaForCausalLM, {}),
+        "falcon_h1": (FalconH1ForCausalLM, {}),
+        "lfm2": (Lfm2ForCausalLM, {}),
+        "gpt_oss": (GptOssForCausalLM, {}),
     }
 
 

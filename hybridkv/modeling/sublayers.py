@@ -1,64 +1,19 @@
-"""The two sublayers every decoder family is made of: self-attention over
-the paged KV cache and the gated MLP (Hugging Face parameter names). The
-families add their norms, rotary embeddings or mixers around them."""
+"""Self-attention over the paged KV cache (Hugging Face parameter names),
+which every decoder family here uses; the gated MLP beside it lives in
+layers/mlp.py. The families add their norms, rotary embeddings or mixers
+around them."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..layers import cpu_fused
 from ..layers.linear import Linear
+from ..layers.mlp import GatedMLP
 from ..layers.step import StepBatch
 from .base import CacheLayer
 
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
-
-    # Tensor parallelism (engine/tensor_parallel.py): sums the ranks' partial
-    # outputs of the split down projection. None: one process.
-    reduce = None
-
-    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
-        super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.gate_up_proj: Linear | None = None
-        if activation in ("silu", "swish"):
-            self.act, self.kind = F.silu, "silu"
-        elif activation.startswith("gelu"):
-            approximate = "tanh" if "tanh" in activation else "none"
-            self.act = lambda x: F.gelu(x, approximate=approximate)
-            self.kind = "gelu_tanh" if approximate == "tanh" else "gelu"
-        else:
-            raise ValueError(f"unsupported activation {activation!r}")
-
-    native = None  # hybridkv's C library, once cpu_fused.configure binds it (fused gate/up, a kind it computes)
-
-    def bind_native(self, lib) -> bool:
-        if self.gate_up_proj is None or self.kind not in cpu_fused.ACTIVATIONS:
-            return False
-        self.native = lib
-        return True
-
-    def fuse(self) -> None:
-        """After loading: gate and up as one product (`gate_up_proj`)."""
-        self.gate_up_proj = Linear.fused([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x):
-        if self.gate_up_proj is None:
-            out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        elif self.native is not None and x.dim() == 2 and cpu_fused.usable(x):
-            gate_up = self.gate_up_proj(x)
-            out = self.down_proj(cpu_fused.gated_activation(self.native, gate_up, cpu_fused.ACTIVATIONS[self.kind]))
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            out = self.down_proj(self.act(gate) * up)
-        return out if self.reduce is None else self.reduce(out)
+__all__ = ["GatedMLP", "PagedSelfAttention"]
 
 
 class PagedSelfAttention(CacheLayer, nn.Module):
@@ -81,6 +36,10 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         self.qkv_proj: Linear | None = None
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
+        # Attention sinks (gpt-oss): a learned logit per query head in each
+        # softmax's denominator (backends/base.py AttentionOps.attend). A
+        # family that has them sets a Parameter here; they cost no cache.
+        self.register_parameter("sinks", None)
 
     def fuse(self) -> None:
         """After loading: q, k and v as one product (`qkv_proj`)."""
@@ -101,10 +60,11 @@ class PagedSelfAttention(CacheLayer, nn.Module):
 
     def attend(self, q, k, v, batch: StepBatch) -> torch.Tensor:
         meta = batch.attention[self.group]
-        ops = self.backend.attention
+        ops = self.ops
         cache = batch.buffers.attention_cache(self.layer_name)
         ops.store(cache, k, v, meta, self.column)
-        out = self.o_proj(ops.attend(q, cache, meta, self.column, self.scale, self.softcap).reshape(q.shape[0], -1))
+        attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
+        out = self.o_proj(attended.reshape(q.shape[0], -1))
         return out if self.reduce is None else self.reduce(out)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -18,6 +18,9 @@ def rank_config(text, world: int):
     if world == 1:
         return text
     model_type = getattr(text, "model_type", "")
+    if model_type == "gpt_oss":
+        raise ValueError("tensor parallelism does not split gpt-oss yet: its attention sinks (one per query head) "
+                         "and its stacked experts would need their own cuts; run it in one process")
     if model_type not in ("gemma3_text", "gemma2", "gemma3", "llama", "mistral", "jamba"):
         raise ValueError(f"tensor parallelism splits Gemma-3, Gemma-2, Llama, Mistral and Jamba; "
                          f"{model_type or '?'} has layers it does not split yet")

@@ -22,10 +22,11 @@ DEFAULT_MODEL = "tiny-gemma3"
 def serve(model_dir: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 512, log_level: str = "info",
           kv_events: str | None = None, kv_events_replay: str | None = "next-port", kv_events_topic: str = "",
-          **engine_options) -> None:
+          max_body_bytes: int | None = None, max_prompt_chars: int | None = None, **engine_options) -> None:
     """Load the model (a Hugging Face folder or a .gguf file) and serve it
     until interrupted. Without `model_dir`, the built-in tiny Gemma-3-style
-    model (built on first use, no download). `kv_events`: see build_app."""
+    model (built on first use, no download). `kv_events`, `max_body_bytes`,
+    `max_prompt_chars`: see build_app."""
     import uvicorn
 
     from ..engine import Engine
@@ -40,5 +41,6 @@ def serve(model_dir: str | None = None, *, host: str = "127.0.0.1", port: int = 
         engine_options["enable_kv_events"] = True
     engine = Engine(model_dir, **engine_options)
     app = build_app(engine, model_name=served_model_name or name, api_key=api_key, max_waiting=max_waiting,
-                    kv_events=kv_events, kv_events_replay=kv_events_replay, kv_events_topic=kv_events_topic)
+                    kv_events=kv_events, kv_events_replay=kv_events_replay, kv_events_topic=kv_events_topic,
+                    max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

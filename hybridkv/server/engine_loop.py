@@ -13,7 +13,6 @@ per step for all requests.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -137,19 +136,19 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     async def submit(self, prompt: str | list[int] | Callable, params: SamplingParams, request_id: str, *,
-                     cache_salt: str | None = None, max_tokens_to_context: bool = False) -> RequestStream:
+                     cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad input), Overloaded or
-        EngineFailed. `prompt`: text, token ids, or `fn(tokenizer) -> token
-        ids` (a chat template), run on the engine thread like all tokenizer
-        work. `max_tokens_to_context`: generate up to the context limit (the
-        prompt's length is known only once it is tokenized)."""
+        EngineFailed. `prompt`: token ids (the app tokenizes in worker
+        threads), or text or `fn(tokenizer) -> token ids` (a chat template),
+        which are tokenized on the engine thread: the other requests wait
+        meanwhile."""
         stream = RequestStream(self, request_id)
         # The command holds the stream's queue, not the stream: were the
         # engine thread still holding the command when the caller drops the
         # stream, the stream's abort (__del__) would run there, late, and
         # land behind commands queued after it.
         out = stream._queue
-        self._put(lambda: self._add(request_id, out, prompt, params, cache_salt, max_tokens_to_context))
+        self._put(lambda: self._add(request_id, out, prompt, params, cache_salt))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -220,7 +219,7 @@ class EngineLoop:
                 except Exception:  # events are a side channel: serving goes on
                     log.exception("handing over KV events failed")
 
-    def _add(self, request_id, out, prompt, params, cache_salt, max_tokens_to_context) -> None:
+    def _add(self, request_id, out, prompt, params, cache_salt) -> None:
         engine = self.engine
         if self.error is not None:
             return self._deliver(out.put_nowait, EngineFailed(f"the engine failed: {self.error}"))
@@ -231,8 +230,6 @@ class EngineLoop:
                 f"(bound {self.max_waiting}); retry later"))
         try:
             ids = self._token_ids(prompt)
-            if max_tokens_to_context:
-                params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
             engine.add_request(ids, params, request_id=request_id, cache_salt=cache_salt)
         except ValueError as e:
             return self._deliver(out.put_nowait, e)
@@ -244,9 +241,7 @@ class EngineLoop:
         self._deliver(out.put_nowait, _ACCEPTED)
 
     def _token_ids(self, prompt):
-        """Text is tokenized here, on the one thread that uses the tokenizer
-        (the engine would tokenize it the same way; the server needs the
-        length first)."""
+        """Token ids pass through; text is tokenized here (see submit)."""
         return prompt_token_ids(self.engine.tokenizer, prompt)
 
     def _abort(self, request_id: str) -> None:

@@ -99,6 +99,11 @@ class ServerMetrics:
         yield counter("hybridkv_generation_tokens", "Tokens generated", s["generated_tokens"])
         yield counter("hybridkv_prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"])
         yield counter("hybridkv_engine_steps", "Engine steps run", s["steps"])
+        routes = CounterMetricFamily("hybridkv_engine_step_routes", "Engine steps per route: the backend and the "
+                                     "way it ran the step (e.g. cpu:decoder-layers)", labels=["route"])
+        for route, n in sorted(s["backend"]["routes"].items()):
+            routes.add_metric([route], n)
+        yield routes
         yield counter("hybridkv_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)",
                       s["spec_draft_tokens"])
         yield counter("hybridkv_spec_decode_accepted_tokens", "Draft tokens the model agreed with (speculative "
@@ -133,9 +138,19 @@ class ServerMetrics:
                           ("evictions", "Blocks no tier holds any more (budgets, damaged files)"),
                           ("load_seconds", "Seconds spent reading tier hits and copying them into the pool")):
             yield CounterMetricFamily(f"hybridkv_kv_tier_{name}", doc, value=s[f"kv_tier_{name}"])
-        for tier in ("host", "disk"):
+        for tier, limit in (("host", "capacity_bytes"), ("disk", "budget_bytes")):
             if f"kv_tier_{tier}_blocks" in s:
                 yield GaugeMetricFamily(f"hybridkv_kv_tier_{tier}_blocks", f"Blocks held in the {tier} tier",
                                         value=s[f"kv_tier_{tier}_blocks"])
                 yield GaugeMetricFamily(f"hybridkv_kv_tier_{tier}_bytes", f"Bytes used in the {tier} tier",
                                         value=s[f"kv_tier_{tier}_bytes_used"])
+                yield GaugeMetricFamily(f"hybridkv_kv_tier_{tier}_{limit}", f"Bytes the {tier} tier may use",
+                                        value=s[f"kv_tier_{tier}_{limit}"])
+        if "kv_tier_disk_blocks" in s:
+            yield GaugeMetricFamily("hybridkv_kv_tier_disk_writing", "1 while the disk tier stores blocks, 0 while "
+                                    "it pauses after a write error", value=int(s["kv_tier_disk_writable"]))
+            yield CounterMetricFamily("hybridkv_kv_tier_disk_writes", "Blocks the disk tier wrote",
+                                      value=s["kv_tier_disk_writes"])
+            yield CounterMetricFamily("hybridkv_kv_tier_disk_write_errors", "Disk tier writes that failed (a full "
+                                      "disk, a read-only or vanished directory, an I/O error)",
+                                      value=s["kv_tier_disk_write_errors"])

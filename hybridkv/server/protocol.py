@@ -61,7 +61,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     top_k: int = 0
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
@@ -95,6 +95,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
 
+    def text_length(self) -> int:
+        """Characters of text in the prompt (0 for token ids)."""
+        prompt = self.prompt[0] if isinstance(self.prompt, list) and len(self.prompt) == 1 else self.prompt
+        return len(prompt) if isinstance(prompt, str) else 0
+
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -125,16 +130,21 @@ class Message(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message]
-    max_tokens: int | None = None  # None: up to the context limit
+    max_tokens: int | None = None  # None: as many as fit the KV cache and the context
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
 
     def prompt(self):
-        """The prompt's token ids as `fn(tokenizer)`, for the engine thread."""
+        """The prompt's token ids as `fn(tokenizer)` (the app calls it in a worker thread)."""
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         messages = [m.as_template_input() for m in self.messages]
         return lambda tokenizer: render_chat(tokenizer, messages)
+
+    def text_length(self) -> int:
+        """Characters of text in the messages (the template adds more)."""
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                   for m in self.messages)
 
     def token_limit(self) -> int | None:
         if self.logprobs:
@@ -156,6 +166,33 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     except TemplateError as e:  # a template's raise_exception(...), e.g. roles must alternate
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     return list(ids)
+
+
+def longest_text(tokenizer, max_model_len: int) -> int | None:
+    """The most characters a text prompt that fits the context can have:
+    `max_model_len` tokens, each as long as the longest in the vocabulary
+    (a token's string has at least as many characters as its text). None
+    without a tokenizer (text prompts are refused then)."""
+    if tokenizer is None:
+        return None
+    return max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def body_limit(prompt_chars: int | None, max_model_len: int) -> int:
+    """The default bound on a request body: room for the longest prompt
+    that can fit, as text (4 bytes a character) or as token ids (8 bytes
+    an id), and 1 MiB for the rest."""
+    return max(4 * (prompt_chars or 0), 8 * max_model_len) + (1 << 20)
+
+
+def too_long(characters: int, limit: int, max_model_len: int, param: str) -> APIError:
+    return bad_request(f"the prompt has {characters} characters: more than any prompt that fits the model "
+                       f"context of {max_model_len} tokens can have (at most {limit}; --max-prompt-chars)", param)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body of {size} bytes is over this server's limit of {limit} bytes "
+                    f"(--max-body-bytes)", code="request_too_large")
 
 
 def parse(model: type[BaseModel], body: bytes):

@@ -39,11 +39,14 @@ import msgspec
 
 from ..core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from ..core.layout import KVCacheLayout
+from ..core.specs import RECURRENT_KINDS
 
-# Our group kinds and vLLM's KVCacheSpecKind values, both ways.
+# Our group kinds and vLLM's KVCacheSpecKind values, both ways. vLLM names
+# every recurrent state "mamba" (whatever the mixer), and so does the wire.
 VLLM_KIND = {"full": "full_attention", "sliding_window": "sliding_window",
-             "chunked_local": "chunked_local_attention", "mamba": "mamba"}
-OUR_KIND = {theirs: ours for ours, theirs in VLLM_KIND.items()}
+             "chunked_local": "chunked_local_attention", **dict.fromkeys(RECURRENT_KINDS, "mamba")}
+OUR_KIND = {"full_attention": "full", "sliding_window": "sliding_window",
+            "chunked_local_attention": "chunked_local", "mamba": "mamba"}
 
 BlockHash = bytes | int
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -35,10 +36,11 @@ from ray.serve.config import RequestRouterConfig
 from ..engine import Engine
 from ..modeling.loader import load_tokenizer, resolve_model_dir
 from ..server.app import create_app
-from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update, prompt_token_ids
+from ..server.engine_loop import EngineFailed, EngineLoop, Overloaded, Update
 from ..server.metrics import ServerMetrics
 from ..server.protocol import APIError
 from .event_feed import EventReporter
+from .processes import end_processes, processes_below
 from .ray_router import HybridPrefixRouter, replica_stats
 
 APP_NAME = "hybridkv"
@@ -73,12 +75,10 @@ class EngineReplica:
     async def describe(self) -> dict:
         return {"replica": self.replica_id, "max_model_len": self.engine.max_model_len}
 
-    async def generate(self, *, token_ids: list[int], params, request_id: str, cache_salt: str | None = None,
-                       max_tokens_to_context: bool = False):
+    async def generate(self, *, token_ids: list[int], params, request_id: str, cache_salt: str | None = None):
         """First `{"replica": id}` (or a Refused), then the request's Updates."""
         try:
-            stream = await self.loop.submit(token_ids, params, request_id, cache_salt=cache_salt,
-                                            max_tokens_to_context=max_tokens_to_context)
+            stream = await self.loop.submit(token_ids, params, request_id, cache_salt=cache_salt)
         except ValueError as e:
             yield Refused("bad_request", str(e))
             return
@@ -220,13 +220,11 @@ class ReplicaSet:
     async def stop(self) -> None:
         pass
 
-    async def submit(self, prompt, params, request_id: str, *, stream: bool = False, cache_salt=None,
-                     max_tokens_to_context: bool = False) -> ReplicaCall:
-        token_ids = prompt_token_ids(self.tokenizer, prompt)
+    async def submit(self, token_ids: list[int], params, request_id: str, *, stream: bool = False,
+                     cache_salt=None) -> ReplicaCall:
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt,
-                      max_tokens_to_context=max_tokens_to_context)
+        kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt)
         return await ReplicaCall(self, kwargs, buffered=not stream).open()
 
     async def metrics(self) -> bytes:
@@ -238,23 +236,24 @@ class ReplicaSet:
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
-                       retries: int = 2):
+                       retries: int = 2, limits: dict | None = None):
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
         self.backend = ReplicaSet(engine_handle, tokenizer, retries)
-        self.model_name, self.api_key = model_name, api_key
+        self.model_name, self.api_key, self.limits = model_name, api_key, limits or {}
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key)
+        return create_app(self.backend, model_name=self.model_name, api_key=self.api_key, **self.limits)
 
 
 def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2, engine_options: dict | None = None,
                       api_key: str | None = None, router: str = "hybrid", queued_request_tokens: int = 256,
                       stats_period_s: float = 1.0, snapshot_every: int = 20, replica_cpus: float = 1.0,
                       max_ongoing_requests: int = 256, max_waiting: int = 512, health_check_period_s: float = 5.0,
-                      retries: int = 2):
+                      retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None):
     """The Ray Serve application: `serve.run(build_application(...))`.
     `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
-    power-of-two-choices, for comparison)."""
+    power-of-two-choices, for comparison). `max_body_bytes`,
+    `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if router not in ("hybrid", "default"):
@@ -271,8 +270,9 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
         health_check_period_s=health_check_period_s, health_check_timeout_s=max(30.0, health_check_period_s))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    limits = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
     return ingress.bind(engines.bind(model_dir, engine_options or {}, max_waiting, snapshot_every), model_dir,
-                        model_name, api_key, retries)
+                        model_name, api_key, retries, limits)
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
@@ -291,9 +291,15 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_dr
 def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, address: str | None = None,
                    host: str = "127.0.0.1", port: int = 8000, **options) -> None:
     """What `hybridkv serve --replicas N` does: start (or join) Ray, run the
-    application on Ray Serve's HTTP proxy at host:port, until interrupted."""
+    application on Ray Serve's HTTP proxy at host:port, until interrupted
+    (Ctrl-C or SIGTERM). Then the application is deleted, and a local Ray
+    this call started is stopped with every process of it (stop_local_ray)."""
     replica_cpus = options.get("replica_cpus", 1.0)
     start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
+    # Ray's own SIGTERM handler kills its processes and exits from inside the
+    # handler (leaving its agents behind): a SIGTERM stops here instead, by
+    # the same path as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
@@ -302,12 +308,41 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
               flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:  # Ctrl-C, also while the replicas start
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also while the replicas start
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             serve.delete(APP_NAME)
         finally:
             if not address:
-                serve.shutdown()
-                ray.shutdown()
+                stop_local_ray()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_local_ray(grace_s: float = 2.0) -> None:
+    """Stop Ray Serve and the local Ray this process started, with every
+    process of it. `ray.shutdown()` stops the processes Ray started itself,
+    but the agents its raylet started (DashboardAgent, RuntimeEnvAgent)
+    ignore SIGTERM and, their parent gone, live on under PID 1: so Ray's
+    processes and all below them are listed first, given `grace_s` seconds
+    to exit after the shutdown, then killed."""
+    processes = _local_ray_processes()
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        end_processes(processes, grace_s)
+
+
+def _local_ray_processes() -> dict[int, str]:
+    """The processes of the Ray node this process started (none if it only
+    joined a cluster) and every process below them."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    roots = [info.process.pid for infos in getattr(node, "all_processes", {}).values() for info in infos
+             if getattr(info, "process", None) is not None]
+    return processes_below(roots)

@@ -16,7 +16,7 @@ MANAGER_TYPES = {
 def make_manager(group, block_cache, caching, verify, planner) -> GroupManager:
     """The manager of a group's type. `planner`: the model's checkpoint
     planner, for groups that keep recurrent states."""
-    if group.kind == "mamba":
+    if group.recurrent:
         return MambaManager(group, block_cache, caching, verify, planner)
     return MANAGER_TYPES[group.kind](group, block_cache, caching, verify)
 

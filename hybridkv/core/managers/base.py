@@ -30,6 +30,7 @@ from ..specs import NEVER  # an event position no request reaches
 
 class GroupManager:
     kind = "abstract"
+    recurrent = False  # one state per request (core/managers/mamba.py), not a table over positions
     # Does `allocate` move next_event? (Only a new Mamba state block does:
     # attention events follow computed tokens, not allocated ones.)
     events_follow_allocation = False

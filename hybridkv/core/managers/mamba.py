@@ -1,5 +1,7 @@
-"""Mamba (and other recurrent) layers: one state per request, whatever the
-length; prefix hits only where a state checkpoint was saved.
+"""Recurrent layers of every kind (Mamba-1 and -2, short convolutions, Gated
+DeltaNet: core/specs.py, RECURRENT_KINDS): one state per request, whatever
+the length; prefix hits only where a state checkpoint was saved. The rule
+is the same for every kind: the manager never looks inside a state.
 
 Per request the group holds `[read, write]`: `read` has the state after
 `num_computed` tokens (None: the zero state of an empty prefix) and `write`
@@ -22,10 +24,12 @@ from .base import NEVER, GroupManager
 
 
 class MambaManager(GroupManager):
-    kind = "mamba"
+    kind = "mamba"  # per group: the mixer's kind ("mamba2", "short_conv", ...)
+    recurrent = True
 
     def __init__(self, group, block_cache, caching, verify, planner):
         super().__init__(group, block_cache, caching, verify)
+        self.kind = group.kind
         self.planner = planner  # None without prefix caching: no checkpoints
 
     def empty_table(self):

@@ -1,0 +1,278 @@
+"""The contract every backend implements: what a step's cache ops are, what
+a backend declares it can run, and how it prepares a loaded model.
+
+A backend is one implementation of a step's cache and layer ops (the torch
+reference, C kernels for the CPU, Triton kernels, FlashInfer with
+mamba-ssm), one package each under `backends/`. It has two sides:
+
+* `AttentionOps`: `build` the step's metadata for one attention group (once
+  per group per step, from the `AttentionStep` every backend shares),
+  `store` a layer's new K/V, `attend` its queries (with the layer's
+  soft-cap and attention sinks, where it has them);
+* `RecurrentOps`: `build` a recurrent group's metadata (where each
+  sequence's state is read and written), per mixer kind a one-token op for
+  a decode and a chunked op for prefill chunks (the causal conv every kind
+  but the short conv opens with: `conv_step` / `conv_prefill`; Mamba-1's
+  `ssm_step` / `ssm_prefill`, Mamba-2's `ssd_step` / `ssd_prefill`, the
+  gated short conv's `short_conv_step` / `short_conv_prefill`), `finish`
+  (the states go to their write pages: the copy that makes a checkpoint)
+  and `keep_accepted` (speculative rollback). It declares the kinds whose
+  state updates it runs its own way (`kinds`); every other kind's layers
+  run the reference's ops on gathered states, and `prepare` says so.
+
+and declares, rather than lets callers probe, what it runs: devices, cache
+dtypes, attention kinds, soft-capping, attention sinks, whether its
+fixed-shape decode step can be captured as a CUDA graph (`Capabilities`).
+
+`Backend.prepare(model)` adapts a loaded model once, by swapping modules
+(a norm for its C-backed twin, a decoder layer for a one-call C layer, a
+Linear for one over packed weights) and returns a `PrepareReport` of what
+it did and what it declined, and why. Model files and the shared layers
+call the ops they are bound to and never ask which backend runs them.
+
+`Backend.route(batch)` names how one step runs (e.g. "cpu:decoder-layers"
+or "cpu:modules"); the runner asks once per step and counts the answers
+(`engine.stats["backend"]["routes"]`).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.specs import RECURRENT_KINDS
+
+log = logging.getLogger("hybridkv.backend")
+
+ATTENTION_KINDS = frozenset({"full", "sliding_window", "chunked_local"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend runs, declared."""
+
+    devices: frozenset = frozenset({"cpu", "cuda"})
+    dtypes: frozenset = frozenset({"float32", "bfloat16", "float16"})  # cache dtypes its attention reads
+    attention_kinds: frozenset = ATTENTION_KINDS
+    softcap: bool = True  # attention logit soft-capping
+    sinks: bool = True  # attention sinks: a learned logit per query head in each softmax's denominator
+    capturable: bool = True  # its fixed-shape decode step can be captured as a CUDA graph
+    # Its attention loads only the keys a query may see; False: it gathers
+    # whole blocks and masks them (the reference), so the slots it masks
+    # must hold finite values, which the stores keep so (reference attention.store).
+    reads_only_visible_keys: bool = False
+
+
+class AttentionOps(ABC):
+    """The attention side of a backend. A layer's cache is the view
+    `[pages, 2, block_size, kv_heads, head_dim]` of the pool."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def build(self, step):
+        """This backend's metadata for one attention group's step (the
+        `AttentionStep` of layers/step.py), shared by the group's layers."""
+
+    @abstractmethod
+    def store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, column: int) -> None:
+        """Write the step's new K/V rows `[tokens, kv_heads, head_dim]` at their slots."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta, column: int, scale: float,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q `[tokens, q_heads, head_dim]` -> the same shape; each query reads
+        the keys its layer's read rule lets it see (spec.first_visible .. its
+        position). The step's K/V is stored before.
+
+        Scores are `q.k * scale`, then `softcap * tanh(s / softcap)` where
+        `softcap` is given. `sinks` (`[q_heads]`, any float dtype; gpt-oss's
+        attention sinks): query head h's softmax has one more logit,
+        `sinks[h]`, in its denominator only, a key that is never stored and
+        has no value: weights `exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`,
+        in float32. They cost no cache."""
+
+
+class RecurrentOps(ABC):
+    """The recurrent side of a backend. A request's state lives in the
+    pool; `build` says where each sequence's is read and written. The
+    prefill ops run the step's chunks side by side on the states `build`
+    gathered (rows `rows` of `meta.states`), padded to the longest (chunk
+    r's tokens first `lengths[r]`, longest first). Every op of a layer
+    moves that layer's state on; with `keep` (the step's verified chunks,
+    all of them in one call, in `meta.verifies` order) a prefill op also
+    keeps what `keep_accepted` needs to go back to any of their tokens.
+
+    A new recurrent kind adds its two ops here (one token, chunks), their
+    reference on gathered states (layers/recurrent_state.py and
+    backends/reference/recurrent.py), and its name to core/specs.py's
+    RECURRENT_KINDS; a backend that runs it its own way adds the kind to
+    its `kinds`."""
+
+    name: str = "?"
+    # The recurrent kinds whose state updates this side runs its own way
+    # (kernels); groups of other kinds get gathered states and the
+    # reference's ops (`build(..., kind)` decides), which prepare reports.
+    kinds: frozenset = frozenset(RECURRENT_KINDS)
+
+    @abstractmethod
+    def build(self, inputs, buffers, read, write, zero, kind: str = "mamba"):
+        """The metadata of one recurrent group of `kind` for one step
+        (layers/recurrent_state.py)."""
+
+    @abstractmethod
+    def finish(self, meta) -> None:
+        """After the forward: the updated states to their write pages (the
+        copy that leaves a checkpoint where the manager asked for one)."""
+
+    @abstractmethod
+    def keep_accepted(self, meta, accepted: list[int]) -> None:
+        """After a step that verified drafts: the state after each
+        sequence's last kept token goes to its write pages."""
+
+    # -- the causal conv (state part 0: the K-1 inputs before the next token)
+    @abstractmethod
+    def conv_step(self, meta, layer_name: str, x, weight, bias) -> torch.Tensor:
+        """One token's depthwise causal conv for each decode row, SiLU
+        applied; the conv state moves on by one."""
+
+    @abstractmethod
+    def conv_prefill(self, meta, layer_name: str, rows, x, lengths, weight, bias, keep: bool = False):
+        """Chunks `x [R, L, I]` from the conv states of `rows`: the SiLU'd
+        conv outputs."""
+
+    # -- Mamba-1: a selective scan per channel (state part 1: [I, N])
+    @abstractmethod
+    def ssm_step(self, meta, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
+        """One token's selective-state update for each decode row:
+        float32 `(C . h + D x) * silu(gate)`; the SSM state moves on."""
+
+    @abstractmethod
+    def ssm_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, lengths, keep: bool = False):
+        """The selective scan of chunks from the SSM states of `rows`:
+        y [R, L, I] float32 (`C . h`; the layer adds D x and the gate)."""
+
+    # -- Mamba-2 (SSD): a scalar decay per head (state part 1: [H, P, N])
+    @abstractmethod
+    def ssd_step(self, meta, layer_name: str, x, dt, A, B, C, D) -> torch.Tensor:
+        """One token for each decode row (layers/ssd_ops.py): x [R, H, P],
+        dt [R, H] (after softplus and clamp), A [H], B and C [R, G, N], D
+        [H]; float32 `h C + D x` [R, H, P]; the state moves on."""
+
+    @abstractmethod
+    def ssd_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep: bool = False):
+        """The chunked SSD scan of chunks from the states of `rows`: x [R,
+        L, H, P], dt [R, L, H], B and C [R, L, G, N]; y [R, L, H, P]
+        float32 (`h C + D x`)."""
+
+    # -- the gated short convolution (LFM2; its state is the conv window only)
+    @abstractmethod
+    def short_conv_step(self, meta, layer_name: str, b, c, x, weight, bias) -> torch.Tensor:
+        """One token for each decode row: `c * conv(b * x)` (no
+        activation), the window moving on by `b * x`."""
+
+    @abstractmethod
+    def short_conv_prefill(self, meta, layer_name: str, rows, b, c, x, lengths, weight, bias,
+                           keep: bool = False) -> torch.Tensor:
+        """Chunks `[R, L, D]` from the windows of `rows`: `c * conv(b * x)`."""
+
+
+@dataclass
+class PrepareReport:
+    """What `Backend.prepare` did to a model and what it declined (why)."""
+
+    backend: str
+    done: list[str] = field(default_factory=list)
+    declined: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"name": self.backend, "prepared": list(self.done), "declined": list(self.declined)}
+
+    def __str__(self) -> str:
+        lines = [f"backend {self.backend}"]
+        lines += [f"  did: {d}" for d in self.done]
+        lines += [f"  declined: {d}" for d in self.declined]
+        return "\n".join(lines)
+
+
+def sink_layers(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s cache layers that have attention sinks."""
+    return [name for name, layer in model.cache_layers().items() if getattr(layer, "sinks", None) is not None]
+
+
+class Backend:
+    """One implementation of a step's ops: its two sides, what it declares,
+    how it prepares a model and names a step's route."""
+
+    name = "?"
+    capabilities = Capabilities()
+
+    def __init__(self, attention: AttentionOps, recurrent: RecurrentOps):
+        self.attention = attention
+        self.recurrent = recurrent
+
+    @property
+    def capturable(self) -> bool:
+        return self.capabilities.capturable
+
+    def refusal(self, spec, device: torch.device, sinks: bool = False) -> str | None:
+        """Why this backend cannot run layers of `spec` on `device` (with
+        attention sinks where `sinks`), or None."""
+        caps = self.capabilities
+        if device.type not in caps.devices:
+            return f"runs on {', '.join(sorted(caps.devices))}, not {device.type}"
+        if spec.kind in ATTENTION_KINDS:
+            if spec.kind not in caps.attention_kinds:
+                return f"no {spec.kind.replace('_', ' ')} attention"
+            if spec.dtype not in caps.dtypes:
+                return f"no {spec.dtype} attention cache"
+            if sinks and not caps.sinks:
+                return "no attention sinks"
+        return None
+
+    def check_layout(self, layout, device: torch.device | str = "cpu", model: torch.nn.Module | None = None) -> None:
+        """ValueError naming each group this backend cannot run (with
+        `model`, also what its layers ask beyond the cache: attention sinks)."""
+        device = torch.device(device)
+        with_sinks = set() if model is None else set(sink_layers(model))
+        refused = [f"group {g.index} ({g.spec.kind}): {why}" for g in layout.groups
+                   if (why := self.refusal(g.spec, device, bool(with_sinks & set(g.layer_names)))) is not None]
+        if refused:
+            raise ValueError(f"backend {self.name!r} cannot run this model: " + "; ".join(refused))
+
+    def prepare(self, model: torch.nn.Module, layout, device: torch.device) -> PrepareReport:
+        """Adapt a loaded model once (its cache layers already bound to
+        their groups by the runner): bind the ops to its cache layers, swap
+        what this backend runs its own way. The base binds only."""
+        report = PrepareReport(self.name)
+        self.bind_ops(model, layout, report)
+        return report
+
+    def bind_ops(self, model, layout, report: PrepareReport) -> None:
+        """Every cache layer gets the side of the backend it calls (`ops`);
+        recurrent layers of a kind the recurrent side has no kernels for are
+        reported: they run the reference's ops on gathered states."""
+        counts = {"attention": 0, "recurrent": 0}
+        for name, layer in model.cache_layers().items():
+            recurrent = layout.groups[layout.layer_views[name].group].recurrent
+            layer.ops = self.recurrent if recurrent else self.attention
+            counts["recurrent" if recurrent else "attention"] += 1
+        for side, n in counts.items():
+            if n:
+                report.done.append(f"{n} {side} layers call {getattr(self, side).name}")
+        for kind in sorted({g.kind for g in layout.groups if g.recurrent} - self.recurrent.kinds):
+            report.declined.append(f"{self.recurrent.name} kernels for {kind} layers (it has none): their states "
+                                   f"are gathered and stepped by the reference's ops")
+
+    def route(self, batch) -> str:
+        """How this step runs, named; the runner counts it. Backends that
+        run some steps another way (the cpu backend's one-call decoder
+        layers) decide it here, once per step, and leave what that way
+        reads in `batch.route_state`."""
+        return "fixed-shape" if batch.inputs.fixed_shape else "eager"
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"

@@ -1,0 +1,91 @@
+"""The "cpu" backend: the reference's algorithms, with the hot parts of a
+CPU step in hybridkv's C kernels (kernels.c) and oneDNN's products:
+
+* decode attention reads each query's keys where they lie in the pool
+  (attention.py); stores, prefill chunks and Mamba states stay the
+  reference's;
+* RMS norms, Gemma's q/k norm + rotary and the gated activation in one C
+  pass each (modules.py, swapped in for the shared modules);
+* whole decoder layers as one C call on decode steps of up to four rows
+  (decoder.py: the route "cpu:decoder-layers"; other steps run the
+  modules, "cpu:modules");
+* every Linear over oneDNN's packed weights (linear.py).
+
+The kernels are built for the machine at install time or by `hybridkv
+build-kernels` (build.py), loaded with their boundary read from the C
+source (library.py) and self-tested against torch (check.py) before use;
+where any of that fails, constructing the backend raises `Unavailable`
+with the reason.
+"""
+
+from __future__ import annotations
+
+from ..base import Backend, Capabilities, PrepareReport
+from ..reference.recurrent import ReferenceRecurrent
+
+
+class Unavailable(RuntimeError):
+    """The C kernels cannot run here (not built, not loadable, or failing
+    their self-test); the message says which."""
+
+
+_checked: dict = {}
+
+
+def kernels():
+    """The loaded, self-tested library (once per process)."""
+    from . import build, check, library
+
+    try:
+        lib = library.load()
+    except (OSError, ImportError) as error:
+        raise Unavailable(f"its C kernels could not be loaded: {error}") from None
+    if lib is None:
+        how = "`hybridkv build-kernels` builds them" if build.compiler() else "no C compiler here to build them"
+        raise Unavailable(f"its C kernels are not built for this machine ({how})")
+    if lib.path not in _checked:
+        try:
+            check.check(lib)
+            _checked[lib.path] = None
+        except AssertionError as error:
+            _checked[lib.path] = str(error)
+    if _checked[lib.path] is not None:
+        raise Unavailable(f"its C kernels failed their self-test: {_checked[lib.path]}")
+    return lib
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    capabilities = Capabilities(devices=frozenset({"cpu"}), capturable=False)
+
+    def __init__(self):
+        from .attention import CpuAttention
+
+        self.lib = kernels()
+        super().__init__(CpuAttention(self.lib), ReferenceRecurrent())
+
+    def prepare(self, model, layout, device) -> PrepareReport:
+        from .decoder import wrap_decoder_layers
+        from .linear import pack_linears, spare_memory
+        from .modules import swap_norms_and_mlps
+
+        report = super().prepare(model, layout, device)
+        if layout.groups and any(g.spec.dtype != "float32" for g in layout.groups if not g.recurrent):
+            report.declined.append("C decode attention: it reads float32 caches; other dtypes run the reference")
+        norms, mlps = swap_norms_and_mlps(model, self.lib)
+        report.done.append(f"{norms} RMS norms and {mlps} gated MLPs run their elementwise work in C")
+        # Before packing: a wrapped layer takes the dense weights packing drops.
+        self.decoder_layers = wrap_decoder_layers(model, self.lib, spare_memory(), report) > 0
+        pack_linears(model, report)
+        return report
+
+    def route(self, batch) -> str:
+        from .decoder import decode_step
+
+        if batch.inputs.fixed_shape:
+            return "fixed-shape"
+        step = decode_step(batch) if self.decoder_layers else None
+        batch.route_state = step
+        return "decoder-layers" if step is not None else "modules"
+
+    decoder_layers = False  # set by prepare where it wrapped them

@@ -1,0 +1,128 @@
+"""Attention on the CPU through hybridkv's C kernel (kernels.c): the
+decode queries of an eager step read their keys where they lie in the
+pool, each its own range, in one call per layer; stores, prefill chunks and
+fixed-shape steps (the ones torch.compile traces) stay the torch
+reference's (backends/reference), whose metadata this extends.
+
+Attention sinks are the kernel's too (`sinks`, one logit per query head).
+
+Why: the reference gathers every page a decode group reads (index_select),
+then reads the copy again in two batched products. On the real Gemma-3
+270M at batch 16 and ~700 tokens of context that was a third of a decode
+step (benchmarks/cpu_decode_step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ...step import AttentionStep
+from ..base import AttentionOps
+from ..reference import attention as torch_attention
+
+
+@dataclass
+class CpuDecodes:
+    """The step's decode queries as the kernel reads them."""
+
+    rows: torch.Tensor  # [R] query rows in the step's token tensor
+    pages: torch.Tensor  # [width, R, blocks] int64: each row's pages from the block of its first key
+    first: torch.Tensor  # [R] int64: first key position each row reads
+    last: torch.Tensor  # [R] int64: its own position, the last key it reads
+
+
+@dataclass
+class CpuMetadata:
+    reference: torch_attention.AttentionMetadata  # stores and prefill chunks (its `decodes` left empty)
+    decodes: CpuDecodes | None
+    step: AttentionStep  # for the reference's decode groups, where the kernel cannot read a pool
+
+    @cached_property
+    def reference_decodes(self) -> list[torch_attention.DecodeGroup]:
+        """Built on first need, once for all the group's layers."""
+        return torch_attention.decode_group_list(self.step)
+
+
+def decodes(step: AttentionStep) -> CpuDecodes | None:
+    inputs, bs = step.inputs, step.block_size
+    if inputs.decodes is None:
+        return None
+    host = inputs.host
+    last = host.positions[host.starts[host.decodes]]
+    first = np.asarray(step.spec.first_visible(last), dtype=np.int64)
+    blocks = int((last // bs - first // bs).max()) + 1
+    # Columns past a row's last block are clamped into the table; the kernel
+    # never reads them.
+    cols = np.minimum((first // bs)[:, None] + np.arange(blocks), step.table.shape[2] - 1)
+    pages = step.table[:, inputs.decodes.table_rows[:, None], torch.from_numpy(cols)].to(torch.int64).contiguous()
+    return CpuDecodes(inputs.decodes.tokens, pages, torch.from_numpy(first), torch.from_numpy(last))
+
+
+class CpuAttention(AttentionOps):
+    """The attention side of the "cpu" backend."""
+
+    name = "cpu"
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def build(step: AttentionStep):
+        if step.inputs.fixed_shape:
+            return torch_attention.build(step)
+        reference = torch_attention.AttentionMetadata(step.spec, step.store_pages, step.store_offsets,
+                                                      *torch_attention.tails(step), [],
+                                                      torch_attention.prefill_segments(step))
+        return CpuMetadata(reference, decodes(step), step)
+
+    @staticmethod
+    def store(cache, k, v, meta, column):
+        torch_attention.store(cache, k, v, meta.reference if isinstance(meta, CpuMetadata) else meta, column)
+
+    def attend(self, q, cache, meta, column, scale, softcap=None, sinks=None):
+        if not isinstance(meta, CpuMetadata):
+            return torch_attention.attend(q, cache, meta, column, scale, softcap, sinks)
+        out = torch.empty_like(q)
+        if meta.decodes is not None and not self.supports(q, cache):
+            for group in meta.reference_decodes:
+                keys, values = torch_attention.gather(cache, group.pages[column])
+                out[group.rows] = torch_attention.attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype),
+                                                                 group.mask, scale, softcap, sinks)
+        elif meta.decodes is not None:
+            out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column, scale,
+                                                         softcap, sinks)
+        ref = meta.reference
+        torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks)
+        return out
+
+    def attend_decodes(self, q: torch.Tensor, cache: torch.Tensor, dec: CpuDecodes, column: int, scale: float,
+                       softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [R, q_heads, head_dim] (float32) -> the same shape; sinks [q_heads] or None."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        pages = dec.pages[column]
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+        rows = self.lib.structs["decode_rows"](rows=q.shape[0], max_blocks=pages.shape[1], pages=pages.data_ptr(),
+                                               first=dec.first.data_ptr(), last=dec.last.data_ptr())
+        status = self.lib.decode_attention(paged_cache(self.lib, cache), rows, q.data_ptr(), q.shape[1], scale,
+                                           softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+                                           out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
+        return out
+
+    @staticmethod
+    def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
+        """The kernel reads float32 queries and pools (head dims contiguous)."""
+        return q.dtype == cache.dtype == torch.float32 and cache.stride(-1) == 1 and not cache.is_cuda
+
+
+def paged_cache(lib, cache: torch.Tensor):
+    """kernels.c's `paged_cache` for a layer's view of the pool."""
+    return lib.structs["paged_cache"](cache.data_ptr(), *cache.stride()[:4], cache.shape[2], cache.shape[3],
+                                      cache.shape[4])

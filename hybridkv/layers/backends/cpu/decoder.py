@@ -1,0 +1,198 @@
+"""A decoder layer's decode step in one C call (kernels.c `decode_layer`):
+norms, the q/k/v product, q/k norms and rotary, the K/V store, attention,
+the output product, the residual adds and the gated MLP, for a step whose
+every sequence has one token and which has few of them.
+
+Why: at batch 1 a step reads every weight once, and the rest should be
+free. Through torch's modules it is not: per layer about fifteen calls from
+Python (oneDNN's products, the C norms and attention, views and adds), each
+waking the threads again; on the real Gemma-3 270M that was 1.3x the time
+of the products alone (benchmarks/cpu_decode_step.py). Here a layer is one
+call, one parallel region, and its products are matrix-vector ones that
+read each weight row once for every query row.
+
+`CpuDecoderLayer` wraps a family's decoder layer (its `parts()`, layers/
+decoder.py). Whether a step runs the C call is decided once per step by
+the backend (`CpuBackend.route`: "cpu:decoder-layers"), which leaves the
+step's rows (`CpuDecodeStep`) in the batch; any other step runs the
+wrapped layer's modules. The products read the dense weights, while
+oneDNN's batched products read packed ones (linear.py): a wrapped layer
+keeps both copies, so layers are wrapped only where the machine has four
+times the dense weights free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ...decoder import DecoderParts
+from ...mlp import GatedMLP
+from .attention import CpuMetadata, paged_cache
+from .modules import ACTIVATIONS
+
+# Above this many query rows a step goes through the modules: oneDNN's
+# packed products then beat matrix-vector ones (benchmarks/cpu_decode_step.py).
+MAX_ROWS = 4
+
+
+def _dense(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0)
+
+
+def refusal(parts: DecoderParts) -> str | None:
+    """Why `decode_layer` cannot run a layer of these parts, or None."""
+    attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
+    if not isinstance(mlp, GatedMLP):
+        # gpt-oss: experts chosen per token, each a product of its own (the C layer's one dense MLP is not that)
+        return "a mixture-of-experts feed-forward" if hasattr(mlp, "experts") else f"feed-forward {type(mlp).__name__}"
+    if attn.qkv_proj is None or mlp.gate_up_proj is None:
+        return "projections not fused"
+    if attn.reduce is not None or mlp.reduce is not None:
+        return "tensor parallel"
+    if mlp.kind not in ACTIVATIONS:
+        return f"activation {mlp.kind}"
+    if len({(n.eps, n.unit_offset) for n in norms}) != 1:
+        return "norms of different conventions"
+    if attn.num_heads % attn.num_kv_heads or attn.head_dim % 2:
+        return "head layout"
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(_dense(t) for m in linears for t in (m.weight, m.bias)) or not all(_dense(n.weight) for n in norms) \
+            or not _dense(attn.sinks):
+        return "weights not dense float32 on the CPU"
+    return None
+
+
+def dense_bytes(parts: DecoderParts) -> int:
+    attn, mlp = parts.attention, parts.mlp
+    return sum(m.weight.numel() * m.weight.element_size()
+               for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+@dataclass
+class GroupRows:
+    """One attention group's decode rows as `decode_layer` reads them."""
+
+    store_pages: torch.Tensor  # [width, R] int64: the page of each row's new token, per column
+    offsets: torch.Tensor  # [R] int64: its slot in the page
+    pages: torch.Tensor  # [width, R, blocks] int64 (attention.CpuDecodes)
+    first: torch.Tensor  # [R] int64
+    last: torch.Tensor  # [R] int64
+    structs: dict = field(default_factory=dict)  # column -> kernels.c's decode_rows, made once per step
+
+    def rows(self, lib, column: int):
+        made = self.structs.get(column)
+        if made is None:
+            pages = self.pages[column]
+            made = self.structs[column] = lib.structs["decode_rows"](
+                rows=pages.shape[0], max_blocks=pages.shape[1], pages=pages.data_ptr(), first=self.first.data_ptr(),
+                last=self.last.data_ptr(), store_pages=self.store_pages[column].data_ptr(),
+                store_offsets=self.offsets.data_ptr())
+        return made
+
+
+@dataclass
+class CpuDecodeStep:
+    """What the step's C layers read: the pool and each group's rows."""
+
+    buffers: object
+    groups: dict[int, GroupRows]
+    threads: int
+
+
+def decode_step(batch) -> CpuDecodeStep | None:
+    """The step's rows if it is one the C layers run (eager, decodes only,
+    at most MAX_ROWS, every group on the cpu attention); else None."""
+    inputs = batch.inputs
+    if inputs.fixed_shape or inputs.chunks is not None or inputs.decodes is None or \
+            len(inputs.input_ids) > MAX_ROWS or torch.compiler.is_compiling():
+        return None
+    groups = {}
+    for group, meta in batch.attention.items():
+        if not isinstance(meta, CpuMetadata) or meta.decodes is None:
+            return None
+        ref, dec = meta.reference, meta.decodes
+        groups[group] = GroupRows(ref.store_pages.to(torch.int64).contiguous(),
+                                  ref.store_offsets.to(torch.int64).contiguous(), dec.pages, dec.first, dec.last)
+    return CpuDecodeStep(batch.buffers, groups, torch.get_num_threads())
+
+
+class CpuDecoderLayer(nn.Module):
+    """A family's decoder layer, run as one C call on the steps the backend
+    routes that way and through its own modules on every other."""
+
+    def __init__(self, layer: nn.Module, lib, parts: DecoderParts):
+        super().__init__()
+        self.layer = layer
+        self.lib = lib
+        attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
+        # Where the layer's K/V lives (bound by the runner before prepare).
+        self.layer_name, self.group, self.column = attn.layer_name, attn.group, attn.column
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        # The tensors the struct points into, held here: they outlive the
+        # modules' dense copies, which packing for oneDNN drops.
+        self.tensors = {
+            "qkv": qkv.weight.detach(), "qkv_bias": None if qkv.bias is None else qkv.bias.detach(),
+            "o": o.weight.detach(), "o_bias": None if o.bias is None else o.bias.detach(),
+            "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
+            "sinks": None if attn.sinks is None else attn.sinks.detach(),
+            **{name: None if getattr(parts, name) is None else getattr(parts, name).weight.detach()
+               for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm",
+                            "q_norm", "k_norm")}}
+        self.weights = lib.structs["decoder_layer"](
+            hidden=o.out_features, q_heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            inter=down.in_features, activation=ACTIVATIONS[mlp.kind], eps=norms[0].eps,
+            norm_offset=1.0 if norms[0].unit_offset else 0.0, scale=attn.scale, softcap=attn.softcap or 0.0,
+            **{name: None if t is None else t.data_ptr() for name, t in self.tensors.items()})
+        self._cache: tuple | None = None  # (pool, the layer's paged_cache) of the last step
+
+    def cache(self, buffers):
+        """The layer's `paged_cache` (made once per pool)."""
+        if self._cache is None or self._cache[0] is not buffers.pool:
+            cache = buffers.attention_cache(self.layer_name)
+            if cache.dtype != torch.float32 or cache.stride(-1) != 1:
+                raise ValueError(f"the C decoder layer writes float32 K/V; {self.layer_name}'s cache is {cache.dtype}")
+            self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
+        return self._cache[1]
+
+    def forward(self, x: torch.Tensor, cos_sin, batch) -> torch.Tensor:
+        step = batch.route_state
+        if not isinstance(step, CpuDecodeStep):
+            return self.layer(x, cos_sin, batch)
+        # x [rows, hidden] float32, contiguous: updated in place and returned.
+        cos, sin = cos_sin
+        rows = step.groups[self.group].rows(self.lib, self.column)
+        status = self.lib.decode_layer(self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(),
+                                       sin.data_ptr(), step.threads)
+        if status != 0:
+            raise MemoryError("hybridkv's CPU decoder layer could not allocate its scratch")
+        return x
+
+
+def wrap_decoder_layers(model: nn.Module, lib, free_bytes: int, report) -> int:
+    """Wrap every decoder layer (a module with `parts()`) in a
+    CpuDecoderLayer, or none: a step runs every layer one way or the other.
+    Returns how many."""
+    layers = [(parent, name, child) for parent in list(model.modules())
+              for name, child in parent.named_children() if hasattr(child, "parts")]
+    if not layers:
+        report.declined.append("one-call decoder layers: the model's layers describe no DecoderParts "
+                               "(layers/decoder.py)")
+        return 0
+    parts = {id(layer): layer.parts() for _, _, layer in layers}
+    refused = {why for p in parts.values() if (why := refusal(p)) is not None}
+    if refused:
+        report.declined.append(f"one-call decoder layers: {', '.join(sorted(refused))}")
+        return 0
+    size = sum(dense_bytes(p) for p in parts.values())
+    if free_bytes < 4 * size:
+        report.declined.append(f"one-call decoder layers: their dense weights ({size / 2**20:.0f} MiB) are kept "
+                               f"beside the packed ones, and under 4x that is free")
+        return 0
+    for parent, name, layer in layers:
+        setattr(parent, name, CpuDecoderLayer(layer, lib, parts[id(layer)]))
+    report.done.append(f"{len(layers)} decoder layers run as one C call on decode steps of up to {MAX_ROWS} rows "
+                       f"(dense weights kept: {size / 2**20:.0f} MiB)")
+    return len(layers)

@@ -1,0 +1,30 @@
+"""The torch reference: exact and simple on purpose, the oracle every other
+backend is tested against (tests/test_backend_conformance.py). Attention
+gathers each query's pages and runs torch products (attention.py); Mamba
+layers update gathered states (recurrent.py). Runs everywhere."""
+
+from __future__ import annotations
+
+from ..base import AttentionOps, Backend
+from . import attention
+from .recurrent import ReferenceRecurrent
+
+
+class ReferenceAttention(AttentionOps):
+    name = "torch"
+
+    def build(self, step):
+        return attention.build(step)
+
+    def store(self, cache, k, v, meta, column):
+        attention.store(cache, k, v, meta, column)
+
+    def attend(self, q, cache, meta, column, scale, softcap=None, sinks=None):
+        return attention.attend(q, cache, meta, column, scale, softcap, sinks)
+
+
+class ReferenceBackend(Backend):
+    name = "torch"
+
+    def __init__(self):
+        super().__init__(ReferenceAttention(), ReferenceRecurrent())

@@ -1,0 +1,57 @@
+"""hybridkv's Triton kernels (ops.py): stores, paged decode and prefill
+attention, and the Mamba decode step, reading and writing the pool in
+place. On CUDA devices, compiled; on CPU tensors under triton's
+interpreter (`TRITON_INTERPRET=1` set before ops.py is imported), which is
+how the tests run them without a GPU.
+
+ops.py is imported only when the backend is built, because triton reads
+TRITON_INTERPRET when it decorates the kernels. Before "auto" trusts the
+kernels on a device they pass a self-test there (check.py), once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+from ..base import Backend, Capabilities
+
+
+def kernels():
+    """The kernel module, imported on first use."""
+    return importlib.import_module("hybridkv.layers.backends.triton.ops")
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    capabilities = Capabilities(reads_only_visible_keys=True)
+
+    def __init__(self, ops=None):
+        from .attention import TritonAttention
+        from .recurrent import TritonRecurrent
+
+        ops = ops or kernels()
+        self.ops = ops
+        super().__init__(TritonAttention(ops), TritonRecurrent(ops))
+
+
+_verified: dict[str, bool] = {}
+
+
+def verified(ops, device: torch.device) -> bool:
+    """Whether the kernels pass their self-test on `device` (once per
+    device); a failure warns, naming the kernel."""
+    key = str(device)
+    if key not in _verified:
+        from .check import check
+
+        try:
+            check(ops, device)
+            _verified[key] = True
+        except Exception as error:  # noqa: BLE001 - any failure means: do not trust the kernels here
+            warnings.warn(f"hybridkv: Triton kernels failed their self-test on {device} ({error})",
+                          RuntimeWarning, stacklevel=3)
+            _verified[key] = False
+    return _verified[key]

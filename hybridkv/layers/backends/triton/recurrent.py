@@ -1,0 +1,54 @@
+"""The Triton kernels' recurrent side: decode states of the kinds it has
+kernels for (`kinds`: Mamba-1's conv and SSM steps) stay in the pool (the
+kernels read their read pages and write their write pages); prefill rows
+are gathered, scanned by the reference and written back. Groups of other
+kinds (Mamba-2, the short conv, ...) are gathered whole, decode rows too,
+and run the reference's ops (the prepare report says so)."""
+
+from __future__ import annotations
+
+from ...dtypes import TORCH_DTYPES
+from ...recurrent_state import MambaMetadata, metadata
+from ...step import StepInputs
+from ..reference.recurrent import ReferenceRecurrent, gathered_build
+
+
+class TritonRecurrent(ReferenceRecurrent):
+    name = "triton"
+    kinds = frozenset({"mamba"})
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def build(self, inputs: StepInputs, buffers, read, write, zero, kind: str = "mamba") -> MambaMetadata:
+        if kind not in self.kinds:
+            return gathered_build(inputs, buffers, read, write)
+        decodes, chunks = inputs.decodes, inputs.chunks
+        # Only the chunks run on gathered states (the reference scan).
+        gathered = inputs.table_rows[:0] if chunks is None else chunks.table_rows
+        meta = metadata(inputs, buffers, read, write, gathered, range(gathered.shape[0]))
+        if decodes is not None:
+            rows = decodes.table_rows
+            meta.step_pages = (read[rows], write[rows], zero[rows])
+        return meta
+
+    def _part(self, meta, layer_name, index):
+        layout = meta.buffers.layout
+        view = layout.layer_views[layer_name]
+        spec = layout.groups[view.group].spec
+        return view.offset + view.part_offsets[index], TORCH_DTYPES[spec.dtypes[index]]
+
+    # A group `build` gathered whole (a kind without kernels) has no
+    # step pages: its decodes take the reference's ops.
+    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias):
+        if meta.step_pages is None:
+            return super().conv_step(meta, layer_name, x, weight, bias)
+        offset, dtype = self._part(meta, layer_name, 0)
+        return self.ops.mamba_conv_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, weight, bias,
+                                        silu=True)
+
+    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate):
+        if meta.step_pages is None:
+            return super().ssm_step(meta, layer_name, x, dt, A, B, C, D, gate)
+        offset, dtype = self._part(meta, layer_name, 1)
+        return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)

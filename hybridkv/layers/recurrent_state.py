@@ -1,0 +1,229 @@
+"""Where a recurrent layer's per-request state lives during a step, shared
+by every backend's recurrent side (backends/base.py, RecurrentOps): the
+reference gathers every sequence's state from the pool into one tensor
+and scatters them back after the forward (`finish`); the Triton kernels
+update decode states in the pool in place, from their read pages to their
+write pages. Prefill chunks run on gathered states in every backend
+(`GatheredPrefill`: the reference scans of mamba_ops.py and ssd_ops.py,
+for every recurrent kind), and so do the decodes of a kind a backend has
+no kernel for (`GatheredSteps`).
+
+A state is parts (the spec's shapes): part 0 is the causal conv's window
+for every kind here (the K-1 inputs before the next token), part 1 the
+recurrent state where the kind has one (Mamba-1 [I, N], Mamba-2 [H, P, N]).
+
+Per request the manager gives a read block (None: the zero state, read as
+the null page, which stays zero) and a write block (the same block when the
+update is in place); the runner keeps them per running sequence in
+persistent tables (`read`, `write` `[table rows, pages per block]`, and
+`zero` `[table rows]` for the kernels, which skip the read). The step's split
+into decodes and chunks comes built (`StepInputs`, step.py); a fixed-shape
+step reads the tables with device gathers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .kv_buffers import KVBuffers
+from .mamba_ops import causal_conv, causal_conv_step, selective_scan, selective_scan_step
+from .ssd_ops import ssd_scan, ssd_step
+from .step import StepInputs
+
+
+class Verified(NamedTuple):
+    row: int  # state row
+    start: int  # first token row
+    count: int  # the sampled token and the drafts
+    sequence: int  # index of the sequence in the step
+
+
+@dataclass
+class MambaMetadata:
+    buffers: KVBuffers
+    states: torch.Tensor  # [R, state bytes] gathered states (rows: see the backends)
+    write_pages: torch.Tensor  # [R, pages per block] where those rows go after the step
+    step_tokens: torch.Tensor | None  # token rows of the sequences with one token this step
+    num_steps: int  # how many: the layers skip the step ops at 0
+    step_rows: torch.Tensor | None = None  # reference: their rows of `states`
+    step_pages: tuple | None = None  # kernels: their (read, write, zero) pages in the pool
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (state row, first token row, count)
+    # Sequences verifying drafts: chunks like prefills, but the layers keep
+    # each token's state (`verify_states`) until keep_accepted picks one.
+    verifies: list["Verified"] = field(default_factory=list)
+    # layer name -> [the conv window over the chunk, the recurrent state after each token (or None)]
+    verify_states: dict = field(default_factory=dict)
+
+    def state_views(self, layer_name: str) -> list[torch.Tensor]:
+        """The layer's state parts inside `states` (typed views)."""
+        return self.buffers.state_views(self.states, layer_name)
+
+    def keep(self, layer_name: str, part: int, value: torch.Tensor) -> None:
+        """What a verified chunk leaves for `keep_accepted`: the conv window
+        (part 0) or every token's recurrent state (part 1)."""
+        self.verify_states.setdefault(layer_name, [None, None])[part] = value
+
+
+def padded_chunks(chunks, device):
+    """A step's chunks (state row, first token row, count) side by side,
+    longest first (a stable sort: chunks already in that order keep it), as
+    the prefill ops take them: state rows, token rows [chunks, longest]
+    (padding repeats a chunk's last token), lengths, and which entries are
+    real tokens."""
+    chunks = sorted(chunks, key=lambda p: -p[2])
+    rows = torch.tensor([row for row, _, _ in chunks], device=device)
+    starts = torch.tensor([start for _, start, _ in chunks], device=device)
+    lengths = torch.tensor([count for _, _, count in chunks], device=device)
+    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
+    valid = offsets < lengths[:, None]
+    tokens = starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
+    return rows, tokens, lengths, valid
+
+
+def gather(buffers: KVBuffers, read: torch.Tensor) -> torch.Tensor:
+    """States read from their pages, `[R, state bytes]`. A sequence with no
+    state yet reads the null page, which holds zeros (nothing ever writes
+    it): the zero state without a pass to clear it."""
+    return buffers.pool[read].reshape(read.shape[0], read.shape[1] * buffers.page_size)
+
+
+def chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Verified]]:
+    """The step's chunks as (state row, first token row, count), `state_rows`
+    giving each chunk's row of the gathered states: prefill chunks, and the
+    verified ones, longest first (the order the scan takes them in)."""
+    chunks = [(int(r), int(host.starts[i]), int(host.counts[i])) for r, i in zip(state_rows, host.chunks)]
+    if host.verifying is None:
+        return chunks, []
+    verifying = host.verifying[host.chunks]
+    verified = [Verified(*c, int(i)) for c, i, v in zip(chunks, host.chunks, verifying) if v]
+    return [c for c, v in zip(chunks, verifying) if not v], sorted(verified, key=lambda v: -v.count)
+
+
+def metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows) -> MambaMetadata:
+    """What both backends share: the states of table rows `gathered` (their
+    read pages) and where they go, the decodes' token rows, the chunks, each
+    at its row `chunk_rows[i]` of the gathered states (host)."""
+    decodes = inputs.decodes
+    meta = MambaMetadata(buffers, gather(buffers, read[gathered]), write[gathered],
+                         None if decodes is None else decodes.tokens,
+                         0 if decodes is None else decodes.tokens.shape[0])
+    if not inputs.fixed_shape:
+        meta.prefills, meta.verifies = chunk_lists(inputs.host, chunk_rows)
+    return meta
+
+
+def finish(meta: MambaMetadata) -> None:
+    """Write the gathered states to their write pages."""
+    rows = meta.write_pages.shape[0]
+    if rows:
+        meta.buffers.pool[meta.write_pages] = meta.states.view(rows, meta.write_pages.shape[1], -1)
+
+
+class GatheredPrefill:
+    """The parts of RecurrentOps every backend runs on gathered states:
+    the chunked prefill of every kind (the reference scans, side by side),
+    `finish`, and the rollback after verified drafts."""
+
+    finish = staticmethod(finish)
+
+    def _conv(self, meta: MambaMetadata, layer_name: str, rows, x, lengths, weight, bias, keep):
+        """The causal conv of chunks from the windows of `rows`, before any
+        activation; the windows move on."""
+        conv_state = meta.state_views(layer_name)[0]
+        before = conv_state[rows]
+        y, new_conv = causal_conv(x, lengths, before, weight, bias)
+        conv_state[rows] = new_conv.to(conv_state.dtype)
+        if keep:  # in meta.verifies order (keep_accepted picks one state per chunk)
+            meta.keep(layer_name, 0, torch.cat([before.to(x.dtype), x.transpose(1, 2)], 2))
+        return y
+
+    def conv_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, lengths, weight, bias, keep=False):
+        return F.silu(self._conv(meta, layer_name, rows, x, lengths, weight, bias, keep))
+
+    def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
+        ssm_state = meta.state_views(layer_name)[1]
+        y, new_ssm, per_token = selective_scan(x, dt, A, B, C, ssm_state[rows], lengths, per_token=keep)
+        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        if keep:
+            meta.keep(layer_name, 1, per_token)
+        return y
+
+    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
+        ssm_state = meta.state_views(layer_name)[1]
+        y, new_ssm, per_token = ssd_scan(x, dt, A, B, C, D, ssm_state[rows], lengths, per_token=keep)
+        ssm_state[rows] = new_ssm.to(ssm_state.dtype)
+        if keep:
+            meta.keep(layer_name, 1, per_token)
+        return y
+
+    def short_conv_prefill(self, meta: MambaMetadata, layer_name: str, rows, b, c, x, lengths, weight, bias,
+                           keep=False):
+        return c * self._conv(meta, layer_name, rows, b * x, lengths, weight, bias, keep)
+
+    def keep_accepted(self, meta: MambaMetadata, accepted: list[int]) -> None:
+        keep_accepted(meta, accepted)
+
+
+class GatheredSteps:
+    """The one-token ops of every kind on gathered states (each decode
+    sequence's state is row `meta.step_rows[i]` of `meta.states`): the
+    reference's decode, and any backend's for a kind it has no kernel for."""
+
+    def conv_step(self, meta: MambaMetadata, layer_name: str, x, weight, bias):
+        return F.silu(self._conv_step(meta, layer_name, x, weight, bias))
+
+    def _conv_step(self, meta, layer_name, x, weight, bias):
+        conv_state = meta.state_views(layer_name)[0]
+        rows = meta.step_rows
+        y, new_state = causal_conv_step(x, conv_state[rows], weight, bias)
+        conv_state[rows] = new_state.to(conv_state.dtype)
+        return y
+
+    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate):
+        ssm_state = meta.state_views(layer_name)[1]
+        rows = meta.step_rows
+        y, new_state = selective_scan_step(x, dt, A, B, C, ssm_state[rows])
+        ssm_state[rows] = new_state.to(ssm_state.dtype)
+        return (y + x.float() * D) * F.silu(gate.float())
+
+    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
+        ssm_state = meta.state_views(layer_name)[1]
+        rows = meta.step_rows
+        y, new_state = ssd_step(x, dt, A, B, C, D, ssm_state[rows])
+        ssm_state[rows] = new_state.to(ssm_state.dtype)
+        return y
+
+    def short_conv_step(self, meta: MambaMetadata, layer_name: str, b, c, x, weight, bias):
+        return c * self._conv_step(meta, layer_name, b * x, weight, bias)
+
+
+def keep_accepted(meta: MambaMetadata, accepted: list[int]) -> None:
+    """After verification (one count per `meta.verifies` entry: the drafts
+    kept): write the state after each sequence's last kept token to its write
+    pages, over the state after its last draft that the pass left there.
+    From what the layers kept: the conv window, of which the state after
+    token j is the K-1 inputs ending at j, and where the kind has one, the
+    recurrent state after each token."""
+    redo = [(j, a) for j, (v, a) in enumerate(zip(meta.verifies, accepted)) if a < v.count - 1]
+    if not redo:
+        return  # every draft kept: the pass's final state is the one
+    device = meta.states.device
+    index = torch.tensor([j for j, _ in redo], device=device)
+    kept = torch.tensor([a for _, a in redo], device=device)
+    rows = torch.tensor([meta.verifies[j].row for j, _ in redo], device=device)
+    states = meta.states[rows]  # a copy: every layer's parts, patched below
+    for layer_name, (window, per_token) in meta.verify_states.items():
+        parts = meta.buffers.state_views(states, layer_name)
+        conv = parts[0]
+        width = conv.shape[-1]
+        w = window[index]  # [r, I, K-1 + L]: the conv state before the chunk, then its inputs
+        at = (kept[:, None] + 1 + torch.arange(width, device=device))[:, None, :].expand(-1, w.shape[1], -1)
+        conv.copy_(w.gather(2, at))
+        if per_token is not None:
+            parts[1].copy_(per_token[index, kept])
+    pages = meta.write_pages[rows]
+    meta.buffers.pool[pages] = states.view(len(redo), pages.shape[1], -1)

@@ -1,0 +1,112 @@
+"""Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side
+on the same normed input and adds both to the residual, then a SiLU-gated
+MLP. Its cache is two layers per decoder layer: the attention's K/V
+(`model.layers.{i}`) and the mixer's state (`model.layers.{i}.mamba`).
+
+muP-style scalars, all from the config: embeddings times
+`embedding_multiplier`; the mixer's input times `ssm_in_multiplier`, its
+in_proj output times one factor per part (z, x, B, C, dt:
+`ssm_multipliers`), its output times `ssm_out_multiplier`; the attention's
+input times `attention_in_multiplier`, its keys times `key_multiplier`,
+its output times `attention_out_multiplier`; the MLP's gate before the
+activation times `mlp_multipliers[0]`, its output times
+`mlp_multipliers[1]`; logits times `lm_head_multiplier`. The mixer's gate
+is a grouped RMS norm only where `mamba_rms_norm` says so (normalising
+before the gate where `mamba_norm_before_gate`), else `y * silu(z)`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.step import StepBatch
+from .bamba import mamba2_mixer
+from .base import CacheLayer, CausalLM
+from .mamba2 import Mamba2Mixer
+from .sublayers import GatedMLP, PagedSelfAttention
+
+
+def in_proj_scale(config, inner: int) -> torch.Tensor:
+    """The per-channel factor of the mixer's in_proj output: z and x are
+    `inner` wide, B and C groups x state, dt one per head."""
+    bc = config.mamba_n_groups * config.mamba_d_state
+    widths = (inner, inner, bc, bc, config.mamba_n_heads)
+    return torch.cat([torch.full((w,), float(m), device="cpu") for w, m in zip(widths, config.ssm_multipliers)])
+
+
+class FalconH1Attention(PagedSelfAttention):
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
+        q, k, v = self.project(x)
+        cos, sin = cos_sin
+        return self.attend(apply_rotary(q, cos, sin), apply_rotary(k * self.key_multiplier, cos, sin), v, batch)
+
+
+class FalconH1MLP(GatedMLP):
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.gate_multiplier, self.down_multiplier = config.mlp_multipliers
+
+    def activated(self, x):
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.act(gate * self.gate_multiplier) * up
+
+    def forward(self, x):
+        return self.down_proj(self.activated(x)) * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inner = config.mamba_d_ssm or config.mamba_expand * config.hidden_size
+        norm = ("gated_after" if config.mamba_norm_before_gate else "gated") if config.mamba_rms_norm else None
+        self.mamba = mamba2_mixer(config, inner, out_bias=config.projectors_bias, norm=norm,
+                                  in_scale=in_proj_scale(config, inner))
+        self.self_attn = FalconH1Attention(config)
+        self.self_attn.key_multiplier = config.key_multiplier
+        self.feed_forward = FalconH1MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config
+        self.ssm_in, self.ssm_out = c.ssm_in_multiplier, c.ssm_out_multiplier
+        self.attn_in, self.attn_out = c.attention_in_multiplier, c.attention_out_multiplier
+
+    def forward(self, x, cos_sin, batch):
+        h = self.input_layernorm(x)
+        mixed = self.mamba(h * self.ssm_in, batch) * self.ssm_out
+        mixed = mixed + self.self_attn(h * self.attn_in, cos_sin, batch) * self.attn_out
+        x = x + mixed
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class FalconH1ForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(FalconH1DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(*inverse_frequencies(config))
+
+    def cache_layers(self) -> dict[str, CacheLayer]:
+        """Two per decoder layer: its attention under the layer's name, its
+        mixer under its own (`model.layers.{i}.mamba`: core/hf_config.py)."""
+        return {(name if isinstance(module, Mamba2Mixer) else name.rsplit(".", 1)[0]): module
+                for name, module in self.named_modules() if isinstance(module, CacheLayer)}
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, batch)
+        return self.model.final_layernorm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden) * self.config.lm_head_multiplier).float()

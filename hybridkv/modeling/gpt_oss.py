@@ -1,0 +1,114 @@
+"""gpt-oss (OpenAI's open-weight MoE decoders) on the paged hybrid cache.
+
+Layers alternate a 128-token sliding window and full attention
+(`layer_types`), both with attention sinks: a learned logit per query
+head that joins each softmax's denominator and weighs no value (the
+backend's `attend(..., sinks)`; they cost no cache). Attention has q/k/v/o
+biases, GQA, scale head_dim ** -0.5 and rotary embeddings (YaRN in the
+released configs, through transformers' rope functions). RMSNorm scales
+in float32 before casting back (transformers keeps these norms' weights
+in float32). Every feed-forward is a mixture of experts: a router with a
+bias picks the top-k experts by logit and weighs them by a softmax over
+those k logits; an expert is `down(act(x W_gu + b_gu)) + b_d`, where the
+gate and up columns of W_gu interleave (gate even, up odd) and
+act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with
+g = clamp(gate, max=limit). Parameter names follow the Hugging Face
+checkpoints (experts stored stacked: `mlp.experts.gate_up_proj` [E,
+hidden, 2 I], `down_proj` [E, I, hidden] and their biases).
+
+Checkpoints in bf16 or float32 load; MXFP4-quantized ones (the released
+weights' experts) do not, and are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.step import capturing
+from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (rotary, biases from `attention_bias`) with a sink per query head."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+
+
+class GptOssExperts(nn.Module):
+    """The experts' weights, stacked as the checkpoints store them."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.zeros(experts, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.alpha = config.swiglu_alpha
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e on rows x [rows, hidden]."""
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate = gate_up[:, 0::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        activated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return activated @ self.down_proj[e] + self.down_proj_bias[e]
+
+
+class GptOssMoE(nn.Module):
+    """Router (with a bias) and experts: each token's top-k experts by
+    router logit, weighted by a softmax over those k logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        out = torch.zeros_like(x)
+        if capturing(x):
+            # A captured or traced step: every expert on every token, weighted
+            # by its routing weight (zero where not chosen), so that no shape
+            # depends on the routing (as Jamba's MoE).
+            dense = torch.zeros_like(logits).scatter(-1, chosen, weights)
+            for e in range(self.experts.gate_up_proj.shape[0]):
+                out += self.experts(x, e) * dense[:, e, None]
+        else:
+            for e in torch.unique(chosen).tolist():  # ascending, as transformers adds them
+                token_idx, slot = torch.where(chosen == e)
+                y = self.experts(x[token_idx], e) * weights[token_idx, slot, None]
+                # (an expert's tokens are distinct: a plain add. index_add_
+                # would open a parallel region per expert on the CPU, ~30x
+                # the cost at decode sizes.)
+                out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
+        return out
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's decoder shape: x += attention(norm(x)); x += MoE(norm(x)),
+    with this family's attention, experts and norms. The layers' `parts()`
+    name a mixture-of-experts feed-forward, which a backend running whole
+    layers may decline (and says so in its prepare report)."""
+
+    scale_in_float32 = True
+
+    def __init__(self, config):
+        quantization = getattr(config, "quantization_config", None) or {}
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        if method is not None:
+            raise ValueError(f"gpt-oss checkpoints quantized with {method!r} are not supported: hybridkv loads "
+                             f"bf16 or float32 weights (a dequantized checkpoint)")
+        super().__init__(config)
+
+    def decoder_layer(self, config) -> nn.Module:
+        return LlamaDecoderLayer(config, GptOssAttention(config), GptOssMoE(config), scale_in_float32=True)

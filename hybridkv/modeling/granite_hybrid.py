@@ -1,0 +1,123 @@
+"""Granite-4.0-H (`granitemoehybrid`): Mamba-2 layers (mamba2.py, Bamba's
+mixer) and attention layers, each followed by a mixture of experts beside a
+shared SiLU-gated MLP (or the shared MLP alone when `num_local_experts` is
+0: the dense -Micro and 1B models). muP-style scalars: embeddings times
+`embedding_multiplier`, attention scale `attention_multiplier`, both
+residual branches times `residual_multiplier`, logits divided by
+`logits_scaling`. RoPE only where `position_embedding_type` is "rope" (the
+released Granite-4.0-H models use none). The router is a softmax over the
+top-k logits; the experts are stored as 3D tensors
+(`input_linear [E, 2I, H]`: gate then up; `output_linear [E, H, I]`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.step import StepBatch
+from .bamba import mamba2_mixer
+from .base import CausalLM
+from .experts import mix_experts
+from .sublayers import GatedMLP, PagedSelfAttention
+
+
+class GraniteAttention(PagedSelfAttention):
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
+        q, k, v = self.project(x)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.attend(q, k, v, batch)
+
+
+class SharedMLP(GatedMLP):
+    """The shared expert: gate and up stored as one weight (`input_linear`,
+    gate first), `output_linear` down."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str):
+        super().__init__(hidden, intermediate, activation)
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+
+    def fuse(self) -> None:
+        pass  # stored fused
+
+
+class GraniteMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.router = Linear(hidden, experts, bias=False)
+        self.input_linear = nn.Parameter(torch.zeros(experts, 2 * inner, hidden))
+        self.output_linear = nn.Parameter(torch.zeros(experts, hidden, inner))
+        self.act = F.silu if config.hidden_act in ("silu", "swish") else None
+        if self.act is None:
+            raise ValueError(f"Granite-4.0-H experts with activation {config.hidden_act!r} are not supported")
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.input_linear[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.output_linear[e])
+
+    def forward(self, x):
+        logits, chosen = self.router(x).float().topk(self.top_k, dim=-1)
+        weights = torch.softmax(logits, dim=-1).to(x.dtype)
+        return mix_experts(x, weights, chosen, self.expert, self.input_linear.shape[0])
+
+
+class GraniteDecoderLayer(nn.Module):
+    def __init__(self, config, is_attention: bool):
+        super().__init__()
+        if is_attention:
+            self.self_attn = GraniteAttention(config, scale=config.attention_multiplier)
+        else:
+            self.mamba = mamba2_mixer(config)
+        self.is_attention = is_attention
+        self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
+        self.shared_mlp = SharedMLP(config.hidden_size, config.shared_intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, x, cos_sin, batch):
+        h = self.input_layernorm(x)
+        h = self.self_attn(h, cos_sin, batch) if self.is_attention else self.mamba(h, batch)
+        x = x + h * self.residual_multiplier
+        h = self.post_attention_layernorm(x)
+        out = self.shared_mlp(h)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(h) + out
+        return x + out * self.residual_multiplier
+
+
+class GraniteMoeHybridForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(GraniteDecoderLayer(config, t in ("full_attention", "attention"))
+                                          for t in config.layer_types)
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(*inverse_frequencies(config)) if config.position_embedding_type == "rope" else None
+
+    def weight_name(self, checkpoint_name: str) -> str | None:
+        return (checkpoint_name.replace(".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj.")
+                .replace(".shared_mlp.output_linear.", ".shared_mlp.down_proj.")
+                .replace(".block_sparse_moe.router.layer.", ".block_sparse_moe.router.")
+                .replace(".block_sparse_moe.input_linear.weight", ".block_sparse_moe.input_linear")
+                .replace(".block_sparse_moe.output_linear.weight", ".block_sparse_moe.output_linear"))
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
+        cos_sin = None if self.rotary is None else self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden) / self.config.logits_scaling).float()

@@ -1,0 +1,126 @@
+"""LFM2: gated short-convolution layers beside GQA attention, each followed
+by a SiLU-gated MLP, RMS norms before both (`operator_norm`, `ffn_norm`)
+and a final one (`embedding_norm`).
+
+The short convolution (`ShortConv`): in_proj -> (b, c, x), three
+hidden-wide parts; a depthwise causal conv of width `conv_L_cache` over
+b * x, from the carried window, with no activation; times c; out_proj.
+Its state is the window alone (the L_cache - 1 inputs b * x before the next
+token); the backend's `short_conv_step` / `short_conv_prefill` move it on.
+Attention normalises q and k per head before RoPE; scale head_dim ** -0.5.
+The MLP's width is `block_ff_dim` adjusted as the config says (2/3 of it,
+times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.recurrent_state import padded_chunks
+from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.step import StepBatch
+from .base import CacheLayer, CausalLM
+from .sublayers import GatedMLP, PagedSelfAttention
+
+
+def mlp_width(config) -> int:
+    width = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            width = int(config.block_ffn_dim_multiplier * width)
+            multiple = config.block_multiple_of
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+class ShortConv(CacheLayer, nn.Module):
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        hidden, width, bias = config.hidden_size, config.conv_L_cache, config.conv_bias
+        self.hidden = hidden
+        self.conv = nn.Conv1d(hidden, hidden, width, groups=hidden, bias=bias, padding=width - 1)
+        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
+
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        meta = batch.recurrent[self.group]
+        ops, name = self.ops, self.layer_name
+        b, c, x = self.in_proj(h).chunk(3, dim=-1)
+        weight, bias = self.conv.weight[:, 0, :], self.conv.bias
+        y = torch.empty_like(x)
+        if meta.num_steps:
+            t = meta.step_tokens
+            y[t] = ops.short_conv_step(meta, name, b[t], c[t], x[t], weight, bias)
+        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
+            if chunks:  # (verified chunks also keep their windows)
+                rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
+                out = ops.short_conv_prefill(meta, name, rows, b[tokens], c[tokens], x[tokens], lengths, weight,
+                                             bias, keep)
+                y[tokens[valid]] = out[valid].to(y.dtype)
+        return self.out_proj(y)
+
+
+class Lfm2Attention(PagedSelfAttention):
+    def __init__(self, config):
+        super().__init__(config)
+        self.q_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
+        q, k, v = self.project(x)
+        cos, sin = cos_sin
+        return self.attend(apply_rotary(self.q_layernorm(q), cos, sin), apply_rotary(self.k_layernorm(k), cos, sin),
+                           v, batch)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, config, is_attention: bool):
+        super().__init__()
+        if is_attention:
+            self.self_attn = Lfm2Attention(config)
+        else:
+            self.conv = ShortConv(config)
+        self.is_attention = is_attention
+        self.feed_forward = GatedMLP(config.hidden_size, mlp_width(config), "silu")
+        self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, x, cos_sin, batch):
+        h = self.operator_norm(x)
+        x = x + (self.self_attn(h, cos_sin, batch) if self.is_attention else self.conv(h, batch))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Lfm2ForCausalLM(CausalLM):
+    # checkpoint names -> ours (the MLP as w1/w3/w2, attention's output as out_proj)
+    RENAMES = ((".feed_forward.w1.", ".feed_forward.gate_proj."), (".feed_forward.w3.", ".feed_forward.up_proj."),
+               (".feed_forward.w2.", ".feed_forward.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."))
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(Lfm2DecoderLayer(config, t != "conv") for t in config.layer_types)
+        self.model.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(*inverse_frequencies(config))
+
+    def weight_name(self, checkpoint_name: str) -> str | None:
+        for old, new in self.RENAMES:
+            checkpoint_name = checkpoint_name.replace(old, new)
+        return checkpoint_name
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, batch)
+        return self.model.embedding_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

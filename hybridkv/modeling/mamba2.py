@@ -1,0 +1,121 @@
+"""The Mamba-2 mixer the Mamba-2 hybrids share (Nemotron-H, Granite-4.0-H,
+Bamba, Falcon-H1), with Hugging Face parameter names.
+
+in_proj -> (z, xBC, dt), one product; a depthwise causal conv over xBC
+(x, B and C, from the carried conv window), SiLU; dt = softplus(dt +
+dt_bias), clamped to the config's limits; the SSD update per head from the
+carried state (A = -exp(A_log), one scalar per head; B and C shared by the
+heads of a group; + D x); then the gate: by default a gated RMS norm over
+groups of channels, `norm(y * silu(z))` (Falcon-H1 can instead normalise
+before gating, or skip the norm: `y * silu(z)`); out_proj. The state ops
+are the backend's (`ssd_step`, `ssd_prefill`; backends/base.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.recurrent_state import padded_chunks
+from ..layers.step import StepBatch
+from .base import CacheLayer
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """RMS norm of y over `groups` equal groups of channels, with the SiLU
+    gate applied before it (`gate_first`, Mamba-2's default) or after it.
+    In float32; the weight scales the normalised values."""
+
+    def __init__(self, size: int, groups: int, eps: float, gate_first: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups, self.eps, self.gate_first = groups, eps, gate_first
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = y.float()
+        silu = F.silu(gate.float())
+        if self.gate_first:
+            y = y * silu
+        shape = y.shape
+        grouped = y.reshape(*shape[:-1], self.groups, -1)
+        y = F.rms_norm(grouped, grouped.shape[-1:], None, self.eps).reshape(shape) * self.weight.float()
+        return y if self.gate_first else y * silu
+
+
+class Mamba2Mixer(CacheLayer, nn.Module):
+    """A Mamba-2 layer over the paged recurrent state (module docstring).
+
+    `norm`: "gated" (norm(y * silu(z))), "gated_after" (norm(y) * silu(z))
+    or None (y * silu(z)); `dt_limit`: the clamp of dt after softplus;
+    `in_scale`: a fixed per-channel scale of in_proj's output (Falcon-H1's
+    multipliers), or None."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, groups: int, state: int, conv_width: int, *,
+                 conv_bias: bool, in_bias: bool, out_bias: bool, eps: float, dt_limit=(0.0, float("inf")),
+                 norm: str | None = "gated", in_scale: torch.Tensor | None = None, activation: str = "silu"):
+        nn.Module.__init__(self)
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba-2 layers with activation {activation!r} are not supported (SiLU only)")
+        self.heads, self.head_dim, self.groups, self.state = heads, head_dim, groups, state
+        self.inner = heads * head_dim
+        self.conv_dim = self.inner + 2 * groups * state
+        self.in_proj = Linear(hidden, self.inner + self.conv_dim + heads, bias=in_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_width, groups=self.conv_dim, bias=conv_bias,
+                                padding=conv_width - 1)
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.D = nn.Parameter(torch.ones(heads))
+        if norm is not None:
+            self.norm = GatedGroupRMSNorm(self.inner, groups, eps, gate_first=norm == "gated")
+        else:
+            self.norm = None
+        self.out_proj = Linear(self.inner, hidden, bias=out_bias)
+        self.dt_limit = tuple(float(v) for v in dt_limit)
+        # A plain tensor, not a buffer: the model is built on the meta
+        # device and loads parameters only; it moves on first use.
+        self.in_scale = None if in_scale is None else in_scale.to("cpu")
+
+    def _dt(self, raw: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(raw.float() + self.dt_bias.float())
+        low, high = self.dt_limit
+        return dt.clamp(min=low, max=high) if (low, high) != (0.0, float("inf")) else dt
+
+    def _split(self, xbc: torch.Tensor):
+        return xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
+
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        meta = batch.recurrent[self.group]
+        ops, name = self.ops, self.layer_name
+        projected = self.in_proj(h)
+        if self.in_scale is not None:
+            if self.in_scale.device != projected.device:  # moved once, not every step
+                self.in_scale = self.in_scale.to(projected.device)
+            projected = projected * self.in_scale
+        z, xbc_all, dt_all = projected.split([self.inner, self.conv_dim, self.heads], dim=-1)
+        weight, bias = self.conv1d.weight[:, 0, :], self.conv1d.bias
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        heads, dim, groups, state = self.heads, self.head_dim, self.groups, self.state
+        y_all = torch.empty(h.shape[0], self.inner, dtype=torch.float32, device=h.device)
+        if meta.num_steps:  # one token for each of these sequences
+            t = meta.step_tokens
+            x, B, C = self._split(ops.conv_step(meta, name, xbc_all[t], weight, bias))
+            y = ops.ssd_step(meta, name, x.reshape(-1, heads, dim), self._dt(dt_all[t]), A,
+                             B.reshape(-1, groups, state), C.reshape(-1, groups, state), D)
+            y_all[t] = y.reshape(-1, self.inner)
+        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
+            if not chunks:  # (verified chunks also keep each token's state)
+                continue
+            rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
+            r, n = tokens.shape
+            x, B, C = self._split(ops.conv_prefill(meta, name, rows, xbc_all[tokens], lengths, weight, bias, keep))
+            y = ops.ssd_prefill(meta, name, rows, x.reshape(r, n, heads, dim), self._dt(dt_all[tokens]), A,
+                                B.reshape(r, n, groups, state), C.reshape(r, n, groups, state), D, lengths, keep)
+            y_all[tokens[valid]] = y.reshape(r, n, self.inner)[valid]
+        if self.norm is not None:
+            y_all = self.norm(y_all, z)
+        else:
+            y_all = y_all * F.silu(z.float())
+        return self.out_proj(y_all.to(h.dtype))

@@ -1,0 +1,166 @@
+"""Nemotron-H: a stack of blocks, each one mixer after an RMS norm with a
+residual around it; the block's type comes from `layers_block_type` (or the
+older `hybrid_override_pattern`: M, *, -, E):
+
+* Mamba-2 ("linear_attention", M): mamba2.py's mixer, dt clamped from below
+  at `time_step_min` (transformers' Nemotron-H mixer does so);
+* attention ("full_attention", *): no positional encoding, scale
+  head_dim ** -0.5;
+* MLP ("mlp", -): down(relu(up(x))^2), not gated;
+* mixture of experts ("moe", E; Nemotron-3 Nano): a sigmoid router with a
+  score-correction bias choosing top-k experts within the best groups,
+  weights renormalised and scaled, experts of the MLP's form (optionally in
+  a latent space), and a shared expert beside them.
+
+The checkpoints name the stack `backbone.` (read as `model.`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.step import StepBatch
+from .base import CausalLM
+from .experts import mix_experts
+from .mamba2 import Mamba2Mixer
+from .sublayers import PagedSelfAttention
+
+BLOCK_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def block_types(config) -> list[str]:
+    types = getattr(config, "layers_block_type", None)
+    if types:
+        return list(types)
+    return [BLOCK_TYPES[c] for c in config.hybrid_override_pattern]
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x))^2)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class NemotronHRouter(nn.Module):
+    """Sigmoid scores; experts chosen by score + correction bias, only in the
+    `topk_group` groups whose two best experts score highest; the chosen
+    experts' (uncorrected) scores, renormalised if asked, times the scaling
+    factor."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
+        self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.normalise, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor):
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias.float()
+        tokens, experts = choice.shape
+        by_group = choice.view(tokens, self.groups, experts // self.groups)
+        best_groups = by_group.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros(tokens, self.groups, dtype=torch.bool, device=x.device).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(experts // self.groups, dim=1), float("-inf"))
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.normalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, chosen
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        latent = getattr(config, "moe_latent_size", None)
+        width = latent or config.hidden_size
+        self.gate = NemotronHRouter(config)
+        self.experts = nn.ModuleList(ReluSquaredMLP(width, config.moe_intermediate_size, config.mlp_bias)
+                                     for _ in range(config.n_routed_experts))
+        self.shared_experts = ReluSquaredMLP(config.hidden_size, config.moe_shared_expert_intermediate_size,
+                                             config.mlp_bias)
+        if latent is not None:
+            self.fc1_latent_proj = Linear(config.hidden_size, latent, bias=config.mlp_bias)
+            self.fc2_latent_proj = Linear(latent, config.hidden_size, bias=config.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def forward(self, x):
+        weights, chosen = self.gate(x)
+        inner = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = mix_experts(inner, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts),
+                          dtype=torch.float32).to(x.dtype)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
+def nemotron_mamba(config) -> Mamba2Mixer:
+    return Mamba2Mixer(
+        config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size,
+        config.conv_kernel, conv_bias=config.use_conv_bias, in_bias=config.use_bias, out_bias=config.use_bias,
+        eps=config.layer_norm_epsilon, dt_limit=(config.time_step_min, float("inf")),
+        activation=config.mamba_hidden_act)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config, block_type: str):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        if block_type == "linear_attention":
+            self.mixer = nemotron_mamba(config)
+        elif block_type == "full_attention":
+            self.mixer = PagedSelfAttention(config)  # no positional encoding
+        elif block_type == "mlp":
+            self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        elif block_type == "moe":
+            self.mixer = NemotronHMoE(config)
+        else:
+            raise ValueError(f"Nemotron-H block type {block_type!r} is not supported")
+        self.takes_batch = block_type in ("linear_attention", "full_attention")
+
+    def forward(self, x, batch):
+        h = self.norm(x)
+        return x + (self.mixer(h, batch) if self.takes_batch else self.mixer(h))
+
+
+class NemotronHForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        activation = getattr(config, "mlp_hidden_act", "relu2")
+        if activation != "relu2":
+            raise ValueError(f"Nemotron-H with mlp_hidden_act {activation!r} is not supported (relu2 only)")
+        self.model = nn.Module()
+        self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(NemotronHBlock(config, t) for t in block_types(config))
+        self.model.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embeddings(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.norm_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
