@@ -25,7 +25,8 @@ benchmark; it writes a result only where --out says. Otherwise `main`
 writes benchmarks/results/NAME.json (or --out):
 
     {"benchmark": NAME, "command": "python -m benchmarks.NAME ...", "date": ...,
-     "environment": {"cpu": ..., "cpu_flags": [...], "cores": ..., "packages": {...}, "commit": ...},
+     "environment": {"cpu": ..., "cpu_flags": [...], "cores": ..., "packages": {...}, "commit": ...,
+                     "load_average": [1, 5, 15 min], "load_average_after": [...]},
      "arguments": {...}, "tables": {"variants": [...]}}
 
 benchmarks/render.py turns the tables into docs/benchmarks.md. This module
@@ -89,6 +90,7 @@ def main(run: Callable[[argparse.Namespace], dict], arguments: Callable | None =
     tables = run(args)
     if tables is None:  # it chose to write nothing (e.g. no GPU here)
         return
+    env["load_average_after"] = load_average()
     if args.out:
         arguments = {k: v for k, v in vars(args).items() if k != "out"}
         write(args.out, {"benchmark": name, "command": command, "date": started, "environment": env,
@@ -151,7 +153,16 @@ def environment(threads: int | None = None) -> dict:
     return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "threads": threads, "memory_gib": memory_gib(), "os": f"{platform.system()} {platform.release()}",
             "python": platform.python_version(), "interpreter": sys.executable, "packages": packages(),
-            "gpu": gpus(), "commit": commit()}
+            "gpu": gpus(), "commit": commit(), "load_average": load_average()}
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages: how busy the machine was
+    (results also record them as the run ends, as `load_average_after`)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def cpu_info() -> tuple[str, list[str]]:
@@ -232,4 +243,7 @@ def machine(env: dict) -> str:
         parts.append(f"{env['memory_gib']:.0f} GiB")
     if env.get("gpu"):
         parts.append(", ".join(env["gpu"]))
+    if env.get("load_average"):
+        after = env.get("load_average_after")
+        parts.append(f"load average {env['load_average'][0]:.1f}" + (f" to {after[0]:.1f}" if after else ""))
     return ", ".join(parts)
