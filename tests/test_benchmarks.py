@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness
+from benchmarks import harness, render
 from real_model import real_gguf_path
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -252,3 +252,23 @@ def test_the_environment_names_the_machine():
     assert f"{env['usable_cores']} cores" in harness.machine(env)
     assert harness.machine({"machine": "not recorded"}) == "not recorded"
 
+
+def test_the_docs_tables_are_the_results_rendered():
+    # docs/benchmarks.md's tables (and the README's, docs/integrations.md's) are what
+    # benchmarks/render.py writes from benchmarks/results/; after a rerun,
+    # `python -m benchmarks.render` rewrites them (and shows what changed).
+    wrong = render.disagreements()
+    assert not wrong, "".join(wrong[:60])
+
+
+def test_a_figure_edited_by_hand_or_a_table_outside_the_markers_is_caught():
+    with open(render.PAGE) as f:
+        page = f.read()
+    table = page.index("| Gemma-3-27B |", page.index("<!-- table manager -->"))
+    cells = page[table:page.index("\n", table)].split(" | ")
+    cells[2] = str(int(cells[2]) + 1)  # µs / admission
+    edited = page[:table] + " | ".join(cells) + page[page.index("\n", table):]
+    assert edited != page and render.render(edited) == page
+    assert render.unmarked_tables(page) == []
+    assert render.unmarked_tables(page + "\n| model | tok/s |\n|---|---|\n| x | 1 |\n") == [
+        "| model | tok/s |", "|---|---|", "| x | 1 |"]
