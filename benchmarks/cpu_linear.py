@@ -55,7 +55,8 @@ def run(args) -> dict:
             t_packed = timed(lambda w: ops._linear_pointwise(x, w, None, "none", [], ""), packed, repeat)
             cells = [f"{t * 1e3:7.2f} ({nbytes / t / 1e9:5.1f})" for t in (t_torch, t_dense, t_packed)]
             gain = t_torch / min(t_dense, t_packed)
-            print(f"{name:<9} {f'{k} x {n}':>13} {batch:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {gain:>14.2f}x")
+            print(f"{name:<9} {f'{k} x {n}':>13} {batch:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
+                  f"{gain:>14.2f}x")
             rows.append({"weights": name, "k": k, "n": n, "batch": batch, "f_linear_s": t_torch,
                          "onednn_dense_s": t_dense, "onednn_packed_s": t_packed})
     return {"products": rows}

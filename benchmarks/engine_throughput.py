@@ -304,10 +304,12 @@ def run(args) -> dict:
     n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
     n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])
-    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=args.batch_tokens,
+    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new,
+                  batch_tokens=args.batch_tokens,
                   dry=args.dry_run)
     # (On the CPU, dry runs included, there are no graphs: one hybridkv row.)
-    graph_modes = [True] if args.device == "cpu" else {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    graph_modes = ([True] if args.device == "cpu" else
+                   {"on": [True], "off": [False], "both": [True, False]}[args.graphs])
     # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/backends/flashinfer).
     modes = [(backend, graphs) for backend in (args.backends.split(",") if args.backends else [None])
              for graphs in graph_modes if not (graphs and backend == "flashinfer" and args.device != "cpu")]
@@ -339,7 +341,8 @@ def run(args) -> dict:
                           f"{1.0:>7.2f}x")
                 if args.baseline:
                     old = median_run(runs[2])
-                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0], runs[2]))
+                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
+                                                for a, b in zip(runs[0], runs[2]))
                     print(f"{model:<16} {batch:>5} {'hybridkv base':<13} {old['tokens_per_s']:>9.1f} "
                           f"{old['ttft_mean']:>9.3f}s {old['ttft_p90']:>8.3f}s {old['peak_rss_mib']:>13.0f} "
                           f"{speedup:>7.2f}x")

@@ -178,7 +178,8 @@ class PagedLayer:
         try:
             err = (self.attend("flashinfer", scale).float() - ref.float()).abs().max().item()
             seconds = timer(lambda: self.attend("flashinfer", scale))
-            row["flashinfer"] = dict(seconds=seconds, max_abs_err=err, plan_seconds=self.flashinfer_plan_seconds(scale),
+            row["flashinfer"] = dict(seconds=seconds, max_abs_err=err,
+                                     plan_seconds=self.flashinfer_plan_seconds(scale),
                                      gbps=row["bytes"] / seconds / 1e9)
         except Exception as error:  # noqa: BLE001 - report it beside our kernel's numbers, go on
             row["flashinfer"] = dict(error=f"{type(error).__name__}: {error}"[:300])
@@ -423,7 +424,8 @@ def mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, xc, dt, A, 
         pool[write] = states.view(batch, width, -1)
         return y.float()
 
-    gathered = pool[read].reshape(batch, -1)[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).view(batch, I, N).clone()
+    gathered = (pool[read].reshape(batch, -1)[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32)
+                .view(batch, I, N).clone())
     before = pool.clone()
     try:
         err = (step() - ref_y).abs().max().item()
@@ -492,7 +494,8 @@ def run(args) -> dict | None:
                   f"   (on gathered states, without the gather and write-back)")
     sweeps = [r for r in rows if r.get("sweep_us") and r["kernel"] == "paged decode attention"]
     if sweeps:
-        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: kernel_attention.decode_block_n, decode_splits, 4)")
+        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; "
+              "default: kernel_attention.decode_block_n, decode_splits, 4)")
         for r in sweeps:
             best = min(r["sweep_us"], key=r["sweep_us"].get)
             us = r["sweep_us"][best]

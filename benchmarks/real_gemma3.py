@@ -426,7 +426,8 @@ def worker(spec_file: str) -> None:
             "tokens_per_s": len(workload["prompts"]) * workload["new_tokens"] / seconds, "seconds": seconds,
             "ttft_mean": statistics.mean(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
             "first_ids": first_ids[:8], **runner.stats()}
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     print("RESULT " + json.dumps({"version": runner.version, "load_s": load_s, "peak_rss_mib": peak / 1024,
                                   "workloads": results}), flush=True)
 

@@ -135,7 +135,8 @@ def bench_model(name, engine_path, hf_dir, prompts, k, new_tokens, repeat) -> di
         elif not same_hybridkv:
             raise SystemExit(f"{name} {workload}: hybridkv's tokens differ with speculation")
         row["identical"] = {"hybridkv": same_hybridkv, "transformers": same_transformers,
-                            "hybridkv_vs_transformers": cell["hybridkv"][0]["tokens"] == cell["transformers"][0]["tokens"]}
+                            "hybridkv_vs_transformers":
+                                cell["hybridkv"][0]["tokens"] == cell["transformers"][0]["tokens"]}
         row["prompt_tokens"] = len(prompts[workload])
         rows[workload] = row
     return rows

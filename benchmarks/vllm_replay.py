@@ -156,7 +156,8 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
             model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
         register_all_kvcache_specs(vllm_config)
 
-        kv_dtype = model_config.dtype if cache_config.cache_dtype == "auto" else getattr(torch, cache_config.cache_dtype)
+        kv_dtype = (model_config.dtype if cache_config.cache_dtype == "auto"
+                    else getattr(torch, cache_config.cache_dtype))
         quant = get_kv_quant_mode(cache_config.cache_dtype)
         kv_cache_spec = {}
         for name, spec in hk_specs.items():
