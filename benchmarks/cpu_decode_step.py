@@ -29,23 +29,16 @@ times a sum over every Linear's weight (memory's rate on this machine) and
 the model's own Linear modules called in a row on one token (oneDNN's
 products, nothing else), and prints the step beside both.
 
-    python benchmarks/cpu_decode_step.py            # batch 1, 16, 64; ~3 min
-    python benchmarks/cpu_decode_step.py --quick    # CI smoke run
+    python -m benchmarks.cpu_decode_step            # batch 1, 16, 64; ~3 min
+    python -m benchmarks.cpu_decode_step --quick    # CI smoke run
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
-from report import write_json  # noqa: E402  (beside this script)
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness
 
 
 def steady_steps(engine, prompts, new_tokens) -> tuple[list[float], list[int]]:
@@ -109,21 +102,12 @@ def weights_read(model, repeat: int) -> float:
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu_decode_step.json"))
-    args = parser.parse_args()
-    import torch
-
-    import real_gemma3
+def run(args) -> dict:
+    from benchmarks import real_gemma3
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu import decoder, modules
     from hybridkv.layers.linear import Linear
 
-    torch.set_num_threads(args.threads)
     batches, new_tokens, repeat = ([1, 2], 6, 1) if args.quick else ([1, 16, 64], 40, args.repeat)
     work = {b: real_gemma3.batch_prompts(b, 128) for b in batches}
     engine = Engine(real_gemma3.gguf_path(), kv_cache_memory=real_gemma3.kv_budget(work[batches[-1]], new_tokens),
@@ -189,10 +173,10 @@ def main() -> None:
           f"{products / read:.2f}x the floor")
     print(f"the engine's step: {step1 * 1e3:.1f} ms, {step1 / read:.2f}x the floor "
           f"({(step1 - read) * 1e3:.1f} ms of attention, norms, rotary, sampling, scheduling and slower reads)")
-    write_json(args.out, {"threads": args.threads, "repeat": repeat, "new_tokens": new_tokens, "rows": rows,
-                          "batch1": {"weight_bytes": weights, "read_s": read, "linears_s": products, "step_s": step1},
-                          "first_ids": {str(b): v["engine"] for b, v in first_ids.items()}})
+    return {"steps": rows,
+            "batch1": [{"weight_bytes": weights, "read_s": read, "linears_s": products, "step_s": step1}],
+            "first_ids": [{"batch": b, "ids": v["engine"]} for b, v in first_ids.items()]}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, repeat=3)

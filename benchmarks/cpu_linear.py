@@ -2,28 +2,22 @@
 GEMM) against oneDNN's matmul (torch.ops.mkldnn) on the dense weight and on
 a copy reordered to its layout, for the shapes of Gemma-3 270M's layers and
 its 262,144 x 640 LM head, float32, at batch 1, 16 and 64. This is what
-layers/linear.py chooses from.
+the cpu backend chooses from (layers/backends/cpu/linear.py).
 
 The weights are larger than the caches (each shape is replicated to ~64 MB
 and cycled through, as a step reads 18 layers' weights once each), so the
 table reads as the rate at which each product streams weights from memory.
 
-    python benchmarks/cpu_linear.py
-    python benchmarks/cpu_linear.py --quick
+    python -m benchmarks.cpu_linear
+    python -m benchmarks.cpu_linear --quick
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
-import torch
-import torch.nn.functional as F
+from benchmarks import harness
 
-from report import write_json  # noqa: E402  (beside this script)
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SHAPES = {"q,k,v": (640, 1536), "o": (1024, 640), "gate,up": (640, 4096), "down": (2048, 640),
           "lm_head": (640, 262144)}
 
@@ -37,13 +31,10 @@ def timed(fn, weights, repeat) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu_linear.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def run(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
     ops = torch.ops.mkldnn
     shapes = {"o": SHAPES["o"], "lm_head": (640, 16384)} if args.quick else SHAPES
     batches = [1, 4] if args.quick else [1, 16, 64]
@@ -64,11 +55,12 @@ def main() -> None:
             t_packed = timed(lambda w: ops._linear_pointwise(x, w, None, "none", [], ""), packed, repeat)
             cells = [f"{t * 1e3:7.2f} ({nbytes / t / 1e9:5.1f})" for t in (t_torch, t_dense, t_packed)]
             gain = t_torch / min(t_dense, t_packed)
-            print(f"{name:<9} {f'{k} x {n}':>13} {batch:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {gain:>14.2f}x")
+            print(f"{name:<9} {f'{k} x {n}':>13} {batch:>5} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
+                  f"{gain:>14.2f}x")
             rows.append({"weights": name, "k": k, "n": n, "batch": batch, "f_linear_s": t_torch,
                          "onednn_dense_s": t_dense, "onednn_packed_s": t_packed})
-    write_json(args.out, {"threads": args.threads, "rows": rows})
+    return {"products": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run)

@@ -12,16 +12,15 @@ These machines are noisy (the same cell moves by 20% between runs), so each
 comparison runs `--repeat` times as interleaved pairs (A, B, A, B, ...); the
 tables show medians, and a ratio is the median of the per-pair ratios.
 
-    python benchmarks/engine_throughput.py             # CPU, tiny and small models (and tiny gpt-oss)
-    python benchmarks/engine_throughput.py --quick     # seconds: CI smoke run
-    python benchmarks/engine_throughput.py --device cuda --dtype bfloat16   # GPU, 1B shapes
-    python benchmarks/engine_throughput.py --device cuda --graphs both      # and with CUDA graphs off
-    python benchmarks/engine_throughput.py --dry-run   # the GPU cases, shrunk, on the CPU (checks the script)
+    python -m benchmarks.engine_throughput             # CPU, tiny and small models (and tiny gpt-oss)
+    python -m benchmarks.engine_throughput --quick     # seconds: CI smoke run
+    python -m benchmarks.engine_throughput --device cuda --dtype bfloat16   # GPU, 1B shapes
+    python -m benchmarks.engine_throughput --device cuda --graphs both      # and with CUDA graphs off
+    python -m benchmarks.engine_throughput --dry-run --repeat 1   # the GPU cases, shrunk, on the CPU
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -31,8 +30,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 # GPU workloads: real layer counts, heads, windows and vocabularies, random weights.
 GPU_MODELS = {
@@ -214,10 +212,9 @@ def worker(spec: str) -> None:
 
 def measure(tree: str | None = None, **args) -> dict:
     """One measurement in its own process; `tree`: another checkout of
-    hybridkv whose own copy of this script (and package) runs it (A/B runs)."""
-    root = os.path.abspath(tree) if tree else ROOT
-    script = os.path.join(root, "benchmarks", "engine_throughput.py")
-    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(args)],
+    hybridkv whose own copy of this module (and package) runs it (A/B runs)."""
+    root = os.path.abspath(tree) if tree else harness.ROOT
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput", "--worker", json.dumps(args)],
                           capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -235,11 +232,8 @@ def pairs(repeat: int, *specs: dict, warm: int = 0) -> tuple[list[dict], ...]:
         if spec["engine"] == "hybridkv":
             for _ in range(warm):
                 measure(**spec)
-    runs = tuple([] for _ in specs)
-    for _ in range(repeat):
-        for spec, out in zip(specs, runs):
-            out.append(measure(**spec))
-    return runs
+    runs = harness.interleaved({i: lambda spec=spec: measure(**spec) for i, spec in enumerate(specs)}, repeat)
+    return tuple(runs[i] for i in range(len(specs)))
 
 
 def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
@@ -267,19 +261,13 @@ def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12, dry: bool = 
     return batch * bandwidth / total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true")
+def arguments(parser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-tokens", type=int, default=2048,
                         help="hybridkv's token budget per step (max_num_batched_tokens); the engine's default is 1024")
     parser.add_argument("--only", choices=["throughput", "shared"], default=None,
                         help="run one of the two workloads (the JSON then holds only that one)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="interleaved runs per comparison, medians reported (default 3; 1 with --quick)")
     parser.add_argument("--models", default=None, help="comma-separated model names")
     parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
                         help="CUDA graphs for hybridkv's decode steps (both: a row each; CUDA only)")
@@ -297,11 +285,11 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU models shrunk to a few small layers, on the CPU, decode at fixed shapes: "
                              "checks every case of a GPU run without a GPU")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "engine_throughput.json"))
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker)
-        return
+
+
+def run(args) -> dict:
+    """Each comparison `--repeat` times, interleaved: the median run and the
+    median of the per-pair ratios."""
     gpu = args.device.startswith("cuda") or args.dry_run
     if args.dry_run:
         args.device = "cpu"
@@ -316,10 +304,12 @@ def main() -> None:
     n, new = (8, 16) if args.quick else (4, 8) if args.dry_run else (64, 128)
     n, new = args.num_prompts or n, args.new_tokens or new
     batches = [n] + ([1] if gpu and not args.quick else [])
-    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new, batch_tokens=args.batch_tokens,
+    common = dict(device=args.device, dtype=dtype, threads=args.threads, max_tokens=new,
+                  batch_tokens=args.batch_tokens,
                   dry=args.dry_run)
     # (On the CPU, dry runs included, there are no graphs: one hybridkv row.)
-    graph_modes = [True] if args.device == "cpu" else {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    graph_modes = ([True] if args.device == "cpu" else
+                   {"on": [True], "off": [False], "both": [True, False]}[args.graphs])
     # (backend, graphs) per hybridkv row; FlashInfer's steps are eager (layers/backends/flashinfer).
     modes = [(backend, graphs) for backend in (args.backends.split(",") if args.backends else [None])
              for graphs in graph_modes if not (graphs and backend == "flashinfer" and args.device != "cpu")]
@@ -328,12 +318,13 @@ def main() -> None:
           f"hybridkv budget {args.batch_tokens} tokens per step")
     print(f"{'model':<16} {'batch':>5} {'engine':<13} {'tok/s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
           f"{'peak RSS MiB':>13} {'speedup':>8}")
-    repeat = args.repeat or (1 if args.quick or args.dry_run else 3)
+    repeat = args.repeat
     warm = args.warm_runs if args.warm_runs is not None else int(args.device.startswith("cuda"))
     for model in models if args.only != "shared" else []:
         for batch in batches:
             base_spec = dict(engine="transformers", model=model, workload="random", num_prompts=batch, **common)
-            row = {"model": model, "batch": batch}
+            row = {"model": model, "batch": batch, "device": args.device, "dtype": dtype,
+                   "batch_tokens": args.batch_tokens}
             for backend, graphs in modes:
                 label = "hybridkv" if backend in (None, "auto") else backend
                 name = label if len(modes) == 1 else f"{label} ({'graphs' if graphs else 'eager'})"
@@ -350,7 +341,8 @@ def main() -> None:
                           f"{1.0:>7.2f}x")
                 if args.baseline:
                     old = median_run(runs[2])
-                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0], runs[2]))
+                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
+                                                for a, b in zip(runs[0], runs[2]))
                     print(f"{model:<16} {batch:>5} {'hybridkv base':<13} {old['tokens_per_s']:>9.1f} "
                           f"{old['ttft_mean']:>9.3f}s {old['ttft_p90']:>8.3f}s {old['peak_rss_mib']:>13.0f} "
                           f"{speedup:>7.2f}x")
@@ -382,16 +374,13 @@ def main() -> None:
         off, on = median_run(runs[0], "ttft_mean"), median_run(runs[1], "ttft_mean")
         gain = statistics.median(a["ttft_mean"] / b["ttft_mean"] for a, b in zip(*runs))
         print(f"{model:<16} {off['ttft_mean']:>8.3f}s {on['ttft_mean']:>8.3f}s {gain:>5.1f}x {on['hit_rate']:>9.1%}")
-        shared.append({"model": model, "off": off, "on": on, "ttft_gain": gain,
-                       "runs": {"off": runs[0], "on": runs[1]}})
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": args.device, "dtype": dtype, "threads": args.threads, "repeat": repeat,
-                   "batch_tokens": args.batch_tokens, "dry_run": args.dry_run, "baseline": args.baseline,
-                   "throughput": rows,
-                   "shared_prefix": shared}, f, indent=1)
-    print(f"wrote {args.out}")
+        shared.append({"model": model, "prompts": n, "batch_tokens": args.batch_tokens, "off": off, "on": on,
+                       "ttft_gain": gain, "runs": {"off": runs[0], "on": runs[1]}})
+    return {"throughput": rows, "shared_prefix": shared}
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:  # one measurement, in a process of its own (measure())
+        worker(sys.argv[2])
+    else:
+        harness.main(run, arguments, repeat=3)

@@ -12,30 +12,23 @@ Model: the Gemma-3-1B shape of benchmarks/engine_throughput.py (random
 weights, bf16); each request has a 500-token prompt and is profiled once
 every request decodes.
 
-    python benchmarks/gpu_profile.py                 # CUDA: ~2 minutes
-    python benchmarks/gpu_profile.py --batches 1 --modes graphs
-    python benchmarks/gpu_profile.py --dry-run       # a tiny model on the CPU (checks the script)
+    python -m benchmarks.gpu_profile                 # CUDA: ~2 minutes
+    python -m benchmarks.gpu_profile --batches 1 --modes graphs
+    python -m benchmarks.gpu_profile --dry-run       # a tiny model on the CPU (checks the script)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import statistics
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from engine_throughput import model_path, sync, weight_bound  # noqa: E402
-
-from hybridkv import Engine, SamplingParams  # noqa: E402
+from benchmarks import harness
+from benchmarks.engine_throughput import model_path, sync, weight_bound
+from hybridkv import Engine, SamplingParams
 
 MODEL = "gemma3-1b-shape"
 
@@ -95,18 +88,19 @@ def profile_case(path: str, device: str, dry: bool, batch: int, mode: str, steps
                 launches=launches, graphs=len(engine.runner.graphs), top=rows[:15])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--modes", default="graphs,eager")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dry-run", action="store_true", help="the model shrunk, on the CPU")
-    parser.add_argument("--out", default=None, help="JSON output")
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true", help="the model shrunk, on the CPU (--quick: the same)")
+
+
+def run(args) -> dict | None:
+    args.dry_run |= args.quick
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not args.dry_run:
         print("benchmarks/gpu_profile.py needs CUDA; --dry-run checks the script on the CPU")
-        return
+        return None
     path = model_path(MODEL, dry=args.dry_run)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = []
@@ -124,11 +118,8 @@ def main() -> None:
             for row in case["top"]:
                 print(f"  {row['name'][:60]:<60} {row['calls']:>8.1f} {row['us']:>9.1f} "
                       f"{row['us'] / max(1e-9, 1e3 * case['kernel_ms']):>6.1%}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, model=MODEL, cases=results), f, indent=1)
-        print(f"wrote {args.out}")
+    return {"cases": [{"device": name, "model": MODEL, **case} for case in results]}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

@@ -68,10 +68,10 @@ if [ "$DRY" = "--dry-run" ]; then
     export TRITON_INTERPRET=1
     part kernel_tests 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
         -k "store or fixed_shape or backend_is_chosen or self_test"
-    part kernels 600 "$PYTHON" benchmarks/kernels.py --quick --out "$OUT/kernels.json"
-    part engine 900 "$PYTHON" benchmarks/engine_throughput.py --dry-run --graphs both --only throughput \
+    part kernels 600 "$PYTHON" -m benchmarks.kernels --quick --out "$OUT/kernels.json"
+    part engine 900 "$PYTHON" -m benchmarks.engine_throughput --dry-run --repeat 1 --graphs both --only throughput \
         --out "$OUT/engine.json"
-    part profile 300 "$PYTHON" benchmarks/gpu_profile.py --dry-run --steps 3 --batches 1 --out "$OUT/profile.json"
+    part profile 300 "$PYTHON" -m benchmarks.gpu_profile --dry-run --steps 3 --batches 1 --out "$OUT/profile.json"
     part oracle 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
         -k "batch_of_different_lengths and fixed-decode"
 else
@@ -81,15 +81,15 @@ else
     part kernel_tests 300 bash -c "'$PYTHON' -m pytest -q -p no:cacheprovider $XDIST -k 'not real_size' \
         tests/test_triton_kernels.py; a=\$?; '$PYTHON' -m pytest -q -p no:cacheprovider -k real_size \
         tests/test_triton_kernels.py && exit \$a"
-    part kernels 360 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json"
+    part kernels 360 "$PYTHON" -m benchmarks.kernels --out "$OUT/kernels.json"
     # One part per model (each ~5 minutes with its warm runs: a device call apiece).
     # ENGINE_BACKENDS=auto,triton+flashinfer adds rows through FlashInfer (its JIT build takes minutes on first use).
     for model in gemma3 jamba; do
-        part engine_$model 560 "$PYTHON" benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
+        part engine_$model 560 "$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 \
             --models $model-1b-shape --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput \
             --repeat 1 --num-prompts 64 --new-tokens 64 --out "$OUT/engine_$model.json"
     done
-    part profile 300 "$PYTHON" benchmarks/gpu_profile.py --out "$OUT/profile.json"
+    part profile 300 "$PYTHON" -m benchmarks.gpu_profile --out "$OUT/profile.json"
     part oracle 240 "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST tests/test_engine_oracle.py --device cuda \
         --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton or flashinfer"
 fi

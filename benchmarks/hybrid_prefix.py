@@ -18,24 +18,20 @@ previous one of its conversation finished (5-60 other requests arrive
 meanwhile); up to 32 requests run at once. Reported: token hit rate (prompt tokens served
 from the cache) and the prefill tokens not recomputed.
 
-    python benchmarks/hybrid_prefix.py [--quick]
+    python -m benchmarks.hybrid_prefix [--quick] [--budgets 2GiB,4GiB,8GiB,16GiB]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
+from hybridkv.core import KVCacheManager, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
 
-from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-
-MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS = os.path.join(harness.ROOT, "models")
 POLICIES = ("every_block", "prompt_end", "hybridkv")
 
 
@@ -118,45 +114,43 @@ def replay(kv: KVCacheManager, conversations, max_running: int = 32, chunk: int 
             "hit_rate": hit_tokens / prompt_tokens, "evictions": kv.stats.evictions}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small trace")
-    parser.add_argument("--conversations", type=int, default=400)
-    parser.add_argument("--budget", default="4GiB", help="KV budget (the table in docs sweeps 2-16 GiB)")
+def arguments(parser) -> None:
+    parser.add_argument("--conversations", type=int, default=400, help="(--quick: 40, one budget)")
+    parser.add_argument("--budgets", default="2GiB,4GiB,8GiB,16GiB", help="KV budgets, comma-separated")
     parser.add_argument("--model", default="jamba-1.5-mini.json")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hybrid_prefix.json"))
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
     num = 40 if args.quick else args.conversations
+    budgets = args.budgets.split(",")[:1 if args.quick else None]
     conversations = make_conversations(num)
     specs = specs_from_config(load_config(os.path.join(MODELS, args.model)))
-    layout = plan_layout(specs, args.budget)
-    mamba = next(g for g in layout.groups if g.recurrent)
-    state_mib = mamba.pages_per_block * layout.page_size_bytes / 2**20
-    print(f"{args.model}, KV budget {args.budget} ({layout.num_pages:,} pages; one Mamba state = {state_mib:.1f} MiB), "
-          f"{num} conversations")
-    print(f"{'policy':<12} {'requests':>8} {'prompt tokens':>14} {'hit tokens':>11} {'hit rate':>9} "
-          f"{'evictions':>10} {'seconds':>8}")
-    results = {}
-    for policy in POLICIES:
-        kv = KVCacheManager(layout, checkpoint_policy=policy)
-        start = time.perf_counter()
-        row = replay(kv, conversations)
-        row["seconds"] = time.perf_counter() - start
-        results[policy] = row
-        print(f"{policy:<12} {row['requests']:>8} {row['prompt_tokens']:>14,} {row['hit_tokens']:>11,} "
-              f"{row['hit_rate']:>9.1%} {row['evictions']:>10,} {row['seconds']:>8.1f}")
-    base = results["every_block"]["hit_rate"]
-    ours = results["hybridkv"]["hit_rate"]
-    ratio = ours / base if base else float("inf")
-    print(f"\nhybridkv's rule vs every-block checkpointing: {ratio:.1f}x the token hit rate; "
-          f"{results['hybridkv']['hit_tokens']:,} prefill tokens not recomputed "
-          f"({results['hybridkv']['hit_tokens'] - results['every_block']['hit_tokens']:+,} vs every block)")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"model": args.model, "budget": args.budget, "conversations": num, "results": results,
-                   "ratio_vs_every_block": ratio}, f, indent=1)
-    print(f"wrote {args.out}")
+    rows = []
+    for budget in budgets:
+        layout = plan_layout(specs, budget)
+        mamba = next(g for g in layout.groups if g.recurrent)
+        state_mib = mamba.pages_per_block * layout.page_size_bytes / 2**20
+        print(f"{args.model}, KV budget {budget} ({layout.num_pages:,} pages; one Mamba state = {state_mib:.1f} MiB), "
+              f"{num} conversations")
+        print(f"{'policy':<12} {'requests':>8} {'prompt tokens':>14} {'hit tokens':>11} {'hit rate':>9} "
+              f"{'evictions':>10} {'seconds':>8}")
+        results = {}
+        for policy in POLICIES:
+            kv = KVCacheManager(layout, checkpoint_policy=policy)
+            start = time.perf_counter()
+            row = replay(kv, conversations)
+            row["seconds"] = time.perf_counter() - start
+            results[policy] = row
+            print(f"{policy:<12} {row['requests']:>8} {row['prompt_tokens']:>14,} {row['hit_tokens']:>11,} "
+                  f"{row['hit_rate']:>9.1%} {row['evictions']:>10,} {row['seconds']:>8.1f}")
+        base, ours = results["every_block"], results["hybridkv"]
+        ratio = ours["hit_rate"] / base["hit_rate"] if base["hit_rate"] else float("inf")
+        print(f"hybridkv's rule vs every-block checkpointing: {ratio:.1f}x the token hit rate; "
+              f"{ours['hit_tokens']:,} prefill tokens not recomputed "
+              f"({ours['hit_tokens'] - base['hit_tokens']:+,} vs every block)\n")
+        rows.append({"budget": budget, "state_mib": state_mib, **results, "ratio_vs_every_block": ratio})
+    return {"budgets": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

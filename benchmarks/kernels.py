@@ -21,15 +21,13 @@ Bandwidth is bytes that must move (K/V rows a query may see, states read
 and written, inputs and outputs) over the median time, against the
 device's nominal peak and against a measured device-to-device copy.
 
-    python benchmarks/kernels.py            # CUDA: writes benchmarks/results/kernels.json
-    python benchmarks/kernels.py --quick    # tiny shapes; without CUDA under triton's interpreter
+    python -m benchmarks.kernels            # CUDA: writes benchmarks/results/kernels.json
+    python -m benchmarks.kernels --quick    # tiny shapes; without CUDA under triton's interpreter
                                             # (checks the script and the numbers, times mean nothing)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -40,11 +38,10 @@ QUICK = "--quick" in sys.argv
 if not torch.cuda.is_available() and QUICK:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from hybridkv.core import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from hybridkv.layers.backends.reference import attention as paged_attention  # noqa: E402
 from hybridkv.layers.backends.triton import attention as kernel_attention  # noqa: E402
@@ -60,7 +57,6 @@ except ModuleNotFoundError:
 except Exception as error:  # noqa: BLE001 - present and broken: say why, go on without it
     flashinfer, FIELD_ERROR = None, f"flashinfer: {type(error).__name__}: {error}"[:300]
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "kernels.json")
 # Nominal HBM bandwidth, GB/s (vendor figures).
 PEAKS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100": 3350, "H200": 4800, "A100-SXM4-80GB": 2039,
          "A100-SXM4-40GB": 1555, "A100-PCIE": 1935}
@@ -182,7 +178,8 @@ class PagedLayer:
         try:
             err = (self.attend("flashinfer", scale).float() - ref.float()).abs().max().item()
             seconds = timer(lambda: self.attend("flashinfer", scale))
-            row["flashinfer"] = dict(seconds=seconds, max_abs_err=err, plan_seconds=self.flashinfer_plan_seconds(scale),
+            row["flashinfer"] = dict(seconds=seconds, max_abs_err=err,
+                                     plan_seconds=self.flashinfer_plan_seconds(scale),
                                      gbps=row["bytes"] / seconds / 1e9)
         except Exception as error:  # noqa: BLE001 - report it beside our kernel's numbers, go on
             row["flashinfer"] = dict(error=f"{type(error).__name__}: {error}"[:300])
@@ -427,7 +424,8 @@ def mamba_ssm_row(batch, read, write, pool, ssm_at, ssm_bytes, I, N, xc, dt, A, 
         pool[write] = states.view(batch, width, -1)
         return y.float()
 
-    gathered = pool[read].reshape(batch, -1)[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32).view(batch, I, N).clone()
+    gathered = (pool[read].reshape(batch, -1)[:, ssm_at:ssm_at + ssm_bytes].view(torch.float32)
+                .view(batch, I, N).clone())
     before = pool.clone()
     try:
         err = (step() - ref_y).abs().max().item()
@@ -446,16 +444,13 @@ def bandwidth(moved, seconds, peak):
     return dict(gbps=gbps, peak_fraction=gbps / peak if peak else None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU: triton's interpreter)")
-    parser.add_argument("--out", default=None, help=f"JSON output (default on CUDA: {RESULTS})")
-    args = parser.parse_args()
+def run(args) -> dict | None:
+    """(--quick: tiny shapes; on the CPU under triton's interpreter.)"""
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
         print("benchmarks/kernels.py needs CUDA (the kernels' timings mean nothing on the CPU interpreter); "
               "run with --quick for a smoke run of the script under the interpreter.")
-        return
+        return None
     device = torch.device("cuda" if cuda else "cpu")
     name = torch.cuda.get_device_name(device) if cuda else "CPU (triton interpreter)"
     peak = nominal_peak(name) if cuda else None
@@ -499,7 +494,8 @@ def main() -> None:
                   f"   (on gathered states, without the gather and write-back)")
     sweeps = [r for r in rows if r.get("sweep_us") and r["kernel"] == "paged decode attention"]
     if sweeps:
-        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; default: kernel_attention.decode_block_n, decode_splits, 4)")
+        print("\npaged decode attention, tile sweep (best of block_n x splits x warps; "
+              "default: kernel_attention.decode_block_n, decode_splits, 4)")
         for r in sweeps:
             best = min(r["sweep_us"], key=r["sweep_us"].get)
             us = r["sweep_us"][best]
@@ -513,16 +509,8 @@ def main() -> None:
                 shown = f"{us:>9.1f} us {r['tflops'] * r['seconds'] * 1e6 / us:>6.1f} TFLOP/s" \
                     if not isinstance(us, str) else us
                 print(f"  {r['kind']:<15} {config:<52} {shown}")
-    out = args.out or (RESULTS if cuda and not args.quick else None)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, triton=__import__("triton").__version__,
-                           nominal_peak_gbps=peak, copy_gbps=copy, quick=args.quick, rows=rows), f, indent=1)
-        print(f"wrote {out}")
-    else:
-        print("(not written: --quick; pass --out to keep it)")
+    return {"device": [{"device": name, "nominal_peak_gbps": peak, "copy_gbps": copy}], "kernels": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run)

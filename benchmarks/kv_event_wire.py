@@ -12,30 +12,27 @@ every admission and decode step as the server does. The batches are then
 * with `--python-vllm PATH`: decoded in that interpreter by vLLM's own
   `KVEventBatch` decoder, and every field compared with ours.
 
-    python benchmarks/kv_event_wire.py
-    python benchmarks/kv_event_wire.py --python-vllm /tmp/vllmenv/bin/python
+    python -m benchmarks.kv_event_wire
+    python -m benchmarks.kv_event_wire --python-vllm ~/.cache/hybridkv-peers/vllm/bin/python
+    python -m benchmarks.kv_event_wire --quick
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from manager_overhead import replay  # noqa: E402
-from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402
-
-from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
-from hybridkv.core.events import BlockStored  # noqa: E402
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.kv_events.wire import VLLM_KIND, WireFormat  # noqa: E402
-from hybridkv.kv_events.zmq_stream import KVEventPublisher, KVEventSubscriber  # noqa: E402
+from benchmarks import harness
+from benchmarks.manager_overhead import replay
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, make_trace
+from hybridkv.core import KVCacheManager, plan_layout
+from hybridkv.core.events import BlockStored
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.kv_events.wire import VLLM_KIND, WireFormat
+from hybridkv.kv_events.zmq_stream import KVEventPublisher, KVEventSubscriber
 
 MODELS = ("Gemma-3-27B", "Jamba-1.5-Mini")
 
@@ -117,18 +114,21 @@ def through_zmq(wire: WireFormat, batches: list) -> tuple[float, int]:
     return seconds, received if ok else -1
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=400)
+def arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, default=400, help="(--quick: 40)")
     parser.add_argument("--memory", default="8GiB", help="KV budget (small enough that the trace evicts)")
     parser.add_argument("--python-vllm", default=None, metavar="PATH", help="a Python with vLLM installed")
-    args = parser.parse_args()
-    trace = make_trace(args.requests)
+
+
+def run(args) -> dict:
+    trace = make_trace(40 if args.quick else args.requests)
+    memory = "1GiB" if args.quick else args.memory
+    rows = []
     print(f"{'model':<16} {'batches':>8} {'events':>8} {'blocks stored':>14} {'removed':>8} {'us/batch encode':>16} "
           f"{'B/stored block':>15} {'batches/s over ZMQ':>19} {'vLLM decoder':>14}")
     for label in MODELS:
         path = os.path.join(MODELS_DIR, CONFIGS[label])
-        layout = plan_layout(specs_from_config(load_config(path)), args.memory)
+        layout = plan_layout(specs_from_config(load_config(path)), memory)
         recorder = Recorder(KVCacheManager(layout, enable_kv_events=True))
         replay(recorder.kv, trace, take_events=True)
         batches = recorder.batches
@@ -145,10 +145,16 @@ def main() -> None:
         verdict = "-"
         if args.python_vllm:
             verdict = vllm_check(args.python_vllm, payloads, batches)
-        print(f"{label:<16} {len(batches):>8,} {sum(map(len, batches)):>8,} {stored:>14,} {removed:>8,} "
-              f"{encode_us:>16.1f} {stored_bytes / max(1, stored_blocks):>15.0f} {rate:>19} {verdict:>14}")
+        row = {"model": label, "batches": len(batches), "events": sum(map(len, batches)), "blocks_stored": stored,
+               "blocks_removed": removed, "us_per_batch_encode": encode_us,
+               "bytes_per_stored_block": stored_bytes / max(1, stored_blocks),
+               "zmq_batches_per_s": received / seconds if received > 0 else None, "vllm_decoder": verdict}
+        rows.append(row)
+        print(f"{label:<16} {len(batches):>8,} {row['events']:>8,} {stored:>14,} {removed:>8,} "
+              f"{encode_us:>16.1f} {row['bytes_per_stored_block']:>15.0f} {rate:>19} {verdict:>14}")
     print("B/stored block: a BlockStored's bytes over its blocks (a 32-byte key and 16 token ids each, plus the "
           "event's fields), first 200 batches")
+    return {"models": rows}
 
 
 def vllm_check(python: str, payloads: list, batches: list) -> str:
@@ -168,4 +174,4 @@ def vllm_check(python: str, payloads: list, batches: list) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

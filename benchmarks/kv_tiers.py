@@ -10,25 +10,21 @@ p90) of the revisits, the prompt tokens served from the cache, where they
 came from, and throughput; then a restart: a new engine over the disk tier's
 directory against a cold one, first request's TTFT.
 
-    python benchmarks/kv_tiers.py                   # real Gemma-3 270M (the gemma extra)
-    python benchmarks/kv_tiers.py --tiny            # a tiny random Gemma-3 (seconds)
-    python benchmarks/kv_tiers.py --quick           # the same, fewer and shorter documents (CI)
-    python benchmarks/kv_tiers.py --model tiny-jamba --tiny   # Mamba checkpoints
+    python -m benchmarks.kv_tiers                   # real Gemma-3 270M (the gemma extra)
+    python -m benchmarks.kv_tiers --tiny            # a tiny random Gemma-3 (seconds)
+    python -m benchmarks.kv_tiers --quick           # the same, fewer and shorter documents (CI)
+    python -m benchmarks.kv_tiers --model tiny-jamba --tiny   # Mamba checkpoints
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
-from report import write_json  # noqa: E402  (beside this script)
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
 
 
 def model_path(args) -> str:
@@ -64,8 +60,7 @@ def ttft(engine, prompt) -> tuple[float, int]:
     return time.perf_counter() - t0, out.metrics.num_cached_tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (seconds)")
     parser.add_argument("--model", default=None, help="with --tiny: tiny-gemma3 (default) or tiny-jamba")
     parser.add_argument("--documents", type=int, default=32)
@@ -73,9 +68,14 @@ def main() -> None:
     parser.add_argument("--pool-documents", type=float, default=4, help="documents the device pool holds")
     parser.add_argument("--revisits", type=int, default=48)
     parser.add_argument("--restart-length", type=int, default=1024, help="tokens of the prompt asked after a restart")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
-    parser.add_argument("--quick", action="store_true", help="--tiny with a few short documents (CI)")
-    args = parser.parse_args()
+
+
+def result_name(args) -> str:
+    return f"kv_tiers_{args.model or 'tiny-gemma3'}.json" if args.tiny else "kv_tiers.json"
+
+
+def run(args) -> dict:
+    """(--quick: --tiny with a few short documents.)"""
     if args.quick:
         args.tiny, args.documents, args.length, args.revisits, args.restart_length = True, 12, 120, 12, 120
 
@@ -121,9 +121,11 @@ def main() -> None:
             seconds, hit = ttft(engines[name], prompt)
             times[name].append(seconds)
             cached[name] += hit
-    results = {"pool_bytes": pool_bytes, "working_set_bytes": working_set, "documents": args.documents,
-               "length": args.length, "revisits": args.revisits, "model": "tiny" if args.tiny else "gemma-3-270m",
-               "configs": {}}
+    model = (args.model or "tiny-gemma3") if args.tiny else "gemma-3-270m"
+    tables = {"workload": [{"model": model, "pool_bytes": pool_bytes, "working_set_bytes": working_set,
+                            "documents": args.documents, "length": args.length, "revisits": args.revisits,
+                            "groups": [g.kind for g in layout.groups]}],
+              "tiers": []}
     base = statistics.mean(times["none"])
     block_bytes = [g.pages_per_block * layout.page_size_bytes for g in layout.groups]
     print(f"\n{'tier':<10} {'mean TTFT ms':>13} {'p90 ms':>8} {'vs none':>8} {'cached':>7} {'tok/s (prefill)':>16}  "
@@ -133,7 +135,7 @@ def main() -> None:
         mean, p90 = statistics.mean(t), t[int(0.9 * (len(t) - 1))]
         stats = engines[name].stats
         loads = stats.get("kv_tier_loads_by_group", {})
-        row = {"mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
+        row = {"tier": name, "mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
                "cached_fraction": cached[name] / prompt_tokens, "prompt_tok_per_s": prompt_tokens / sum(t),
                "loads_by_group": loads}
         if name != "none":
@@ -146,14 +148,14 @@ def main() -> None:
             row["store_everything_bytes"] = positions * sum(block_bytes)
             row["stored_bytes_per_cached_token"] = sum(row["stored_bytes_by_group"]) / max(1, cached[name])
             row["store_everything_bytes_per_cached_token"] = row["store_everything_bytes"] / max(1, cached[name])
-        results["configs"][name] = row
+        tables["tiers"].append(row)
         print(f"{name:<10} {1e3 * mean:>13.1f} {1e3 * p90:>8.1f} {base / mean:>7.2f}x {row['cached_fraction']:>6.0%} "
               f"{row['prompt_tok_per_s']:>16.0f}  {loads}")
     print(f"\n{'tier':<10} {'stored MiB by group':>28} {'B stored per cached token':>26} "
           f"{'store-everything tier':>22}")
     kinds = "/".join(g.kind for g in layout.groups)
-    for name in names[1:]:
-        row = results["configs"][name]
+    for row in tables["tiers"][1:]:
+        name = row["tier"]
         by_group = "/".join(f"{b / 2**20:.2f}" for b in row["stored_bytes_by_group"])
         print(f"{name:<10} {by_group + ' (' + kinds + ')':>28} {row['stored_bytes_per_cached_token']:>26.0f} "
               f"{row['store_everything_bytes_per_cached_token']:>22.0f}")
@@ -183,13 +185,13 @@ def main() -> None:
                 hits.append(hit)
             del engine
     warm_t, cold_t = statistics.median(warm), statistics.median(cold)
-    results["restart"] = {"first_ttft_s": warm_t, "cold_ttft_s": cold_t, "cached_tokens": min(hits),
-                          "speedup": cold_t / warm_t}
+    tables["restart"] = [{"prompt_tokens": len(prompt), "first_ttft_s": warm_t, "cold_ttft_s": cold_t,
+                          "cached_tokens": min(hits), "speedup": cold_t / warm_t}]
     print(f"\nafter a restart, the first request ({len(prompt)} tokens; median of 3 fresh engines each): "
           f"{1e3 * warm_t:.1f} ms with the disk tier ({min(hits)} tokens from disk) vs {1e3 * cold_t:.1f} ms "
           f"cold: {cold_t / warm_t:.1f}x")
-    write_json(args.out, results)
+    return tables
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, out=result_name)

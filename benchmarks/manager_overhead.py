@@ -8,28 +8,22 @@ finished ones. Reports microseconds per admission and per decode
 request-step, peak pages and the prefix hit rate; a second table shows that
 the per-step cost does not grow with the pool size or the context length.
 
-    python benchmarks/manager_overhead.py            # full run
-    python benchmarks/manager_overhead.py --quick    # seconds, for CI
-    python benchmarks/manager_overhead.py --against vllm   # also vLLM's KVCacheManager
-                                                     # on the same trace (needs vllm),
-                                                     # the two alternating, fastest of 2 rounds
+    python -m benchmarks.manager_overhead            # full run, fastest of 2 rounds
+    python -m benchmarks.manager_overhead --quick    # seconds, for CI
+    python -m benchmarks.manager_overhead --against vllm --events
+        # also vLLM's KVCacheManager on the same trace (run it with an interpreter that has
+        # vllm), and hybridkv with KV events on; the variants take turns each round
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from hybridkv.core import KVCacheManager, plan_layout  # noqa: E402
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from replay_trace import CONFIGS, MODELS_DIR, make_trace  # noqa: E402  (beside this script)
+from benchmarks import harness
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, make_trace
+from hybridkv.core import KVCacheManager, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
 
 
 def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
@@ -177,113 +171,97 @@ def fastest(rows: list[dict]) -> dict:
     return best
 
 
-def print_vllm(version: str, rows: dict, results: dict, notes: list[str]) -> None:
+def print_vllm(version: str, rows: list[dict], notes: list[str]) -> None:
     """vLLM's rows beside ours, with vLLM time / hybridkv time."""
-    results["vllm"] = {"version": version, "models": {}}
     print(f"\nvLLM {version} KVCacheManager, same trace (ratio = vLLM time / hybridkv time)")
     print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'(Request)':>10} {'us/decode step':>15} "
           f"{'us/failed adm.':>15} {'preempt':>8} {'peak blocks':>12} {'hit rate':>9} {'adm. x':>7} {'decode x':>9}")
-    for label, row in rows.items():
-        ours = results["models"][label]
-        row["admission_ratio"] = row["us_per_admission"] / ours["us_per_admission"]
-        row["decode_ratio"] = row["us_per_decode_step"] / ours["us_per_decode_step"]
-        results["vllm"]["models"][label] = row
-        print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_request_build']:>10.1f} "
-              f"{row['us_per_decode_step']:>15.2f} {row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
-              f"{row['peak_pages']:>12,} {row['hit_rate']:>9.1%} {row['admission_ratio']:>7.2f} "
-              f"{row['decode_ratio']:>9.2f}")
+    for row in rows:
+        print(f"{row['model']:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} "
+              f"{row['us_per_request_build']:>10.1f} {row['us_per_decode_step']:>15.2f} "
+              f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} {row['peak_pages']:>12,} "
+              f"{row['hit_rate']:>9.1%} {row['admission_ratio']:>7.2f} {row['decode_ratio']:>9.2f}")
     print("(Request): the part of us/admission spent building the vLLM Request, which hashes the prompt's blocks")
     print("\n".join(notes))
 
 
-def print_events(rows: dict, results: dict) -> None:
+def print_events(rows: list[dict]) -> None:
     print("\nKV events on (recorded, and taken after every admission and decode step) against off")
     print(f"{'model':<26} {'us/admission off':>17} {'on':>8} {'change':>7} {'us/decode step off':>19} {'on':>8} "
           f"{'change':>7}")
-    results["events"] = {}
-    for label, (off, on) in rows.items():
-        adm = on["us_per_admission"] / off["us_per_admission"] - 1
-        dec = on["us_per_decode_step"] / off["us_per_decode_step"] - 1
-        results["events"][label] = {"off": off, "on": on}
-        print(f"{label:<26} {off['us_per_admission']:>17.1f} {on['us_per_admission']:>8.1f} {adm:>+7.1%} "
-              f"{off['us_per_decode_step']:>19.2f} {on['us_per_decode_step']:>8.2f} {dec:>+7.1%}")
+    for row in rows:
+        off, on = row["off"], row["on"]
+        print(f"{row['model']:<26} {off['us_per_admission']:>17.1f} {on['us_per_admission']:>8.1f} "
+              f"{row['admission_change']:>+7.1%} {off['us_per_decode_step']:>19.2f} {on['us_per_decode_step']:>8.2f} "
+              f"{row['decode_change']:>+7.1%}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny trace for a smoke run")
-    parser.add_argument("--requests", type=int, default=2000)
+def arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, default=2000, help="(--quick: 60)")
     parser.add_argument("--memory", default="40GiB", help="KV budget per model")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "manager_overhead.json"))
     parser.add_argument("--against", choices=["vllm"], default=None,
                         help="also replay the trace through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
     parser.add_argument("--events", action="store_true",
-                        help="also replay with KV events on (recorded and taken every step), alternating with off")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="replays per model, alternating with vLLM's when --against is given; each "
-                             "timing is the fastest round's (default: 2 with --against, else 1)")
-    args = parser.parse_args()
-    rounds = args.rounds if args.rounds is not None else (2 if args.against else 1)
-    if rounds < 1:
-        parser.error("--rounds must be >= 1")
+                        help="also replay with KV events on (recorded and taken every step)")
+
+
+def run(args) -> dict:
+    """Each model's replay, `--repeat` rounds, the variants (hybridkv, with
+    events, vLLM's) taking turns; each timing is the fastest round's."""
     vllm_replay = None
     if args.against == "vllm":  # vLLM stays optional: imported only here, checked before the long run
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import vllm_replay
+        from benchmarks import vllm_replay
         try:
             vllm_version = vllm_replay.import_vllm().__version__
         except vllm_replay.VLLMUnavailable as e:
-            parser.error(str(e))
+            raise SystemExit(str(e))
     num = 60 if args.quick else args.requests
     trace = make_trace(num)
-    results = {"trace": {"requests": num, "seed": 0}, "models": {}, "scaling": {}}
+    tables: dict = {"models": [], "scaling": []}
     print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
           f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit rate':>9}")
-    theirs: dict = {}
-    events_rows: dict = {}
-    notes: list[str] = []
+    theirs, events, notes = [], [], []
     for label, file in CONFIGS.items():
         path = os.path.join(MODELS_DIR, file)
         layout = plan_layout(specs_from_config(load_config(path)), args.memory)
-        ours_rounds, their_rounds = [], []
-        # Alternating rounds, so that a host that slows down for a minute
-        # (these machines do) slows both sides rather than one.
-        event_rounds = []
-        for _ in range(rounds):
-            ours_rounds.append(replay(KVCacheManager(layout), trace))
-            if args.events:
-                event_rounds.append(replay(KVCacheManager(layout, enable_kv_events=True), trace, take_events=True))
-            if vllm_replay is not None:
-                their_rounds.append(vllm_replay.run(path, trace, args.memory))
-        if event_rounds:
-            events_rows[label] = (fastest(ours_rounds), fastest(event_rounds))
-        row = fastest(ours_rounds)
-        row["groups"] = len(layout.groups)
-        results["models"][label] = row
+        variants = {"hybridkv": lambda: replay(KVCacheManager(layout), trace)}
+        if args.events:
+            variants["events"] = lambda: replay(KVCacheManager(layout, enable_kv_events=True), trace,
+                                                take_events=True)
+        if vllm_replay is not None:
+            variants["vllm"] = lambda: vllm_replay.run(path, trace, args.memory)
+        rounds = {name: fastest(runs) for name, runs in harness.interleaved(variants, args.repeat).items()}
+        row = {"model": label, "groups": len(layout.groups), **rounds["hybridkv"]}
+        tables["models"].append(row)
         print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_decode_step']:>15.2f} "
               f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
               f"{row['peak_pages']:>11,} {row['hit_rate']:>9.1%}")
-        if their_rounds:
-            theirs[label] = fastest(their_rounds)
-            notes.append(f"  {label}: {vllm_replay.describe(theirs[label])}")
-    results["rounds"] = rounds
-    if events_rows:
-        print_events(events_rows, results)
-    if vllm_replay is not None:
-        print_vllm(vllm_version, theirs, results, notes)
-    print(f"\nper decode step vs pool size and context (8 requests x 256 steps)")
+        if "events" in rounds:
+            on = rounds["events"]
+            events.append({"model": label, "off": rounds["hybridkv"], "on": on,
+                           "admission_change": on["us_per_admission"] / row["us_per_admission"] - 1,
+                           "decode_change": on["us_per_decode_step"] / row["us_per_decode_step"] - 1})
+        if "vllm" in rounds:
+            them = rounds["vllm"]
+            theirs.append({"model": label, **them, "version": vllm_version,
+                           "admission_ratio": them["us_per_admission"] / row["us_per_admission"],
+                           "decode_ratio": them["us_per_decode_step"] / row["us_per_decode_step"]})
+            notes.append(f"  {label}: {vllm_replay.describe(them)}")
+    if events:
+        print_events(events)
+        tables["events"] = events
+    if theirs:
+        print_vllm(vllm_version, theirs, notes)
+        tables["vllm"] = theirs
+    print("\nper decode step vs pool size and context (8 requests x 256 steps)")
     print(f"{'model':<26} {'pool pages':>11} {'context':>8} {'us/decode step':>15}")
     for label, file in CONFIGS.items():
         specs = specs_from_config(load_config(os.path.join(MODELS_DIR, file)))
-        rows = scaling(specs, args.quick)
-        results["scaling"][label] = rows
-        for row in rows:
+        for row in scaling(specs, args.quick):
+            tables["scaling"].append({"model": label, **row})
             print(f"{label:<26} {row['pool_pages']:>11,} {row['context']:>8,} {row['us_per_decode_step']:>15.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwrote {args.out}")
+    return tables
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, repeat=2)

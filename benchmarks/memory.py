@@ -10,25 +10,21 @@ request's own length, a contiguous cache reserves the max for every request
 (its sliding layers capped at their window, as transformers' caches are; the
 JSON also has the uncapped figure, every layer sized for the max context).
 
-    python benchmarks/memory.py [--quick] [--budget 60GiB]
+    python -m benchmarks.memory [--quick] [--budget 60GiB]
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
+from hybridkv.core.baselines import (PaddedGroups, contiguous_bytes, exact_bytes, hybridkv_bytes, length_mix,
+                                     mean_bytes)
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.core.layout import parse_memory, plan_layout
 
-from hybridkv.core.baselines import (PaddedGroups, contiguous_bytes, exact_bytes, hybridkv_bytes,  # noqa: E402
-                                     length_mix, mean_bytes)
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.core.layout import parse_memory, plan_layout  # noqa: E402
-from report import write_json  # noqa: E402  (beside this script)
-
-MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS = os.path.join(harness.ROOT, "models")
 CONTEXTS = (1024, 8192, 32768, 131072)
 
 
@@ -61,12 +57,11 @@ def measure(path: str, budget: int, contexts) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two models, two contexts")
-    parser.add_argument("--budget", default="60GiB")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "memory.json"))
-    args = parser.parse_args()
+def arguments(parser) -> None:
+    parser.add_argument("--budget", default="60GiB", help="KV budget (--quick: two models, two contexts)")
+
+
+def run(args) -> dict:
     budget = parse_memory(args.budget)
     paths = sorted(glob.glob(os.path.join(MODELS, "*.json")))
     contexts = CONTEXTS
@@ -98,8 +93,8 @@ def main() -> None:
               f"({mix['hybridkv'] / max(1, mix['contiguous_uncapped']):.1f}x one sized for the max context in "
               f"every layer), {mix['hybridkv'] / max(1, mix['padded']):.2f}x padded groups, "
               f"{mix['hybridkv'] / max(1, mix['exact']):.3f}x the exact need")
-    write_json(args.out, {"budget": budget, "models": rows})
+    return {"models": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

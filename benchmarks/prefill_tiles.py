@@ -5,41 +5,34 @@ prefill chunk into query tiles that score only the keys they may read. This
 script prefills the same prompts with the engine both ways, interleaved in
 one process (these machines are noisy), and prints the best time of each.
 
-    python benchmarks/prefill_tiles.py                  # tiny-gemma3 and small-gemma3
-    python benchmarks/prefill_tiles.py --models gemma3-270m   # the real model: 16 prompts of 700 tokens
-    python benchmarks/prefill_tiles.py --quick          # seconds: CI smoke run
+    python -m benchmarks.prefill_tiles                  # tiny-gemma3 and small-gemma3
+    python -m benchmarks.prefill_tiles --models gemma3-270m   # the real model: 16 prompts of 700 tokens
+    python -m benchmarks.prefill_tiles --quick          # seconds: CI smoke run
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
-from report import write_json  # noqa: E402  (beside this script)
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+def arguments(parser) -> None:
     parser.add_argument("--models", default="tiny-gemma3,small-gemma3")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prefill_tiles.json"))
-    args = parser.parse_args()
-    import torch
 
+
+def result_name(args) -> str:
+    return "prefill_tiles.json" if args.models == "tiny-gemma3,small-gemma3" else \
+        f"prefill_tiles_{args.models.replace(',', '_').replace('-', '_')}.json"
+
+
+def run(args) -> dict:
     import hybridkv.layers.backends.reference.attention as attention
-    from engine_throughput import prompts_for
+    from benchmarks import real_gemma3
+    from benchmarks.engine_throughput import prompts_for
     from hybridkv import Engine, SamplingParams
     from hybridkv.tiny_models import tiny_model_dir
 
-    torch.set_num_threads(args.threads)
     models = ["tiny-gemma3"] if args.quick else args.models.split(",")
     num, repeat = (4, 1) if args.quick else (32, args.repeat)
     tiled = attention.query_tiles
@@ -54,8 +47,6 @@ def main() -> None:
     try:
         for model in models:
             if model == "gemma3-270m":  # the real model (the `gemma` extra), real_gemma3.py's long-16 prompts
-                import real_gemma3
-
                 engine = Engine(real_gemma3.gguf_path(), kv_cache_memory="1GiB", progress=False,
                                 max_num_seqs=64, enable_prefix_caching=False)
                 prompts = real_gemma3.batch_prompts(16, 700)
@@ -72,12 +63,12 @@ def main() -> None:
                     engine.generate(prompts, params, use_tqdm=False)
                     best[name] = min(best[name], time.perf_counter() - start)
             print(f"{model:<14} {best['one']:>11.2f} {best['tiles']:>14.2f} {best['one'] / best['tiles']:>7.2f}x")
-            rows.append({"model": model, "one_call_s": best["one"], "query_tiles_s": best["tiles"],
-                         "speedup": best["one"] / best["tiles"]})
+            rows.append({"model": model, "prompts": len(prompts), "one_call_s": best["one"],
+                         "query_tiles_s": best["tiles"], "speedup": best["one"] / best["tiles"]})
     finally:
         attention.query_tiles = tiled
-    write_json(args.out, {"prompts": num, "repeat": repeat, "threads": args.threads, "models": rows})
+    return {"models": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, repeat=3, out=result_name)

@@ -6,37 +6,32 @@ replica's events store a number of conversations, prompts sharing a few
 system prompts, so keys repeat across replicas as they would. Then `best`
 ranks every replica for requests that extend stored prompts.
 
-    python benchmarks/prefix_index.py               # 10^6 blocks over 64 replicas
-    python benchmarks/prefix_index.py --quick
+    python -m benchmarks.prefix_index               # 10^6 blocks over 64 replicas
+    python -m benchmarks.prefix_index --quick
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
-import sys
 import time
 import tracemalloc
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
+from hybridkv.core import plan_layout
+from hybridkv.core.events import BlockStored
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.core.prefix_index import PrefixIndex
 
-from hybridkv.core import plan_layout  # noqa: E402
-from hybridkv.core.events import BlockStored  # noqa: E402
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
-from report import write_json  # noqa: E402  (beside this script)
-
-MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS = os.path.join(harness.ROOT, "models")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+def arguments(parser) -> None:
     parser.add_argument("--blocks", type=int, default=10**6, help="blocks indexed, over all replicas and groups")
     parser.add_argument("--replicas", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "prefix_index.json"))
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
     if args.quick:
         args.blocks, args.replicas = 20_000, 8
     layout = plan_layout(specs_from_config(load_config(os.path.join(MODELS, "gemma-3-27b.json"))), "80GiB")
@@ -86,8 +81,8 @@ def main() -> None:
     print(f"{stored:>10,} {index.num_keys:>10,} {args.replicas:>8} {row['bytes_per_block']:>8.0f} "
           f"{row['bytes_per_key']:>6.0f} {row['us_per_best']:>8.0f} {row['us_hashing_per_request']:>10.0f} "
           f"{probe_tokens:>13.0f} {row['replicas_with_a_hit']:>13.1f}")
-    write_json(args.out, row)
+    return {"index": [row]}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

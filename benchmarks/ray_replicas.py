@@ -12,31 +12,27 @@ both alike. TTFT is measured by the client (to the first streamed text);
 the hit rate is the prompt tokens the replicas served from their caches
 (usage.prompt_tokens_details.cached_tokens) over all prompt tokens.
 
-    python benchmarks/ray_replicas.py                       # tiny Gemma-3 and Jamba, 2 rounds
-    python benchmarks/ray_replicas.py --models gemma3-270m  # the real Gemma-3 270M (its package installed)
-    python benchmarks/ray_replicas.py --quick
+    python -m benchmarks.ray_replicas                       # tiny Gemma-3 and Jamba, 2 rounds
+    python -m benchmarks.ray_replicas --models gemma3-270m  # the real Gemma-3 270M (its package installed)
+    python -m benchmarks.ray_replicas --quick
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import socket
 import statistics
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import httpx
+import ray
+from ray import serve
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from hybridkv.serving.ray import build_application, start_ray  # noqa: E402
-from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
+from benchmarks import harness
+from hybridkv.serving.ray import build_application, start_ray
+from hybridkv.tiny_models import tiny_model_dir
 
 
 def model_path(name: str) -> str:
@@ -104,10 +100,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--models", default="tiny-gemma3,tiny-jamba")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per router, alternating")
     parser.add_argument("--families", type=int, default=8)
     parser.add_argument("--per-family", type=int, default=6)
     parser.add_argument("--prefix-len", type=int, default=256)
@@ -116,11 +110,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--stats-period", type=float, default=0.5, help="seconds between replica reports")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ray_replicas.json"))
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
+    """`--repeat` runs per router, the routers alternating."""
     if args.quick:
-        args.rounds, args.families, args.per_family = 1, 4, 4
+        args.families, args.per_family = 4, 4
 
     start_ray(num_cpus=6, log_to_driver=False)
     port = free_port()
@@ -131,7 +126,7 @@ def main() -> None:
         path = model_path(model)
         options = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=8, max_num_batched_tokens=512)
         vocab = 1000 if model.startswith("tiny") else 30000
-        for round_ in range(args.rounds):
+        for round_ in range(args.repeat):
             for router in ("hybrid", "default") if round_ % 2 == 0 else ("default", "hybrid"):
                 app = build_application(path, model_name=model, num_replicas=2, engine_options=options,
                                         router=router, stats_period_s=args.stats_period)
@@ -157,23 +152,21 @@ def main() -> None:
 
     print(f"\n2 replicas, {args.families} families x {args.per_family} requests, prefix {args.prefix_len} + "
           f"question {args.question_len} tokens, {args.max_tokens} generated, {args.clients} clients, "
-          f"{args.rounds} round(s) per router")
+          f"{args.repeat} round(s) per router")
     print(f"{'model':12} {'router':8} {'hit rate':>9} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'wall':>7}")
+    means = []
     for model in args.models.split(","):
         for router in ("hybrid", "default"):
             mine = [r for r in rows if r["model"] == model and r["router"] == router]
-            hit = [r["hit_rate"] for r in mine]
-            mean = [r["ttft_mean_ms"] for r in mine]
-            print(f"{model:12} {router:8} {100 * statistics.fmean(hit):8.1f}% "
-                  f"{statistics.fmean(mean):8.1f}ms {statistics.fmean(r['ttft_p50_ms'] for r in mine):6.1f}ms "
-                  f"{statistics.fmean(r['ttft_p90_ms'] for r in mine):6.1f}ms "
-                  f"{statistics.fmean(r['wall_s'] for r in mine):6.2f}s"
-                  f"   (TTFT mean per round: {', '.join(f'{m:.1f}' for m in mean)})")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    print(f"\nwrote {args.out}")
+            row = {"model": model, "router": router, "rounds": len(mine),
+                   **{key: statistics.fmean(r[key] for r in mine)
+                      for key in ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "wall_s")}}
+            means.append(row)
+            print(f"{model:12} {router:8} {100 * row['hit_rate']:8.1f}% {row['ttft_mean_ms']:8.1f}ms "
+                  f"{row['ttft_p50_ms']:6.1f}ms {row['ttft_p90_ms']:6.1f}ms {row['wall_s']:6.2f}s"
+                  f"   (TTFT mean per round: {', '.join(format(r['ttft_mean_ms'], '.1f') for r in mine)})")
+    return {"routers": means, "runs": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, repeat=2)

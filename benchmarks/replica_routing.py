@@ -77,34 +77,30 @@ weights); Llama-3.1-8B, the full-attention control where the token-prefix
 router and the hybrid router must agree: 6 GiB (one 24 GB GPU, 16 GB of
 weights).
 
-    python benchmarks/replica_routing.py                 # 64 replicas, all layouts, the sweep
-    python benchmarks/replica_routing.py --replicas 16 --requests 4000
-    python benchmarks/replica_routing.py --quick         # seconds, for CI
+    python -m benchmarks.replica_routing                 # 64 replicas, all layouts, the sweep
+    python -m benchmarks.replica_routing --replicas 16 --requests 4000
+    python -m benchmarks.replica_routing --quick         # seconds, for CI
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import heapq
 import itertools
 import math
 import os
 import random
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
+from hybridkv.core import KVCacheManager, parse_memory, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.core.prefix_index import PrefixIndex
+from hybridkv.core.routing import RoutingRule
 
-from hybridkv.core import KVCacheManager, parse_memory, plan_layout  # noqa: E402
-from hybridkv.core.hf_config import load_config, specs_from_config  # noqa: E402
-from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
-from hybridkv.core.routing import RoutingRule  # noqa: E402
-from report import write_json  # noqa: E402  (beside this script)
-
-MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+MODELS = os.path.join(harness.ROOT, "models")
 LAYOUTS = {  # label -> (config file, KV pool per replica)
     "Gemma-3-27B": ("gemma-3-27b.json", "16GiB"),
     "Jamba-1.5-Mini": ("jamba-1.5-mini.json", "32GiB"),
@@ -535,10 +531,8 @@ HEADER = (f"{'router':<22} {'hit rate':>8} {'vs one':>8} {'saved tokens':>13} {'
           f"{'wait':>6} {'p95':>5} {'us/dec.':>8} {'ms ev/st':>8} {'win/ckpt ev':>10} {'sim s':>6}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8 replicas, a short trace with short prompts")
-    parser.add_argument("--replicas", type=int, default=64)
+def arguments(parser) -> None:
+    parser.add_argument("--replicas", type=int, default=64, help="(--quick: 8, a short trace, short prompts)")
     parser.add_argument("--requests", type=int, default=None, help="default: 150 per replica")
     parser.add_argument("--rate", type=float, default=0.12,
                         help="arrivals per replica per step (a step: one decode iteration)")
@@ -549,8 +543,9 @@ def main() -> None:
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)),
                         help="queued_request_tokens values for the hybrid router ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "replica_routing.json"))
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
     shape = WorkloadShape()
     if args.quick:
         args.replicas, args.requests = 8, args.requests or 300
@@ -564,9 +559,9 @@ def main() -> None:
           f"{prompt_tokens / num:,.0f} prompt tokens a request on average "
           f"({', '.join(f'{n:,} {f}' for f, n in families.items())}); "
           f"prefill {args.prefill_per_step} tokens/step, up to {args.max_running} running per replica")
-    results = {"replicas": args.replicas, "requests": num, "rate": args.rate, "seed": args.seed,
-               "prefill_per_step": args.prefill_per_step, "max_running": args.max_running,
-               "families": families, "layouts": {}}
+    tables: dict = {"workload": [{"replicas": args.replicas, "requests": num, "prompt_tokens": prompt_tokens,
+                                  "steps": workload[-1].step, **families}],
+                    "layouts": [], "routers": [], "sweep": []}
     for label in args.layouts.split(","):
         label = label.strip()
         file, memory = LAYOUTS[label]
@@ -600,16 +595,18 @@ def main() -> None:
         print(f"hybrid router: {verdict['hybrid_vs_single']:.1%} of the single cache's saved tokens, "
               f"{verdict['hybrid_vs_token_prefix']:.2f}x the token-prefix router's; "
               f"{verdict['hybrid_predictions_checked']:,} predicted hits equal the replicas' real ones")
-        results["layouts"][label] = {"memory": memory, "pages": layout.num_pages, "routers": rows,
-                                     "sweep": {str(k): v for k, v in sweep_rows.items()}, **verdict}
+        tables["layouts"].append({"layout": label, "memory": memory, "pages": layout.num_pages, **verdict})
+        tables["routers"] += [{"layout": label, "router": name, **row} for name, row in rows.items()]
+        tables["sweep"] += [{"layout": label, "queued_request_tokens": value, **row}
+                            for value, row in sweep_rows.items()]
     print("\nhit rate: prompt tokens served from the cache (the hit the replica's manager gave at admission) / "
           "prompt tokens; vs one: saved tokens / the single cache's; tp pick: on the hybrid router's states, the hit "
           "rate at the replicas a token-prefix router would have picked (at routing); misroutes: requests whose "
           "replica's real hit was shorter than the router predicted; max/mean: requests routed to the busiest "
           "replica / the mean; wait, p95: steps from arrival to admission; us/dec.: router time per request; "
           "ms ev/st: applying events per step; win/ckpt ev: window and Mamba keys evicted for want of room")
-    write_json(args.out, results)
+    return tables
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

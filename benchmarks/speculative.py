@@ -21,22 +21,19 @@ Every greedy cell checks that the tokens with speculation equal the tokens
 without (hybridkv; and transformers' own pair). Table: tok/s (median of the runs),
 drafts accepted / proposed, and the ratios.
 
-    python benchmarks/speculative.py            # real model and tiny models, ~10 min
-    python benchmarks/speculative.py --quick    # tiny models, seconds
+    python -m benchmarks.speculative            # real model and tiny models, ~10 min
+    python -m benchmarks.speculative --quick    # tiny models, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import statistics
-import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 
 def text_prompts(tokenizer) -> dict[str, list[int]]:
@@ -138,28 +135,23 @@ def bench_model(name, engine_path, hf_dir, prompts, k, new_tokens, repeat) -> di
         elif not same_hybridkv:
             raise SystemExit(f"{name} {workload}: hybridkv's tokens differ with speculation")
         row["identical"] = {"hybridkv": same_hybridkv, "transformers": same_transformers,
-                            "hybridkv_vs_transformers": cell["hybridkv"][0]["tokens"] == cell["transformers"][0]["tokens"]}
+                            "hybridkv_vs_transformers":
+                                cell["hybridkv"][0]["tokens"] == cell["transformers"][0]["tokens"]}
         row["prompt_tokens"] = len(prompts[workload])
         rows[workload] = row
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny models only, short runs: a smoke test")
-    parser.add_argument("--threads", type=int, default=2)
+def arguments(parser) -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (both engines; default 4)")
-    parser.add_argument("--repeat", type=int, default=None, help="interleaved runs per cell (default 3)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per run (default 96)")
-    parser.add_argument("--no-real", action="store_true", help="skip the real Gemma-3 270M")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "speculative.json"))
-    args = parser.parse_args()
-    import torch
+    parser.add_argument("--no-real", action="store_true", help="skip the real Gemma-3 270M (--quick: skipped)")
 
+
+def run(args) -> dict:
     from hybridkv.tiny_models import tiny_model_dir
 
-    torch.set_num_threads(args.threads)
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat
     new_tokens = args.new_tokens or (16 if args.quick else 96)
     models = []
     if not (args.quick or args.no_real):
@@ -183,11 +175,11 @@ def main() -> None:
     header = (f"{'model':<13} {'workload':<9} {'transformers':>12} {'+lookup':>8} {'hybridkv':>9} {'+ngram':>8} "
               f"{'accepted':>9} {'ngram/plain':>12} {'vs tf+lookup':>13} {'same':>5}")
     print(header)
-    results = {}
+    results = []
     for name, engine_path, hf_dir, prompts in models:
         rows = bench_model(name, engine_path, hf_dir, prompts, args.k, new_tokens, repeat)
-        results[name] = rows
         for workload, row in rows.items():
+            results.append({"model": name, "workload": workload, "k": args.k, "new_tokens": new_tokens, **row})
             tf = row["transformers"]["tokens_per_s"]
             tfl = row.get("transformers+lookup", {}).get("tokens_per_s")
             hk, spec = row["hybridkv"]["tokens_per_s"], row["hybridkv+ngram"]["tokens_per_s"]
@@ -197,10 +189,8 @@ def main() -> None:
             versus = f"{spec / tfl:>12.2f}x" if tfl else f"{spec / tf:>9.2f}x tf"
             print(f"{name:<13} {workload:<9} {tf:>12.1f} {lookup} {hk:>9.1f} {spec:>8.1f} {acc:>9} "
                   f"{spec / hk:>11.2f}x {versus} {same:>5}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"k": args.k, "new_tokens": new_tokens, "repeat": repeat, "threads": args.threads,
-                   "models": results}, f, indent=1)
+    return {"cells": results}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, repeat=3)

@@ -9,29 +9,24 @@ Triton kernel variant compiled on first use) against one that is slow every
 time. The first engine in the process compiles; the one after it finds the
 kernels in Triton's cache, so run it twice (--order) to tell the two apart.
 
-    python benchmarks/step_times.py                      # CUDA: graphs, then eager
-    python benchmarks/step_times.py --order eager,graphs
-    python benchmarks/step_times.py --dry-run            # a tiny model on the CPU (checks the script)
+    python -m benchmarks.step_times                      # CUDA: graphs, then eager
+    python -m benchmarks.step_times --order eager,graphs
+    python -m benchmarks.step_times --dry-run            # a tiny model on the CPU (checks the script)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from engine_throughput import sync  # noqa: E402
-
-from hybridkv import Engine, SamplingParams  # noqa: E402
-from hybridkv.files import cache_root  # noqa: E402
+from benchmarks import harness
+from benchmarks.engine_throughput import sync
+from hybridkv import Engine, SamplingParams
+from hybridkv.files import cache_root
 
 
 def model_path(dry: bool) -> str:
@@ -79,16 +74,20 @@ def step_times(path: str, device: str, eager: bool, prompts, new_tokens: int) ->
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--order", default="graphs,eager", help="engines in the order they run (graphs, eager)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, decode at fixed shapes")
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny model on the CPU, decode at fixed shapes (--quick: the same, 4 new tokens)")
+
+
+def run(args) -> dict | None:
+    if args.quick:
+        args.dry_run, args.new_tokens = True, 4
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not args.dry_run:
         print("benchmarks/step_times.py needs CUDA (graphs); --dry-run checks the script on the CPU")
-        return
+        return None
     path = model_path(args.dry_run)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(100, 1000))] for _ in range(64)]
@@ -96,14 +95,20 @@ def main() -> None:
     print(f"{name}; 64 prompts of 100-1000 tokens, {args.new_tokens} new tokens, 2048 tokens per step")
     print(f"{'engine':<8} {'backend':<8} {'graphs':>6} {'wall s':>7} {'step kind':<9} {'steps':>5} {'median ms':>10} "
           f"{'max ms':>9} {'sum s':>7}")
+    rows = []
     for mode in args.order.split(","):
         times = step_times(path, device, mode == "eager", prompts, args.new_tokens)
         for kind in ("decode", "mixed"):
             if times[kind]:
                 ms = [1e3 * t for t in times[kind]]
-                print(f"{mode:<8} {times['backend']:<8} {times['graphs']:>6} {times['wall']:>7.2f} {kind:<9} "
-                      f"{len(ms):>5} {statistics.median(ms):>10.2f} {max(ms):>9.1f} {sum(ms) / 1e3:>7.2f}")
+                row = {"device": name, "engine": mode, "backend": times["backend"], "graphs": times["graphs"],
+                       "wall_s": times["wall"], "kind": kind, "steps": len(ms), "median_ms": statistics.median(ms),
+                       "max_ms": max(ms), "sum_s": sum(ms) / 1e3}
+                rows.append(row)
+                print(f"{mode:<8} {row['backend']:<8} {row['graphs']:>6} {row['wall_s']:>7.2f} {kind:<9} "
+                      f"{len(ms):>5} {row['median_ms']:>10.2f} {row['max_ms']:>9.1f} {row['sum_s']:>7.2f}")
+    return {"steps": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

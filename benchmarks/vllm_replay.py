@@ -52,13 +52,13 @@ import sys
 import time
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from hybridkv.core.hf_config import load_config, specs_from_config, text_config  # noqa: E402
-from hybridkv.core.layout import parse_memory  # noqa: E402
-from hybridkv.core.specs import FullAttentionSpec as HKFull  # noqa: E402
-from hybridkv.core.specs import MambaSpec as HKMamba  # noqa: E402
-from hybridkv.core.specs import SlidingWindowSpec as HKSliding  # noqa: E402
+from benchmarks import harness
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, make_trace
+from hybridkv.core.hf_config import load_config, specs_from_config, text_config
+from hybridkv.core.layout import parse_memory
+from hybridkv.core.specs import FullAttentionSpec as HKFull
+from hybridkv.core.specs import MambaSpec as HKMamba
+from hybridkv.core.specs import SlidingWindowSpec as HKSliding
 
 BLOCK_SIZE = 16
 
@@ -156,7 +156,8 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
             model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
         register_all_kvcache_specs(vllm_config)
 
-        kv_dtype = model_config.dtype if cache_config.cache_dtype == "auto" else getattr(torch, cache_config.cache_dtype)
+        kv_dtype = (model_config.dtype if cache_config.cache_dtype == "auto"
+                    else getattr(torch, cache_config.cache_dtype))
         quant = get_kv_quant_mode(cache_config.cache_dtype)
         kv_cache_spec = {}
         for name, spec in hk_specs.items():
@@ -401,18 +402,25 @@ def describe(row: dict) -> str:
     return text
 
 
-if __name__ == "__main__":
-    import argparse
-
-    from replay_trace import CONFIGS, MODELS_DIR, make_trace
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--memory", default="40GiB")
     parser.add_argument("--no-gc-freeze", action="store_true", help="leave the start-up heap to the GC")
-    args = parser.parse_args()
-    trace = make_trace(args.requests)
+
+
+def main_run(args) -> dict:
+    """vLLM's manager alone on the trace (manager_overhead.py --against vllm
+    runs it beside hybridkv's)."""
+    import_vllm()
+    trace = make_trace(20 if args.quick else args.requests)
+    rows = []
     for label, file in CONFIGS.items():
         row = run(os.path.join(MODELS_DIR, file), trace, args.memory, freeze_gc=not args.no_gc_freeze)
         print(label, {k: v for k, v in row.items() if k != "notes"})
         print("   ", describe(row))
+        rows.append({"model": label, **row})
+    return {"models": rows}
+
+
+if __name__ == "__main__":
+    harness.main(main_run, arguments)

@@ -1,32 +1,51 @@
-"""Every benchmark script runs in --quick mode and prints a well-formed
-table and JSON (no timing is asserted: these machines are noisy)."""
+"""Every benchmark runs in --quick mode and prints a well-formed table and
+result (no timing is asserted: these machines are noisy)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks import harness, render
 from real_model import real_gguf_path
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def run(script, tmp_path, *extra):
+    """`python -m benchmarks.SCRIPT --quick`: its stdout and its result's tables."""
     out = tmp_path / f"{script}.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--quick",
-                           "--out", str(out), *extra], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--quick", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == script and result["command"].startswith(f"python -m benchmarks.{script} --quick")
+    assert result["environment"]["cores"] > 0 and result["environment"]["packages"]
+    return proc.stdout, result["tables"]
 
 
 def test_manager_overhead_quick(tmp_path):
     text, data = run("manager_overhead", tmp_path)
     assert "us/decode step" in text and "pool pages" in text
-    for row in data["models"].values():
+    for row in data["models"]:
         assert row["admissions"] > 0 and row["us_per_decode_step"] > 0 and 0 <= row["hit_rate"] <= 1
-    assert any(data["scaling"].values())  # small pools hold no Gemma-3-27B rows in --quick
+    assert data["scaling"]  # small pools hold no Gemma-3-27B rows in --quick
+
+
+def test_manager_overhead_with_events_quick(tmp_path):
+    text, data = run("manager_overhead", tmp_path, "--events")
+    assert "KV events on" in text
+    assert [row["model"] for row in data["events"]] == [row["model"] for row in data["models"]]
+    assert all(row["on"]["us_per_admission"] > 0 for row in data["events"])
+
+
+def test_kv_event_wire_quick(tmp_path):
+    text, data = run("kv_event_wire", tmp_path)
+    assert "batches/s over ZMQ" in text
+    assert all(row["blocks_stored"] > 0 and row["zmq_batches_per_s"] for row in data["models"])
 
 
 def test_memory_quick(tmp_path):
@@ -46,8 +65,9 @@ def test_prefill_tiles_quick(tmp_path):
 
 def test_hybrid_prefix_quick(tmp_path):
     text, data = run("hybrid_prefix", tmp_path)
-    assert set(data["results"]) == {"every_block", "prompt_end", "hybridkv"}
-    assert "hit rate" in text
+    [row] = data["budgets"]
+    assert {"every_block", "prompt_end", "hybridkv"} <= set(row)
+    assert row["hybridkv"]["hit_rate"] > 0 and "hit rate" in text
 
 
 def test_engine_throughput_quick(tmp_path):
@@ -67,18 +87,21 @@ def test_kernels_quick(tmp_path):
 def test_cpu_linear_quick(tmp_path):
     text, data = run("cpu_linear", tmp_path)
     assert "oneDNN packed" in text
-    assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["rows"])
+    assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["products"])
 
 
 def test_real_gemma3_quick(tmp_path):
     real_gguf_path()
     text, data = run("real_gemma3", tmp_path, "--no-llamacpp")
-    assert "staggered" in text and set(data["median"]) == {"hybridkv", "transformers"}
+    median = {(c["workload"], c["engine"]): c for c in data["medians"]}
+    assert "staggered" in text and {e for _, e in median} == {"hybridkv", "transformers"}
     for engine in ("hybridkv", "transformers"):
-        assert data["median"][engine]["batch-2"]["tokens_per_s"] > 0
-    assert data["median"]["hybridkv"]["staggered"]["hit_rate"] > 0.5
+        assert median["batch-2", engine]["tokens_per_s"] > 0
+    assert median["staggered", "hybridkv"]["hit_rate"] > 0.5
+    ratios = {(r["workload"], r["engine"]) for r in data["ratios"]}
+    assert ratios == {(w, "transformers") for w in ("batch-2", "staggered")}
     # The same token ids in, the same greedy tokens out.
-    ids = {e: runs[0]["workloads"]["batch-2"]["first_ids"] for e, runs in data["runs"].items()}
+    ids = {row["engine"]: row["first_ids"] for row in data["engines"]}
     assert ids["hybridkv"] == ids["transformers"], ids
 
 
@@ -87,10 +110,11 @@ def test_cpu_decode_step_quick(tmp_path):
     text, data = run("cpu_decode_step", tmp_path)
     assert "the floor of this design" in text
     # The script itself fails when a configuration changes the tokens.
-    assert [row["batch"] for row in data["rows"]] == [1, 2]
+    assert [row["batch"] for row in data["steps"]] == [1, 2]
     assert all(row["engine_s"] > 0 and row["layer_modules_s"] > 0 and row["gathered_decode_s"] > 0
-               and row["torch_elementwise_s"] > 0 for row in data["rows"])
-    assert data["batch1"]["linears_s"] > 0 and data["batch1"]["read_s"] > 0 and len(data["first_ids"]["1"]) == 6
+               and row["torch_elementwise_s"] > 0 for row in data["steps"])
+    [batch1] = data["batch1"]
+    assert batch1["linears_s"] > 0 and batch1["read_s"] > 0 and len(data["first_ids"][0]["ids"]) == 6
 
 
 def test_gpu_suite_dry_run_builds_every_case(tmp_path):
@@ -102,11 +126,11 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:]
-    engine = json.loads((out / "engine.json").read_text())
+    engine = json.loads((out / "engine.json").read_text())["tables"]
     assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
     assert all(r["hybridkv"]["tokens_per_s"] > 0 and r["weight_bound_tokens_per_s"] > 0 for r in engine["throughput"])
-    assert json.loads((out / "kernels.json").read_text())["rows"]
-    profiled = json.loads((out / "profile.json").read_text())["cases"]
+    assert json.loads((out / "kernels.json").read_text())["tables"]["kernels"]
+    profiled = json.loads((out / "profile.json").read_text())["tables"]["cases"]
     assert profiled and all(c["step_ms"] > 0 and c["launches"] > 0 and c["top"] for c in profiled)
     for name in ("env", "kernel_tests", "oracle", "profile"):
         assert (out / f"{name}.txt").stat().st_size > 0
@@ -115,39 +139,41 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
 def test_speculative_quick(tmp_path):
     text, data = run("speculative", tmp_path)
     assert "+ngram" in text and "accepted" in text
-    for rows in data["models"].values():
-        for row in rows.values():
-            assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
-            assert row["hybridkv+ngram"]["tokens_per_s"] > 0
-    assert any(row["hybridkv+ngram"]["drafts"] > 0 for rows in data["models"].values() for row in rows.values())
+    for row in data["cells"]:
+        assert row["identical"]["hybridkv"] is not False  # speculation never changes greedy tokens
+        assert row["hybridkv+ngram"]["tokens_per_s"] > 0
+    assert any(row["hybridkv+ngram"]["drafts"] > 0 for row in data["cells"])
 
 
 def test_kv_tiers_quick(tmp_path):
     text, data = run("kv_tiers", tmp_path)
     assert "mean TTFT ms" in text and "after a restart" in text
-    assert data["working_set_bytes"] > 2 * data["pool_bytes"]
+    [workload], [restart] = data["workload"], data["restart"]
+    assert workload["working_set_bytes"] > 2 * workload["pool_bytes"]
+    tiers = {row["tier"]: row for row in data["tiers"]}
     for name in ("host", "disk", "host+disk"):  # every tier serves hits the pool alone lost
-        assert data["configs"][name]["cached_fraction"] > data["configs"]["none"]["cached_fraction"]
-    assert data["restart"]["cached_tokens"] > 0
+        assert tiers[name]["cached_fraction"] > tiers["none"]["cached_fraction"]
+    assert restart["cached_tokens"] > 0
 
 
 def test_prefix_index_quick(tmp_path):
     text, data = run("prefix_index", tmp_path)
     assert "us/best" in text
-    assert data["keys_indexed"] > 0 and data["us_per_best"] > 0 and data["bytes_per_block"] > 0
+    [row] = data["index"]
+    assert row["keys_indexed"] > 0 and row["us_per_best"] > 0 and row["bytes_per_block"] > 0
 
 
 def test_tier_storage_quick(tmp_path):
     text, data = run("tier_storage", tmp_path)
     assert "write us/block" in text
-    files = data["stores"]["files"]
+    files = next(row for row in data["stores"] if row["store"] == "files")
     assert files["write_us"] > 0 and files["read_us"] > 0
 
 
 def test_kv_tiers_counts_what_each_group_stored(tmp_path):
     text, data = run("kv_tiers", tmp_path, "--model", "tiny-jamba")
     assert "store-everything tier" in text
-    host = data["configs"]["host"]
+    host = next(row for row in data["tiers"] if row["tier"] == "host")
     # Mamba keeps checkpoint states, not a state per block.
     assert host["stored_bytes_per_cached_token"] < host["store_everything_bytes_per_cached_token"]
 
@@ -155,26 +181,94 @@ def test_kv_tiers_counts_what_each_group_stored(tmp_path):
 def test_replica_routing_quick(tmp_path):
     text, data = run("replica_routing", tmp_path)
     assert "misroutes" in text and "queued_request_tokens swept" in text
-    for layout in data["layouts"].values():
-        rows = layout["routers"]
+    for layout in data["layouts"]:
+        rows = {row["router"]: row for row in data["routers"] if row["layout"] == layout["layout"]}
         assert set(rows) == {"single cache", "round robin", "token prefix", "hybrid (hit only)", "hybrid"}
         assert rows["hybrid"]["predictions_checked"] == rows["hybrid"]["requests"] > 0
         assert rows["round robin"]["hit_rate"] < rows["hybrid"]["hit_rate"]
-        assert set(layout["sweep"]) == {"0", "64", "256", "1024"}
+        swept = {row["queued_request_tokens"] for row in data["sweep"] if row["layout"] == layout["layout"]}
+        assert swept == {0, 64, 256, 1024}
 
 
 def test_tensor_parallel_quick(tmp_path):
     text, data = run("tensor_parallel", tmp_path)
     assert "all-reduces/step" in text
-    assert {row["tp"] for row in data["rows"]} == {1, 2} and all(row["same_tokens"] for row in data["rows"])
-    assert all(row["all_reduces_per_step"] > 0 for row in data["rows"] if row["tp"] == 2)
+    assert {row["tp"] for row in data["steps"]} == {1, 2} and all(row["same_tokens"] for row in data["steps"])
+    assert all(row["all_reduces_per_step"] > 0 for row in data["steps"] if row["tp"] == 2)
 
 
-def test_step_times_dry_run():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_times.py"), "--dry-run",
-                           "--new-tokens", "4"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("graphs ", "eager "))]
+def test_step_times_quick(tmp_path):
+    # --quick is its --dry-run: a tiny model on the CPU, decode at fixed shapes.
+    text, data = run("step_times", tmp_path)
     # Both engines, decode steps apart from the steps with a prefill chunk.
-    assert {(r[0], r[4]) for r in rows} == {(m, k) for m in ("graphs", "eager") for k in ("decode", "mixed")}
-    assert all(int(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+    assert {(r["engine"], r["kind"]) for r in data["steps"]} == {(m, k) for m in ("graphs", "eager")
+                                                                 for k in ("decode", "mixed")}
+    assert all(r["steps"] > 0 and r["median_ms"] > 0 for r in data["steps"])
+
+
+def test_ray_replicas_quick(tmp_path):
+    pytest.importorskip("ray")
+    pytest.importorskip("fastapi")
+    text, data = run("ray_replicas", tmp_path, "--models", "tiny-gemma3")
+    assert {row["router"] for row in data["routers"]} == {"hybrid", "default"}
+    assert all(row["hit_rate"] > 0 and row["ttft_mean_ms"] > 0 for row in data["routers"])
+
+
+def test_vllm_replay_quick(tmp_path):
+    pytest.importorskip("vllm")
+    text, data = run("vllm_replay", tmp_path)
+    assert all(row["admissions"] > 0 for row in data["models"])
+
+
+def test_gpu_profile_quick(tmp_path):
+    # --quick is its --dry-run: a shrunk model on the CPU.
+    text, data = run("gpu_profile", tmp_path, "--steps", "2", "--batches", "1", "--modes", "eager")
+    assert all(case["step_ms"] > 0 and case["top"] for case in data["cases"])
+
+
+def test_every_benchmark_is_run_quick_here():
+    """Each module that runs on the harness has its --quick run above (or,
+    for one that runs inside vLLM, in tests_vllm/, which its CI job runs)."""
+    tests = [open(__file__).read()] + [open(os.path.join(ROOT, "tests_vllm", f)).read()
+                                       for f in os.listdir(os.path.join(ROOT, "tests_vllm")) if f.endswith(".py")]
+    for name in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
+        source = open(os.path.join(ROOT, "benchmarks", name)).read() if name.endswith(".py") else ""
+        if re.search(r'^if __name__ == "__main__":\n(?:\s.*\n)*?\s+harness\.main\(', source, re.M):
+            assert any(re.search(rf"def test_{name[:-3]}\w*_quick", t) for t in tests), name
+
+
+def test_interleaved_takes_turns_in_rotating_order():
+    order = []
+    runs = harness.interleaved({n: (lambda n=n: order.append(n) or len(order)) for n in "abc"}, 3)
+    assert "".join(order) == "abcbcacab"
+    assert runs == {"a": [1, 6, 8], "b": [2, 4, 9], "c": [3, 5, 7]}
+    assert harness.spread([3, 1, 2]) == {"median": 2, "low": 1, "high": 3, "runs": [3, 1, 2]}
+    assert harness.ratios([2, 6], [1, 2])["median"] == 2.5
+
+
+def test_the_environment_names_the_machine():
+    env = harness.environment(threads=2)
+    assert env["cpu"] and env["cores"] >= 1 and env["python"] and "torch" in env["packages"]
+    assert f"{env['usable_cores']} cores" in harness.machine(env)
+    assert harness.machine({"machine": "not recorded"}) == "not recorded"
+
+
+def test_the_docs_tables_are_the_results_rendered():
+    # docs/benchmarks.md's tables (and the README's, docs/integrations.md's) are what
+    # benchmarks/render.py writes from benchmarks/results/; after a rerun,
+    # `python -m benchmarks.render` rewrites them (and shows what changed).
+    wrong = render.disagreements()
+    assert not wrong, "".join(wrong[:60])
+
+
+def test_a_figure_edited_by_hand_or_a_table_outside_the_markers_is_caught():
+    with open(render.PAGE) as f:
+        page = f.read()
+    table = page.index("| Gemma-3-27B |", page.index("<!-- table manager -->"))
+    cells = page[table:page.index("\n", table)].split(" | ")
+    cells[2] = str(int(cells[2]) + 1)  # µs / admission
+    edited = page[:table] + " | ".join(cells) + page[page.index("\n", table):]
+    assert edited != page and render.render(edited) == page
+    assert render.unmarked_tables(page) == []
+    assert render.unmarked_tables(page + "\n| model | tok/s |\n|---|---|\n| x | 1 |\n") == [
+        "| model | tok/s |", "|---|---|", "| x | 1 |"]

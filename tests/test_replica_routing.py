@@ -4,19 +4,15 @@ hit; where sliding windows were evicted it picks replicas with a hit at
 least as long as a token-prefix router's pick on the same state, which
 mis-routes; round robin hits least. And the routing rule's affinity credit."""
 
-import os
 import random
-import sys
 
 import pytest
 
 from hybridkv.core.events import BlockRemoved, BlockStored
 from hybridkv.core.prefix_index import PrefixIndex
 from hybridkv.core.routing import RoutingRule
+from benchmarks import replica_routing as sim
 from kv_shadow import layer_specs, layout_for_requests
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import replica_routing as sim  # noqa: E402
 
 REPLICAS = 4
 

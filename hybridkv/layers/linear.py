@@ -7,10 +7,10 @@ swaps it for one over oneDNN's packed weights (backends/cpu/linear.py).
 
 `product_nt` is the product attention's tiles use on the CPU in every
 backend: oneDNN's matmul (torch.ops.mkldnn) where it is present and agrees
-with torch, which runs 2.1-2.3x faster than MKL's GEMM at attention's
-shapes on machines like this project's (benchmarks/cpu_linear.py and
-docs/benchmarks.md record which CPU). The results agree to float32
-rounding (the order of the sums differs).
+with torch, which ran 2.1-2.3x faster than MKL's GEMM at attention's
+shapes where it was measured (benchmarks/cpu_linear.py; its result file
+names the CPU). The results agree to float32 rounding (the order of the
+sums differs).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (ONEDNN_MIN_PRODUCT) and both operands are dense (w may be a
     transposed dense one), else torch.mm. Attention's products on the CPU go
     through here: at its shapes (a few hundred rows of 256) oneDNN runs
-    2.1-2.3x faster than MKL's GEMM on this project's machines
-    (docs/benchmarks.md). Callers
-    keep the number of distinct shapes small (the reference attention buckets them):
-    each new one costs a primitive."""
+    2.1-2.3x faster than MKL's GEMM where it was measured
+    (benchmarks/cpu_linear.py). Callers keep the number of distinct shapes
+    small (the reference attention buckets them): each new one costs a
+    primitive."""
     key = (x.device.type, x.dtype)
     onednn = _products.get(key)
     if onednn is None:

@@ -3,12 +3,12 @@
 Why: a decode step of a small model on the CPU is a few thin matrix
 products that read every weight once, so its speed is the rate at which
 the product reads weights. torch's float32 `F.linear` runs MKL's GEMM,
-which read Gemma-3 270M's 671 MB LM head at ~12 GB/s in a batch-1 step on
-the machines this project measures on; oneDNN's matmul (torch.ops.mkldnn,
-the op torch.compile's CPU backend emits) reads the same dense weight at
-~27 GB/s, and a copy reordered to its blocked layout ("packed") is faster
-still at batch 16 and 64 (benchmarks/cpu_linear.py). The results agree to
-float32 rounding.
+which read Gemma-3 270M's 671 MB LM head in a batch-1 step at under half
+the rate of oneDNN's matmul (torch.ops.mkldnn, the op torch.compile's CPU
+backend emits) on the same dense weight, and a copy reordered to oneDNN's
+blocked layout ("packed") is faster still at batch 16 and 64:
+benchmarks/cpu_linear.py measures the three, and its result file names the
+machine. The results agree to float32 rounding.
 
 Every Linear is packed and its dense copy dropped where nothing else reads
 it. A weight shared with an embedding (a tied LM head) keeps its dense copy
