@@ -282,6 +282,9 @@ def arguments(parser) -> None:
     parser.add_argument("--baseline", default=None, metavar="TREE",
                         help="another checkout of hybridkv (e.g. a git worktree of an older commit): its engine "
                              "runs beside this one, interleaved, as 'hybridkv (base)'")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="hybridkv's rows alone (no transformers row and no speedup): a GPU run short of time "
+                             "reads its rows against the weights-read bound")
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU models shrunk to a few small layers, on the CPU, decode at fixed shapes: "
                              "checks every case of a GPU run without a GPU")
@@ -330,34 +333,46 @@ def run(args) -> dict:
                 name = label if len(modes) == 1 else f"{label} ({'graphs' if graphs else 'eager'})"
                 ours_spec = dict(engine="hybridkv", model=model, workload="random", num_prompts=batch,
                                  prefix_caching=True, graphs=graphs, backend=backend, **common)
-                specs = [base_spec, ours_spec] + ([dict(ours_spec, tree=args.baseline)] if args.baseline else [])
-                runs = pairs(repeat, *specs, warm=warm)
-                if "transformers" not in row:
-                    row["transformers"] = median_run(runs[0])
-                    row.setdefault("runs", {})["transformers"] = runs[0]
+                peers = [] if args.no_transformers else [base_spec]
+                specs = peers + [ours_spec] + ([dict(ours_spec, tree=args.baseline)] if args.baseline else [])
+                runs = dict(zip(["transformers"] * len(peers) + ["ours", "base"], pairs(repeat, *specs, warm=warm)))
+                if peers and "transformers" not in row:
+                    row["transformers"] = median_run(runs["transformers"])
                     base = row["transformers"]
                     print(f"{model:<16} {batch:>5} {'transformers':<13} {base['tokens_per_s']:>9.1f} "
                           f"{base['ttft_mean']:>9.3f}s {base['ttft_p90']:>8.3f}s {base['peak_rss_mib']:>13.0f} "
                           f"{1.0:>7.2f}x")
+                row.setdefault("runs", {})
+                if peers:
+                    row["runs"]["transformers"] = runs["transformers"]
+
+                def over_transformers(label):
+                    if not peers:
+                        return None
+                    return statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
+                                             for a, b in zip(runs["transformers"], runs[label]))
+
+                def times(speedup):
+                    return f"{speedup:>7.2f}x" if speedup is not None else f"{'-':>8}"
+
                 if args.baseline:
-                    old = median_run(runs[2])
-                    speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
-                                                for a, b in zip(runs[0], runs[2]))
+                    old = median_run(runs["base"])
+                    speedup = over_transformers("base")
                     print(f"{model:<16} {batch:>5} {'hybridkv base':<13} {old['tokens_per_s']:>9.1f} "
                           f"{old['ttft_mean']:>9.3f}s {old['ttft_p90']:>8.3f}s {old['peak_rss_mib']:>13.0f} "
-                          f"{speedup:>7.2f}x")
+                          f"{times(speedup)}")
                     row["hybridkv_base"], row["speedup_base"] = old, speedup
-                    row["runs"]["hybridkv_base"] = runs[2]
+                    row["runs"]["hybridkv_base"] = runs["base"]
                     row["vs_base"] = statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
-                                                       for a, b in zip(runs[2], runs[1]))
-                ours = median_run(runs[1])
-                speedup = statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0], runs[1]))
+                                                       for a, b in zip(runs["base"], runs["ours"]))
+                ours = median_run(runs["ours"])
+                speedup = over_transformers("ours")
                 vs = f"  ({row['vs_base']:.2f}x base)" if args.baseline else ""
                 print(f"{model:<16} {batch:>5} {name:<13} {ours['tokens_per_s']:>9.1f} {ours['ttft_mean']:>9.3f}s "
-                      f"{ours['ttft_p90']:>8.3f}s {ours['peak_rss_mib']:>13.0f} {speedup:>7.2f}x{vs}")
+                      f"{ours['ttft_p90']:>8.3f}s {ours['peak_rss_mib']:>13.0f} {times(speedup)}{vs}")
                 key = label if graphs else f"{label}_eager"  # hybridkv, hybridkv_eager, flashinfer_eager
                 row[key], row["speedup" if key == "hybridkv" else f"speedup_{key}"] = ours, speedup
-                row["runs"][key] = runs[1]
+                row["runs"][key] = runs["ours"]
             if gpu:
                 row["weight_bound_tokens_per_s"] = weight_bound(model, batch, dry=args.dry_run)
                 print(f"{'':<16} {'':>5} {'weights bound':<13} {row['weight_bound_tokens_per_s']:>9.0f}"

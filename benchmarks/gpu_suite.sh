@@ -1,49 +1,56 @@
 #!/usr/bin/env bash
-# The GPU measurements and checks in one run, on a bare machine with torch
-# (CUDA), triton and transformers (nothing installed: run from the
-# repository root, hybridkv is imported from the tree). Writes its logs,
-# tables and JSON into OUTDIR:
+# The GPU measurements and checks, on a bare machine with torch (CUDA),
+# triton and transformers and no package index (run from the repository
+# root: hybridkv is imported from the tree). Writes logs, tables and JSON
+# into OUTDIR:
 #
-#   bash benchmarks/gpu_suite.sh OUTDIR             # an H100/H200: about 20 minutes (GPU_SUITE_PARTS: below)
-#   bash benchmarks/gpu_suite.sh OUTDIR --dry-run   # anywhere: every case built small, on the CPU
+#   bash benchmarks/gpu_suite.sh OUTDIR             # a GPU: the default parts fit one 9-minute device call
+#   bash benchmarks/gpu_suite.sh OUTDIR --dry-run   # anywhere: every part built small, on the CPU (in the tests),
+#                                                   # kernel_tests and oracle included
 #
-# It runs $PYTHON (default: python3), so a caller picks the interpreter that
-# has torch: PYTHON=/path/to/venv/bin/python bash benchmarks/gpu_suite.sh OUT
+# It runs $PYTHON (default: python3). The default parts, in this order, each
+# under its own time limit (they add up to 505 s):
 #
 #   env.txt             the device, driver, library versions
-#   kernel_tests.txt    tests/test_triton_kernels.py compiled on the GPU, real sizes included
-#   kernels.txt/.json   benchmarks/kernels.py: paged decode attention at 64 x 8K and 32K (bf16)
-#                       against contiguous SDPA and the gather-then-SDPA reference; prefill,
-#                       store and Mamba steps; bandwidth against the measured copy rate
+#   install.txt         the wheels benchmarks/gpu_wheels.sh fetched, carried in gpu_wheels/part*/
+#                       (a device call carries 64 MiB: FlashInfer's wheel alone is part1, so a first,
+#                       short call carries it and installs it; the next carries part2 and runs the
+#                       suite), installed into $GPU_SITE (default .gpu_site, kept between calls)
+#   prefill.txt/.json   benchmarks/kernels.py --only prefill: the paged prefill kernel at
+#                       Gemma-3-27B's heads, its tile sweep with float32 tiles and with 16-bit dots
+#                       (dot_16bit), beside FlashInfer's prefill on the same pool
 #   engine_gemma3.txt/.json, engine_jamba.txt/.json
 #                       benchmarks/engine_throughput.py: the engine on Gemma-3-1B- and
-#                       ~1B-Jamba-shaped random models in bf16 against transformers' generate,
-#                       batch 1 and 64, CUDA graphs on and off, beside the weights-read bound
-#   profile.txt/.json   benchmarks/gpu_profile.py: decode steps under torch.profiler, batch 1
-#                       and 64, graphs on and off: step, kernel and launch counts, top kernels
-#   oracle.txt          the engine against transformers on CUDA in bf16 (loose bounds),
-#                       decode steps through CUDA graphs
+#                       ~1B-Jamba-shaped random models in bf16, batch 64 and 1, CUDA graphs on,
+#                       backends triton and triton+flashinfer, beside the weights-read bound
+#   profile.txt/.json   benchmarks/gpu_profile.py: decode steps at batch 1 and 64 (graphs on) under
+#                       torch.profiler: step, kernel and launch counts, top kernels
 #
-# GPU_SUITE_PARTS picks parts (default: all; on a GPU "kernel_tests kernels
-# engine_gemma3 engine_jamba profile oracle", under --dry-run "engine" stands for the
-# two engine parts), to spread them over device calls of 10 minutes: the
-# correctness parts together, then the kernels, then one engine part each.
-# Where FlashInfer imports (benchmarks/gpu_wheels.sh), the oracle runs the
-# engine through it too and the kernels part times it beside ours.
+# More parts, named in GPU_SUITE_PARTS (the default is "install prefill engine_gemma3
+# engine_jamba profile"):
+#   kernel_tests        tests/test_triton_kernels.py compiled on the GPU, real sizes included
+#   kernels             benchmarks/kernels.py whole: decode at 64 x 8K and 32K, prefill, store, Mamba
+#   oracle              the engine against transformers on CUDA in bf16 (loose bounds), graphs included
+#   engine_full         both engine models with transformers' generate beside them and graphs off too
 #
-# Each part runs under its own time limit and the suite goes on past a
-# failing part (its log says why); the exit status is the number of parts
-# that failed.
+# A part that fails or runs out of time is logged and the suite goes on (an
+# engine part prints each row as it completes, so its log keeps what finished);
+# the exit status is the number of parts that failed.
 set -u
 OUT=${1:?usage: gpu_suite.sh OUTDIR [--dry-run]}
 DRY=${2:-}
 PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
+OUT=$(cd "$OUT" && pwd)
+GPU_SITE=${GPU_SITE:-$PWD/.gpu_site}
+export PYTHONPATH="$GPU_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
 failed=0
 
-PARTS=" ${GPU_SUITE_PARTS:-kernel_tests kernels engine engine_gemma3 engine_jamba profile oracle} "
+DEFAULT_PARTS="install prefill engine_gemma3 engine_jamba profile"
+[ "$DRY" = "--dry-run" ] && DEFAULT_PARTS="$DEFAULT_PARTS kernel_tests oracle"  # all of it, small
+PARTS=" ${GPU_SUITE_PARTS:-$DEFAULT_PARTS} "
 part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
     local name=$1 limit=$2
     shift 2
@@ -56,42 +63,68 @@ part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
     [ $rc -eq 0 ] || failed=$((failed + 1))
 }
 
+install_wheels() {  # the carried wheel folders, each installed once; says what it did
+    local found=0
+    for dir in gpu_wheels/part*; do
+        compgen -G "$dir/*.whl" >/dev/null || continue
+        found=1
+        echo "installing $dir: $(cd "$dir" && ls -- *.whl | tr '\n' ' ')"
+        "$PYTHON" -m pip install --quiet --no-index --no-deps --upgrade --target "$GPU_SITE" "$dir"/*.whl || return 1
+    done
+    [ $found -eq 1 ] || echo "no wheels carried (gpu_wheels/part*/ is empty): using what $GPU_SITE holds"
+    "$PYTHON" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+    return 0
+}
+
 {
     date -u
     nvidia-smi 2>&1 || echo "no nvidia-smi"
     "$PYTHON" -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, \
 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name()); \
 print('triton', triton.__version__, 'transformers', transformers.__version__)"
+    git log -1 --format="commit %H %cd" 2>/dev/null || echo "commit: not a git checkout"
 } >"$OUT/env.txt" 2>&1
 
+export -f install_wheels
+export PYTHON GPU_SITE
+part install 45 bash -c install_wheels
+
 if [ "$DRY" = "--dry-run" ]; then
+    # The same parts on the CPU: shrunk models, kernels under triton's interpreter.
     export TRITON_INTERPRET=1
+    part prefill 300 "$PYTHON" -m benchmarks.kernels --quick --only prefill --out "$OUT/prefill.json"
+    for model in gemma3 jamba; do
+        part engine_$model 400 "$PYTHON" -m benchmarks.engine_throughput --dry-run --models $model-1b-shape \
+            --backends auto,torch --no-transformers --only throughput --repeat 1 --out "$OUT/engine_$model.json"
+    done
+    part profile 300 "$PYTHON" -m benchmarks.gpu_profile --dry-run --steps 3 --batches 1 --out "$OUT/profile.json"
     part kernel_tests 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
         -k "store or fixed_shape or backend_is_chosen or self_test"
-    part kernels 600 "$PYTHON" -m benchmarks.kernels --quick --out "$OUT/kernels.json"
-    part engine 900 "$PYTHON" -m benchmarks.engine_throughput --dry-run --repeat 1 --graphs both --only throughput \
-        --out "$OUT/engine.json"
-    part profile 300 "$PYTHON" -m benchmarks.gpu_profile --dry-run --steps 3 --batches 1 --out "$OUT/profile.json"
     part oracle 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
         -k "batch_of_different_lengths and fixed-decode"
 else
-    # Tests in parallel where pytest-xdist is there (their Triton compiles are CPU work).
+    part prefill 90 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
+    # One untimed run per case first (Triton and FlashInfer compile into their disk caches), then one
+    # timed; 32 new tokens per prompt; transformers is left out to fit the call (engine_full has it).
+    ENGINE=("$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --graphs on
+            --backends triton,triton+flashinfer --no-transformers --only throughput --repeat 1 --warm-runs 1
+            --num-prompts 64 --new-tokens 32)
+    part engine_gemma3 170 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
+    part engine_jamba 140 "${ENGINE[@]}" --models jamba-1b-shape --out "$OUT/engine_jamba.json"
+    part profile 60 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
+        --out "$OUT/profile.json"
+    # Tests in parallel where pytest-xdist is there (their Triton compiles are CPU work); the
+    # real-size tests one at a time: each takes up to ~50 GB of the GPU.
     XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")
-    # The real-size tests one at a time: each takes up to ~50 GB of the GPU.
     part kernel_tests 300 bash -c "'$PYTHON' -m pytest -q -p no:cacheprovider $XDIST -k 'not real_size' \
         tests/test_triton_kernels.py; a=\$?; '$PYTHON' -m pytest -q -p no:cacheprovider -k real_size \
         tests/test_triton_kernels.py && exit \$a"
     part kernels 360 "$PYTHON" -m benchmarks.kernels --out "$OUT/kernels.json"
-    # One part per model (each ~5 minutes with its warm runs: a device call apiece).
-    # ENGINE_BACKENDS=auto,triton+flashinfer adds rows through FlashInfer (its JIT build takes minutes on first use).
-    for model in gemma3 jamba; do
-        part engine_$model 560 "$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 \
-            --models $model-1b-shape --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput \
-            --repeat 1 --num-prompts 64 --new-tokens 64 --out "$OUT/engine_$model.json"
-    done
-    part profile 300 "$PYTHON" -m benchmarks.gpu_profile --out "$OUT/profile.json"
     part oracle 240 "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST tests/test_engine_oracle.py --device cuda \
         --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton or flashinfer"
+    part engine_full 560 "$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 \
+        --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput --repeat 1 --num-prompts 64 \
+        --new-tokens 64 --out "$OUT/engine_full.json"
 fi
 echo "gpu_suite: $failed part(s) failed; logs in $OUT"
 exit $failed

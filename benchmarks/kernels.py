@@ -457,8 +457,12 @@ def run(args) -> dict | None:
     timer = Timer(device)
     torch.manual_seed(0)
     copy = copy_bandwidth(device, 4 << 30) if not args.quick else None
-    rows = (decode_rows(args, device, timer, peak) + prefill_rows(args, device, timer, peak)
-            + store_rows(args, device, timer, peak) + mamba_rows(args, device, timer, peak))
+    parts = {"decode": decode_rows, "prefill": prefill_rows, "store": store_rows, "mamba": mamba_rows}
+    chosen = args.only.split(",") if args.only else list(parts)
+    unknown = sorted(set(chosen) - set(parts))
+    if unknown:
+        raise SystemExit(f"kernels: unknown --only {unknown}; choose from {sorted(parts)}")
+    rows = [row for part in chosen for row in parts[part](args, device, timer, peak)]
 
     print(f"device: {name}; nominal peak {peak or '?'} GB/s; measured copy "
           f"{f'{copy:.0f}' if copy else '-'} GB/s; torch {torch.__version__}")
@@ -512,5 +516,10 @@ def run(args) -> dict | None:
     return {"device": [{"device": name, "nominal_peak_gbps": peak, "copy_gbps": copy}], "kernels": rows}
 
 
+def arguments(parser) -> None:
+    parser.add_argument("--only", default=None,
+                        help="comma-separated parts: decode, prefill, store, mamba (default: all)")
+
+
 if __name__ == "__main__":
-    harness.main(run)
+    harness.main(run, arguments)

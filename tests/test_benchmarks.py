@@ -126,14 +126,31 @@ def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), str(out), "--dry-run"],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:]
-    engine = json.loads((out / "engine.json").read_text())["tables"]
-    assert {r["model"] for r in engine["throughput"]} == {"gemma3-1b-shape", "jamba-1b-shape"}
-    assert all(r["hybridkv"]["tokens_per_s"] > 0 and r["weight_bound_tokens_per_s"] > 0 for r in engine["throughput"])
-    assert json.loads((out / "kernels.json").read_text())["tables"]["kernels"]
+    for model in ("gemma3", "jamba"):
+        rows = json.loads((out / f"engine_{model}.json").read_text())["tables"]["throughput"]
+        assert {r["model"] for r in rows} == {f"{model}-1b-shape"} and {r["batch"] for r in rows} == {1, 4}
+        for r in rows:  # the default backend's row and a named backend's, against the weights-read bound
+            assert r["hybridkv"]["tokens_per_s"] > 0 and r["torch"]["tokens_per_s"] > 0
+            assert r["weight_bound_tokens_per_s"] > 0 and "transformers" not in r
+    prefill = json.loads((out / "prefill.json").read_text())["tables"]["kernels"]
+    assert prefill and {r["kernel"] for r in prefill} == {"paged prefill attention"}
     profiled = json.loads((out / "profile.json").read_text())["tables"]["cases"]
     assert profiled and all(c["step_ms"] > 0 and c["launches"] > 0 and c["top"] for c in profiled)
-    for name in ("env", "kernel_tests", "oracle", "profile"):
+    for name in ("env", "install", "kernel_tests", "oracle", "profile"):
         assert (out / f"{name}.txt").stat().st_size > 0
+    assert "no wheels carried" in (out / "install.txt").read_text()
+
+
+def test_gpu_suite_default_parts_fit_one_device_call():
+    # A lent GPU gives ~15 device minutes and 10 a call: the default parts'
+    # limits (the install, prefill, engine and profile parts) must leave a
+    # 9-minute call room for the machine's start and env.txt.
+    script = open(os.path.join(ROOT, "benchmarks", "gpu_suite.sh")).read()
+    default = script.split('DEFAULT_PARTS="', 1)[1].split('"', 1)[0].split()
+    gpu_branch = script.split("\nelse\n", 1)[1]
+    limits = dict(re.findall(r"^\s*part (\w+) (\d+)", script.split("if [ \"$DRY\"", 1)[0] + gpu_branch, re.M))
+    assert set(default) <= set(limits), f"a default part without a GPU limit: {set(default) - set(limits)}"
+    assert sum(int(limits[p]) for p in default) <= 510
 
 
 def test_speculative_quick(tmp_path):
@@ -207,15 +224,15 @@ def test_step_times_quick(tmp_path):
 
 
 def test_ray_replicas_quick(tmp_path):
-    pytest.importorskip("ray")
-    pytest.importorskip("fastapi")
+    pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+    pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
     text, data = run("ray_replicas", tmp_path, "--models", "tiny-gemma3")
     assert {row["router"] for row in data["routers"]} == {"hybrid", "default"}
     assert all(row["hit_rate"] > 0 and row["ttft_mean_ms"] > 0 for row in data["routers"])
 
 
 def test_vllm_replay_quick(tmp_path):
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="needs vLLM (the vllm extra, in an environment of its own: docs/integrations.md)")
     text, data = run("vllm_replay", tmp_path)
     assert all(row["admissions"] > 0 for row in data["models"])
 

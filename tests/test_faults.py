@@ -30,8 +30,8 @@ import warnings
 
 import pytest
 
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
+httpx = pytest.importorskip("httpx", reason="needs the test extra: pip install -e '.[test]'")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -298,7 +298,7 @@ def session_processes(sid: int) -> list[str]:
 
 @pytest.mark.soak
 def test_a_stopped_replicas_server_leaves_no_process(tmp_path):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
     args = ["--replicas", "1", "--kv-cache-memory", "64MiB", "--log-level", "warning"]
     with served(args, tmp_path / "server.log", ready="/v1/models") as (url, process):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=120)
