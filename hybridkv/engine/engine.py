@@ -31,6 +31,7 @@ from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backends import choose as choose_backend
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
 from .kv_tiers import TieredStore, kv_identity
@@ -50,112 +51,50 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
                          f"{max_model_len} tokens (one token must remain to generate)")
 
 
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 class Engine:
-    def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", device: str = "cpu", seed: int | None = None, max_model_len: int | None = None,
-                 checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
-                 enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
-                 speculative_method: str | None = None, num_speculative_tokens: int = 4,
-                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
-                 kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
-                 tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_BACKEND), "torch", "cpu",
-        "triton", "flashinfer" or "triton+flashinfer" (layers/backends/),
-        chosen once here; how it prepared the model and how many steps ran
-        each route is in `stats["backend"]`. `enforce_eager`: no
-        CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
-        shapes (None: where CUDA graphs capture them).
-        `speculative_method="ngram"`: each decoding step also verifies up to
-        `num_speculative_tokens` draft tokens found by prompt lookup (the
-        last prompt_lookup_max..prompt_lookup_min tokens matched earlier in
-        the sequence; speculative.py): greedy outputs are unchanged, sampled
-        ones keep their distribution (a seeded request's draws then depend
-        on how many drafts each step verified, which the batch can change).
-        Tiers below the pool (kv_tiers.py): `kv_host_cache_memory` ("4GiB")
-        keeps the blocks the pool evicts in host memory; `kv_disk_cache`
-        (a directory) keeps what host memory evicts, or with no host tier
-        what the pool evicts, in files, up to `kv_disk_cache_memory` bytes,
-        and survives a restart (`close()` writes what the pool still
-        caches there too).
-        `enable_kv_events`: the manager records what its cache can serve
-        as it changes (core/events.py); `take_kv_events()` hands it over,
-        for a publisher or a router's prefix index.
-        `tensor_parallel_size`: split the model over that many processes
-        (tensor_parallel.py; this one and N - 1 workers), one manager here.
-        `seed`: the draws of requests without a seed of their own; None
-        (default): fresh entropy at each start, so a restart does not repeat
-        them; a 64-bit integer: runs that add the same requests in the same
-        order draw the same (seeding.py)."""
-        _positive("block_size", block_size)
-        _positive("max_num_seqs", max_num_seqs)
-        _positive("max_num_batched_tokens", max_num_batched_tokens)
-        _positive("tensor_parallel_size", tensor_parallel_size)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not -(1 << 63) <= seed < (1 << 63)):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {seed!r}")
-        if tensor_parallel_size > 1 and (kv_host_cache_memory is not None or kv_disk_cache is not None):
-            raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
-                             "each rank's pool would need its own")
-        if speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method must be None or 'ngram' (prompt lookup), "
-                             f"got {speculative_method!r}")
-        if speculative_method:
-            _positive("num_speculative_tokens", num_speculative_tokens)
-            _positive("prompt_lookup_min", prompt_lookup_min)
-            _positive("prompt_lookup_max", prompt_lookup_max)
-            if prompt_lookup_min > prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) is above prompt_lookup_max "
-                                 f"({prompt_lookup_max})")
-        self.speculative = (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative_method \
-            else None
-        self.device = torch.device(device)
-        model_dir = resolve_model_dir(model_dir, progress=progress)
-        self.model_dir = model_dir
-        parallel = (0, tensor_parallel_size) if tensor_parallel_size > 1 else None
-        if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // tensor_parallel_size))
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress,
-                                             tensor_parallel=parallel)
-        self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = load_tokenizer(model_dir)
-        self.vocab_size = self.config.vocab_size
-        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
-        self.max_model_len = min(max_model_len or context, context)
-        specs = specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype))
-        self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
-        self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
-                                 checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
-        self.backend = choose_backend(backend, self.device)
+    def __init__(self, model_dir: str | EngineConfig, **options):
+        """`Engine(model_dir, **options)` or `Engine(EngineConfig(...))`:
+        every option, its default and its checks are in config.py
+        (EngineConfig); a bad one is a ValueError before anything loads.
+        The parts, built in order: the model (loaded, split over
+        `tensor_parallel_size` processes when above 1), the layout and the
+        KV cache manager, the backend and the runner, the tiers below the
+        pool, the scheduler."""
+        config = EngineConfig.build(model_dir, **options)
+        self.engine_config = config
+        self.speculative = config.speculative
+        self.device = torch.device(config.device)
+        self.model_dir = resolve_model_dir(config.model, progress=config.progress)
+        self._load_model(config)
+        self.layout = plan_layout(specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype)),
+                                  self._kv_budget(config.kv_cache_memory), block_size=config.block_size)
+        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
+                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events)
+        self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
         self.parallel = None
-        if parallel:
+        if config.tensor_parallel_size > 1:
             from .tensor_parallel import TensorParallel
 
-            self.parallel = TensorParallel(tensor_parallel_size, model_dir, dict(
-                device=str(self.device), dtype=dtype, layout=self.layout, backend=self.backend.name,
-                max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, threads=torch.get_num_threads()),
-                self.device, self.config.vocab_size)
-        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
-                                  self.max_model_len, enforce_eager=enforce_eager,
-                                  fixed_shape_decode=fixed_shape_decode, parallel=self.parallel)
+            self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
+                device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
+                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                threads=torch.get_num_threads()), self.device, self.config.vocab_size)
+        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
+                                  self.max_model_len, enforce_eager=config.enforce_eager,
+                                  fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)
         if self.device.type == "cpu":
             # host_memory.py: no page faults on each step's big tensors; set
             # once loading is done and the runner has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
-        self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
+        self.tiers = self._attach_tiers(config) if config.tiers else None
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
-        self.random = engine_stream(seed)  # unseeded requests' draws (seeding.py)
-        self.eos_token_ids = self._eos_ids(model_dir)
+        self.random = engine_stream(config.seed)  # unseeded requests' draws (seeding.py)
+        self.eos_token_ids = self._eos_ids(self.model_dir)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -165,15 +104,27 @@ class Engine:
         self.num_accepted_tokens = 0  # and those the model agreed with
         self.last_step_tier_load_seconds = 0.0  # the last step's wait for tier hits
 
-    def _attach_tiers(self, host_memory, disk_dir, disk_memory) -> TieredStore | None:
-        if host_memory is None and disk_dir is None:
-            return None
-        if not self.kv.enable_prefix_caching:
-            raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
+    def _load_model(self, config: EngineConfig) -> None:
+        """The weights (this rank's slices under tensor parallelism), the
+        tokenizer, and the context they allow."""
+        world = config.tensor_parallel_size
+        parallel = (0, world) if world > 1 else None
+        if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        self.model, self.config = load_model(self.model_dir, dtype=config.dtype, device=self.device,
+                                             progress=config.progress, tensor_parallel=parallel)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.vocab_size = self.config.vocab_size
+        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(config.max_model_len or context, context)
+
+    def _attach_tiers(self, config: EngineConfig) -> TieredStore:
+        host = config.kv_host_cache_memory
         identity = kv_identity(self.model_dir, dtype_name(self.dtype), self.layout)
         tiers = TieredStore(self.runner.buffers.pool, self.layout,
-                            host_bytes=parse_memory(host_memory) if host_memory is not None else 0,
-                            disk_dir=disk_dir, disk_bytes=parse_memory(disk_memory), identity=identity)
+                            host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
+                            disk_bytes=parse_memory(config.kv_disk_cache_memory), identity=identity)
         self.kv.attach_tier(tiers)
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
