@@ -4,12 +4,16 @@ the paged hybrid KV cache.
     engine = Engine("path/to/model", kv_cache_memory="2GiB")
     outs = engine.generate(["Hello", [1, 17, 42]], SamplingParams(temperature=0, max_tokens=32))
 
-The step loop (docs/engine.md): schedule (scheduler.py) -> copy pages for
-copy-on-write, write the step's inputs and run the model (runner.py; decode
-steps at fixed shapes, captured as CUDA graphs on a GPU) -> mark the computed
-tokens in the KV cache manager (caches full blocks, releases what left a
-window) -> sample the batch (sampler.py) -> append tokens, fork n > 1
-children after the prompt, check stop conditions, free finished sequences.
+The parts (docs/engine.md): the options, validated once (config.py); the
+scheduler, which decides what runs each step and allocates its slots
+(scheduler.py); the runner, which turns the step into tensors and runs the
+model over the paged cache (runner.py; decode steps at fixed shapes,
+captured as CUDA graphs on a GPU; a tensor-parallel engine's workers run the
+same step from its plan). A step (`Engine.step`): schedule -> execute ->
+apply the outputs: mark the computed tokens in the KV cache manager (caches
+full blocks, releases what left a window), fork n > 1 children of a prompt
+just computed, sample (sampler.py), judge verified drafts (speculative.py),
+append the tokens, check stop conditions, free finished sequences.
 """
 
 from __future__ import annotations
@@ -262,7 +266,7 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.abort(seq)
                 seq.finish_reason = "abort"
-        request.forked = True
+        request.fork_pending = False
         request.metrics.finish_time = time.perf_counter()
         del self.requests[request_id]
 
@@ -271,56 +275,93 @@ class Engine:
 
     # -- the step loop -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of the requests it advanced."""
+        """Run one step: schedule it (the scheduler decides what runs and
+        allocates its slots), execute it (the runner), apply its outputs
+        (`_apply`). Returns the outputs of the requests it advanced."""
+        steps = self._schedule()
+        if not steps:
+            return []
+        logits = self.runner.execute(steps)
+        self.num_steps += 1
+        return self._apply(steps, logits)
+
+    def _schedule(self) -> list[Scheduled]:
         loading = self.tiers.load_seconds if self.tiers is not None else 0.0
         steps = self.scheduler.schedule()  # admissions load their tier hits here
         if self.tiers is not None:
             self.last_step_tier_load_seconds = self.tiers.load_seconds - loading
-        if not steps:
-            return []
         now = time.perf_counter()
         for s in steps:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
-        logits = self.runner.execute(steps)
-        self.num_steps += 1
+        return steps
+
+    def _apply(self, steps: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+        """After the forward pass: the computed tokens join the cache, a
+        prompt with n > 1 forks its children, every sequence that reached
+        the end of its tokens samples the next one, verified drafts are
+        judged, and stopped sequences finish."""
+        self._mark_computed(steps)
+        children = self._fork_completed_prompts(steps)
+        sampling, verifying = self._logits_rows(steps, children)
+        touched: dict[str, Request] = {}
+        self._sample(sampling, logits, touched)
+        if verifying:
+            self._verify_drafts(verifying, logits, touched)
+        return self._outputs(touched)
+
+    def _mark_computed(self, steps: list[Scheduled]) -> None:
+        """Decodes in one call; prefill chunks one by one. A step that
+        verifies drafts is marked once they are judged (_verify_drafts)."""
         kv = self.kv
-        decodes = [s.seq.seq_id for s in steps if s.count == 1]
-        kv.mark_computed_many(decodes, 1)
+        kv.mark_computed_many([s.seq.seq_id for s in steps if s.count == 1], 1)
         for s in steps:
-            if s.count > 1 and not s.drafts:  # a verified step is marked once its drafts are judged
+            if s.count > 1 and not s.drafts:
                 kv.mark_computed(s.seq.seq_id, s.count)
-        # Who samples from which logits row: every step that reaches the end
-        # of its tokens; a prompt with n > 1 forks its children now, and they
-        # all sample from the prompt's last row. A step with drafts has a row
-        # per token (_verify).
-        to_sample: list[tuple[Sequence, int]] = []
-        verified: list[tuple[Scheduled, int]] = []
+
+    def _fork_completed_prompts(self, steps: list[Scheduled]) -> dict[str, list[Sequence]]:
+        """A request with n > 1 whose prompt this step completed makes its
+        n - 1 children now: they share the computed prompt's blocks and
+        sample their first tokens from its last logits row. Returns the
+        children by the parent's sequence id."""
+        return {s.seq.seq_id: self._fork(s.seq) for s in steps
+                if s.completes and not s.drafts and s.seq.request.fork_pending}
+
+    @staticmethod
+    def _logits_rows(steps: list[Scheduled], children: dict[str, list[Sequence]]):
+        """Who reads which logits row (the runner returns one row per step
+        that completes its known tokens, in order, and one per token of a
+        step that verifies drafts): (sequence, row) pairs that sample one
+        token, forked children at their parent's row; (step, first row)
+        pairs whose drafts are judged."""
+        sampling: list[tuple[Sequence, int]] = []
+        verifying: list[tuple[Scheduled, int]] = []
         row = 0
         for s in steps:
             if s.drafts:
-                verified.append((s, row))
+                verifying.append((s, row))
                 row += s.count
-                continue
-            if not s.completes:
-                continue
-            request = s.seq.request
-            family = [s.seq] if request.forked else [s.seq, *self._fork(s.seq)]
-            to_sample.extend((seq, row) for seq in family)
-            row += 1
-        touched: dict[str, Request] = {}
-        if to_sample:
-            rows = [r for _, r in to_sample]
-            # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
-            chosen = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(chosen, [q.request.params for q, _ in to_sample],
-                            [q.stream for q, _ in to_sample], self.random)
-        else:
-            tokens = []
-        sampled = [(seq, token) for (seq, _), token in zip(to_sample, tokens) if token is not None]
-        kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
+            elif s.completes:
+                sampling.extend((seq, row) for seq in (s.seq, *children.get(s.seq.seq_id, ())))
+                row += 1
+        return sampling, verifying
+
+    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor,
+                touched: dict[str, Request]) -> None:
+        """Sample one token for each (sequence, row), append it, and stop
+        the sequences it ends."""
+        if not sampling:
+            return
+        rows = [r for _, r in sampling]
+        # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
+        chosen = logits if rows == list(range(logits.shape[0])) else \
+            logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(chosen, [q.request.params for q, _ in sampling], [q.stream for q, _ in sampling],
+                        self.random)
+        sampled = [(seq, token) for (seq, _), token in zip(sampling, tokens) if token is not None]
+        self.kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
         now = time.perf_counter()
-        for (seq, _), token in zip(to_sample, tokens):
+        for (seq, _), token in zip(sampling, tokens):
             request = seq.request
             touched[request.request_id] = request
             if token is None:
@@ -332,8 +373,10 @@ class Engine:
             reason = self._stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason)
-        if verified:
-            self._verify(verified, logits, touched)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The touched requests' outputs; finished ones leave the engine."""
+        now = time.perf_counter()
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -361,8 +404,8 @@ class Engine:
             seq.drafter = PromptLookup(low, high)
         return seq.drafter.propose(tokens, k)
 
-    def _verify(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
-                touched: dict[str, Request]) -> None:
+    def _verify_drafts(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
+                       touched: dict[str, Request]) -> None:
         """Judge each verified step's drafts (its logits rows from `row`),
         append what it emits up to a stop, leave the Mamba states after the
         last kept token, then mark the kept tokens computed: the manager drops
@@ -409,7 +452,7 @@ class Engine:
             self.scheduler.add_running(child)
             request.sequences.append(child)
             children.append(child)
-        request.forked = True
+        request.fork_pending = False
         return children
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
