@@ -94,6 +94,7 @@ class Engine:
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
         self.tiers = self._attach_tiers(config) if config.tiers else None
+        self.runner.tiers = self.tiers
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
@@ -278,18 +279,21 @@ class Engine:
         """Run one step: schedule it (the scheduler decides what runs and
         allocates its slots), execute it (the runner), apply its outputs
         (`_apply`). Returns the outputs of the requests it advanced."""
+        tiers = self.tiers
+        loading = tiers.load_seconds if tiers is not None else 0.0
         steps = self._schedule()
-        if not steps:
-            return []
-        logits = self.runner.execute(steps)
-        self.num_steps += 1
-        return self._apply(steps, logits)
+        if steps:
+            # The runner makes the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
+            logits = self.runner.execute(steps)
+            self.num_steps += 1
+        elif tiers is not None:
+            tiers.copy(tiers.take_copies())  # stores decided by a step that schedules nothing
+        if tiers is not None:
+            self.last_step_tier_load_seconds = tiers.load_seconds - loading
+        return self._apply(steps, logits) if steps else []
 
     def _schedule(self) -> list[Scheduled]:
-        loading = self.tiers.load_seconds if self.tiers is not None else 0.0
-        steps = self.scheduler.schedule()  # admissions load their tier hits here
-        if self.tiers is not None:
-            self.last_step_tier_load_seconds = self.tiers.load_seconds - loading
+        steps = self.scheduler.schedule()  # admissions take their tier hits here
         now = time.perf_counter()
         for s in steps:
             if s.seq.request.metrics.first_scheduled_time is None:

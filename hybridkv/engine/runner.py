@@ -106,6 +106,7 @@ class ModelRunner:
         self.prepare_report = backend.prepare(model, layout, device)
         logging.getLogger("hybridkv.backend").info("%s", self.prepare_report)
         self.routes: Counter = Counter()  # steps per route ("cpu:decoder-layers", "triton:graph", ...)
+        self.tiers = None  # the tiers below the pool (kv_tiers.TieredStore), whose copies a step makes first
         self._mamba_metadata: list = []
         self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
@@ -126,7 +127,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, steps: list[Scheduled]) -> torch.Tensor:
         """Run one step; logits [sampled rows, vocab] (float32) for the
-        steps that complete their known tokens, in order."""
+        steps that complete their known tokens, in order. First the copies
+        the scheduler decided: the tiers' stores and loads (kv_tiers.py:
+        stores read pages this step may write, loads write pages it reads),
+        then the copy-on-write pages of forks."""
+        if self.tiers is not None:
+            self.tiers.copy(self.tiers.take_copies())
         copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
         rows = [self.tables.row(s.seq.seq_id) for s in steps]
         if self.parallel is not None:  # every rank runs the step from its plan (engine/tensor_parallel.py)
