@@ -53,7 +53,7 @@ class StepPlan:
     rows: np.ndarray  # [S] each sequence's table row
     verifying: np.ndarray | None  # [S] bool, or None: no sequence verifies drafts
     sampled: np.ndarray  # token rows whose logits are sampled
-    seq_ids: list  # for keep_accepted
+    seq_ids: list  # for keep_accepted (on a tensor-parallel worker: 0..S-1)
     copies: list = field(default_factory=list)  # (source page, destination page) to copy first
     table_changes: list = field(default_factory=list)  # DeviceTables.changes() of the driver
     accepted: dict | None = None  # the previous step's kept drafts (keep_accepted), applied first
@@ -251,7 +251,9 @@ class ModelRunner:
         draft there; the manager's contract, docs/architecture.md)."""
         metas, seq_ids = self._verified
         if self.parallel is not None and self.kv is not None and metas:
-            self._accepted = accepted  # the workers apply it before the next step (StepPlan.accepted)
+            # The workers apply it before the next step (StepPlan.accepted), keyed by the
+            # sequences' places in the last plan (their seq_ids: plan_wire.py).
+            self._accepted = {i: accepted[seq_id] for i, seq_id in enumerate(seq_ids) if seq_id in accepted}
         for meta in metas:
             self.backend.recurrent.keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
         self._verified = ([], [])
