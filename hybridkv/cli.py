@@ -120,8 +120,6 @@ def _serve_replicas(args) -> int:
     replicas = 1 if args.replicas is None else args.replicas
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    if args.kv_disk_cache:
-        raise ValueError("--kv-disk-cache is one directory per engine: it cannot be shared by --replicas")
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size with --replicas is not supported yet: one process per replica")
     model = args.model or args.model_option
