@@ -30,7 +30,9 @@ def plan(layout, verifying: bool, accepted):
                     counts=np.array([4, 1], dtype=np.int64), rows=np.array([3, 1], dtype=np.int64),
                     verifying=np.array([False, True]) if verifying else None,
                     sampled=np.array([3, 4], dtype=np.int64), seq_ids=["a", "b"], copies=[(4, 7), (5, 8)],
-                    table_changes=changes, accepted=accepted)
+                    table_changes=changes, accepted=accepted,
+                    tier_log=[("put", 0, b"\x01" * 32, [4, 5]), ("fetch", 1, b"abc", "host", True),
+                              ("fetch", 0, b"k" * 9, "disk", False), ("load", 1, [6]), ("clear",)])
 
 
 @pytest.mark.parametrize("verifying, accepted", [(False, None), (True, {}), (True, {0: 2, 1: 0})])
@@ -45,7 +47,7 @@ def test_a_plan_travels_whole(layout, verifying, accepted):
     if verifying:
         assert got.verifying.tolist() == sent.verifying.tolist()
     assert got.seq_ids == [0, 1]  # a worker knows sequences by their place
-    assert got.copies == sent.copies and got.accepted == sent.accepted
+    assert got.copies == sent.copies and got.accepted == sent.accepted and got.tier_log == sent.tier_log
     assert len(got.table_changes) == 2
     for a, b in zip(got.table_changes, sent.table_changes):
         assert a[:2] == b[:2]

@@ -87,3 +87,20 @@ def test_engine_outputs_with_tiers_equal_those_without(tmp_path):
         engine.close()
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
     assert cached[1] > cached[0] and cached[2] > cached[0]
+
+
+def test_a_worker_replaying_the_drivers_tier_calls_makes_the_same_copies():
+    # Tensor parallelism: each rank's host tier replays the driver's calls on its own pool.
+    (pool_a, driver), (pool_b, worker) = store(), store()
+    driver.log = []
+    pool_a[3], pool_b[3] = 7, 8  # each rank's own bytes of the same block
+    driver.put(0, b"k", [3])
+    driver.copy(driver.take_copies())
+    worker.replay(driver.take_log())
+    worker.copy(worker.take_copies())
+    driver.load([5], driver.fetch(driver.index[0][b"k"]))
+    driver.copy(driver.take_copies())
+    worker.replay(driver.take_log())
+    worker.copy(worker.take_copies())
+    assert int(pool_a[5, 0]) == 7 and int(pool_b[5, 0]) == 8
+    assert worker.host.blocks == driver.host.blocks and worker.index == driver.index

@@ -121,9 +121,10 @@ class EngineConfig:
         _memory("kv_disk_cache_memory", self.kv_disk_cache_memory)
         if self.tiers and not self.enable_prefix_caching:
             raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
-        if self.tiers and self.tensor_parallel_size > 1:
-            raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
-                             "each rank's pool would need its own")
+        if self.kv_disk_cache is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a disk tier below the pool does not work with tensor_parallel_size > 1 yet: a "
+                             "read that fails on one rank would have to be a miss on every rank (the host tier "
+                             "works: each rank replays the driver's decisions)")
 
     def _check_speculative(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

@@ -81,10 +81,12 @@ class Engine:
         if config.tensor_parallel_size > 1:
             from .tensor_parallel import TensorParallel
 
+            host = config.kv_host_cache_memory
             self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
                 device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                threads=torch.get_num_threads()), self.device, self.config.vocab_size)
+                threads=torch.get_num_threads(), host_tier_bytes=parse_memory(host) if host is not None else 0),
+                self.device, self.config.vocab_size)
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)
@@ -131,6 +133,8 @@ class Engine:
                             host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
                             disk_bytes=parse_memory(config.kv_disk_cache_memory), identity=identity)
         self.kv.attach_tier(tiers)
+        if self.parallel is not None:
+            tiers.log = []  # the workers' host tiers replay its calls (kv_tiers.py)
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)

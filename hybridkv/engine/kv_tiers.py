@@ -407,6 +407,10 @@ class TieredStore:
         self.load_seconds = 0.0  # reading hits back and copying them into the pool
         self.copies: list[TierCopy] = []  # decided, not yet made (take_copies)
         self.storing: dict[tuple, TierCopy] = {}  # (group, key) -> its store not yet made
+        # Tensor parallelism: the manager's calls, in order, for the workers' stores to replay
+        # (replay: each rank's host tier then holds the same blocks in the same slab pages).
+        self.log: list | None = None
+        self._logged: dict[int, int] = {}  # id(fetched content) -> its fetch's place in the log
         if self.disk is not None:
             for group, key in self.disk.files:
                 if group < len(self.index):
@@ -416,6 +420,8 @@ class TieredStore:
     def put(self, group: int, key: bytes, pages) -> None:
         """Decide to keep the block in `pages` (the worker copies it out
         before the step writes them): the index holds it from now on."""
+        if self.log is not None:
+            self.log.append(("put", group, key, list(pages)))
         store = TierCopy((group, key), list(pages))
         self.copies.append(store)
         self.storing[(group, key)] = store
@@ -463,9 +469,13 @@ class TieredStore:
     def fetch(self, ref: TierRef):
         started = time.perf_counter()
         try:
-            return self._fetch(ref)
+            content = self._fetch(ref)
         finally:
             self.load_seconds += time.perf_counter() - started
+        if self.log is not None:
+            self._logged[id(content)] = len(self.log)
+            self.log.append(("fetch", ref.group, ref.key, ref.tier, content is not None))
+        return content
 
     def _fetch(self, ref: TierRef):
         item = (ref.group, ref.key)
@@ -485,7 +495,33 @@ class TieredStore:
     def load(self, pages, content) -> None:
         """Decide to write a fetched block into fresh pool pages (the worker
         does, before the step reads them)."""
+        if self.log is not None:
+            self.log.append(("load", self._logged[id(content)], list(pages)))
         self.copies.append(TierCopy(None, list(pages), content))
+
+    def take_log(self) -> list:
+        """The calls logged since the last take (tensor parallelism: they go
+        with the step's plan)."""
+        log, self.log = self.log, []
+        self._logged.clear()
+        return log
+
+    def replay(self, log: list) -> None:
+        """A tensor-parallel worker's store: make the driver's calls, in
+        order, on this rank's pool and host tier (then `copy`)."""
+        fetched = {}
+        for at, entry in enumerate(log):
+            kind = entry[0]
+            if kind == "put":
+                self.put(*entry[1:])
+            elif kind == "fetch":
+                fetched[at] = self.fetch(TierRef(*entry[1:4]))
+                if fetched[at] is None and entry[4]:
+                    raise RuntimeError(f"the tiers of the ranks differ: this rank lacks block {entry[1:3]}")
+            elif kind == "load":
+                self.load(entry[2], fetched[entry[1]])
+            else:
+                self.clear()
 
     # -- the worker's side -------------------------------------------------------
     def take_copies(self) -> list[TierCopy]:
@@ -514,6 +550,8 @@ class TieredStore:
             self.load_seconds += time.perf_counter() - started
 
     def clear(self) -> None:
+        if self.log is not None:
+            self.log.append(("clear",))
         for store in self.storing.values():  # decided before: not kept now
             store.keep = False
         self.storing.clear()

@@ -57,6 +57,7 @@ class StepPlan:
     copies: list = field(default_factory=list)  # (source page, destination page) to copy first
     table_changes: list = field(default_factory=list)  # DeviceTables.changes() of the driver
     accepted: dict | None = None  # the previous step's kept drafts (keep_accepted), applied first
+    tier_log: list = field(default_factory=list)  # the driver's tier calls, replayed by a worker's tiers
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -139,6 +140,8 @@ class ModelRunner:
             plan = self._plan(steps, rows)
             plan.copies, plan.table_changes = copies, self.tables.changes()
             plan.accepted, self._accepted = self._accepted, None
+            if self.tiers is not None:
+                plan.tier_log = self.tiers.take_log()
             self.tables.flush()
             self.parallel.send_plan(plan)
             return self.parallel.gather_logits(self.run_plan(plan))
@@ -227,6 +230,9 @@ class ModelRunner:
         of a tensor-parallel engine (which then gathers the logits)."""
         if plan.accepted is not None:  # a worker: the driver kept these drafts after the last step
             self.keep_accepted(plan.accepted)
+        if plan.tier_log and self.kv is None:  # a worker: its tiers make the driver's decisions, then copies
+            self.tiers.replay(plan.tier_log)
+            self.tiers.copy(self.tiers.take_copies())
         if plan.copies:
             self.buffers.copy_pages(plan.copies)
         if plan.table_changes:

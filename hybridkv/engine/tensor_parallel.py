@@ -210,6 +210,10 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         layout = options["layout"]
         runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
                              options["max_num_seqs"], options["max_model_len"], parallel=Follower())
+        if options["host_tier_bytes"]:  # this rank's host tier: the driver's decisions, its own bytes
+            from .kv_tiers import TieredStore
+
+            runner.tiers = TieredStore(runner.buffers.pool, layout, host_bytes=options["host_tier_bytes"])
         wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
         with torch.inference_mode():
             while True:
