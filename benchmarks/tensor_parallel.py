@@ -2,7 +2,8 @@
 the same decode workload with tensor_parallel_size 1 and 2, side by side,
 and per step what crosses between the ranks: the all-reduces (two per
 layer) and their bytes, the step's plan broadcast from the driver (one
-pickled object: two broadcasts), the logits gathered (one gather).
+int64 tensor, engine/plan_wire.py) and the driver's time encoding and
+sending it, the logits gathered (one gather).
 
 On this 2-core CPU the two ranks share the cores (one thread each against
 two for one process) and the collectives go through gloo over loopback, so
@@ -47,6 +48,7 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
         steps0 = engine.num_steps
         reduced0 = dict(tensor_split.REDUCED)
         sent0 = engine.parallel.bytes_sent if engine.parallel else 0
+        plan0 = engine.parallel.plan_seconds if engine.parallel else 0.0
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outs = engine.step()
@@ -62,6 +64,7 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
             row["all_reduces_per_step"] = (tensor_split.REDUCED["calls"] - reduced0["calls"]) / steps
             row["all_reduce_bytes_per_step"] = (tensor_split.REDUCED["bytes"] - reduced0["bytes"]) / steps
             row["plan_bytes_per_step"] = (engine.parallel.bytes_sent - sent0) / steps
+            row["plan_us_per_step"] = 1e6 * (engine.parallel.plan_seconds - plan0) / steps
         return row
     finally:
         engine.close()
@@ -81,7 +84,7 @@ def run(args) -> dict:
     rows = []
     print(f"{name}, decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy")
     print(f"{'batch':>5} {'ranks':>5} {'ms/step':>8} {'tok/s':>8} {'all-reduces/step':>17} {'reduced KiB/step':>17} "
-          f"{'plan B/step':>12} {'same tokens':>12}")
+          f"{'plan B/step':>12} {'plan us/step':>13} {'same tokens':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
         pair = [measure(path, tp, batch, args.new_tokens, args.prompt_len) for tp in (1, 2)]
         same = pair[0]["first_ids"] == pair[1]["first_ids"]
@@ -90,7 +93,8 @@ def run(args) -> dict:
             row["model"] = name
             rows.append(row)
             extra = (f"{row['all_reduces_per_step']:>17.1f} {row['all_reduce_bytes_per_step'] / 1024:>17.1f} "
-                     f"{row['plan_bytes_per_step']:>12.0f}") if row["tp"] > 1 else f"{'-':>17} {'-':>17} {'-':>12}"
+                     f"{row['plan_bytes_per_step']:>12.0f} {row['plan_us_per_step']:>13.0f}") if row["tp"] > 1 \
+                else f"{'-':>17} {'-':>17} {'-':>12} {'-':>13}"
             print(f"{batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} {row['tokens_per_s']:>8.1f} {extra} "
                   f"{str(same):>12}")
     return {"steps": rows}

@@ -1,7 +1,7 @@
 """hybridkv: paged KV cache for hybrid LLMs, and an engine that serves them.
 
 `import hybridkv` stays light: the core names load eagerly (no torch), the
-engine names (Engine, SamplingParams) load on first use.
+engine names (Engine, EngineConfig, SamplingParams) load on first use.
 """
 
 from .core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheLayout, KVCacheManager, MambaSpec,
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("hybridkv.engine.engine", "Engine"),
+    "EngineConfig": ("hybridkv.engine.config", "EngineConfig"),
     "SamplingParams": ("hybridkv.engine.sampling_params", "SamplingParams"),
     "RequestOutput": ("hybridkv.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("hybridkv.engine.outputs", "CompletionOutput"),
@@ -28,5 +29,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")
 
 
-__all__ = ["ChunkedLocalSpec", "Engine", "FullAttentionSpec", "KVCacheLayout", "KVCacheManager",
+__all__ = ["ChunkedLocalSpec", "Engine", "EngineConfig", "FullAttentionSpec", "KVCacheLayout", "KVCacheManager",
            "MambaSpec", "RecurrentSpec", "SamplingParams", "SlidingWindowSpec", "plan_layout"]

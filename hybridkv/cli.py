@@ -48,6 +48,7 @@ def _serve(args) -> int:
             raise ValueError("--kv-events publishes one engine's events; with --replicas the router reads "
                              "them through Ray (docs/server.md)")
         return _serve_replicas(args)
+    engine_options = _engine_options(args)
     try:
         from .server import serve
     except ImportError as e:
@@ -62,7 +63,7 @@ def _serve(args) -> int:
     serve(args.model or args.model_option, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           kv_events=args.kv_events, kv_events_replay=replay, kv_events_topic=args.kv_events_topic,
-          **_limits(args), **_engine_options(args))
+          **_limits(args), **engine_options)
     return 0
 
 
@@ -91,17 +92,25 @@ def _limits(args) -> dict:
 
 
 def _engine_options(args) -> dict:
-    return dict(backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-                speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-                kv_host_cache_memory=args.kv_host_cache_memory, kv_disk_cache=args.kv_disk_cache,
-                kv_disk_cache_memory=args.kv_disk_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed)
+    """The engine options the command line gives, checked here (EngineConfig)
+    before a server or a Ray cluster starts: `Engine(model, **options)`."""
+    from .engine.config import EngineConfig
+
+    options = dict(
+        backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
+        device=args.device, speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, kv_host_cache_memory=args.kv_host_cache_memory,
+        kv_disk_cache=args.kv_disk_cache, kv_disk_cache_memory=args.kv_disk_cache_memory,
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    EngineConfig(args.model or args.model_option or "tiny-gemma3", **options)  # the servers' default model
+    return options
 
 
 def _serve_replicas(args) -> int:
     """`--replicas N`: N engines on Ray Serve (hybridkv/serving/ray.py)."""
+    engine_options = _engine_options(args)
     try:
         from .serving.ray import serve_replicas
     except ImportError as e:
@@ -111,8 +120,6 @@ def _serve_replicas(args) -> int:
     replicas = 1 if args.replicas is None else args.replicas
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    if args.kv_disk_cache:
-        raise ValueError("--kv-disk-cache is one directory per engine: it cannot be shared by --replicas")
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size with --replicas is not supported yet: one process per replica")
     model = args.model or args.model_option
@@ -124,7 +131,7 @@ def _serve_replicas(args) -> int:
         name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
                    host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-                   engine_options=_engine_options(args), **_limits(args))
+                   engine_options=engine_options, **_limits(args))
     return 0
 
 

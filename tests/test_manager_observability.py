@@ -218,3 +218,24 @@ def test_one_group_gets_the_unitary_coordinator_and_hybrids_the_hybrid_one():
     assert type(manager({"f": FULL}).coordinator) is UnitaryCoordinator
     assert type(manager({"f": FULL, "w": window(8)}).coordinator) is HybridCoordinator
     assert type(manager({"f": FULL, "m": MAMBA}).coordinator) is HybridCoordinator
+
+
+# -- what the pool caches, per group ------------------------------------------
+
+def test_cached_keys_and_pages_list_what_each_group_can_serve():
+    kv = manager({"w": window(32), "f": FULL, "m": MAMBA})
+    run(kv, "a", list(range(64)), chunk=64)
+    kinds = [g.kind for g in kv.layout.groups]
+    for g in range(len(kinds)):
+        keys = kv.cached_keys(g)
+        pages = kv.cached_pages(g)
+        assert sorted(keys) == sorted(key for key, _ in pages)
+        assert all(len(p) == kv.layout.groups[g].pages_per_block and 0 not in p for _, p in pages)
+    full = kinds.index("full")
+    assert len(kv.cached_keys(full)) == 4  # every block of the prompt
+    assert kv.cached_keys(kinds.index("mamba"))  # a checkpoint state at the end of the prompt
+    assert sum(len(kv.cached_keys(g)) for g in range(len(kinds))) == kv.stats.cached_blocks
+    kv.reset_prefix_cache()
+    assert kv.cached_keys(full) == []
+    with pytest.raises(ValueError, match="group must be an index"):
+        kv.cached_keys(len(kinds))

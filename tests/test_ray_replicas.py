@@ -343,3 +343,26 @@ def _retried(client) -> float:
     text = client.get("/tiny-gemma3/metrics").text
     line = next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total"))
     return float(line.split()[-1])
+
+
+def test_replicas_with_host_and_disk_tiers_equal_one_plain_engine(cluster, plain, tmp_path):
+    # Both replicas keep evicted blocks in host memory and share one disk
+    # directory; the pool holds about two of these prompts, so revisits hit
+    # the tiers. Outputs equal the plain engine's.
+    options = dict(OPTIONS["tiny-gemma3"], kv_host_cache_memory="1MiB", kv_disk_cache=str(tmp_path))
+    app = build_application(tiny_model_dir("tiny-gemma3"), model_name="tiny-gemma3", num_replicas=2,
+                            engine_options=options, stats_period_s=STATS_PERIOD_S, snapshot_every=5)
+    serve.run(app, name="tiers", route_prefix="/tiers", blocking=False)
+    _wait_running("tiers")
+    try:
+        engine = plain("tiny-gemma3")
+        rng = random.Random(9)
+        docs = [tokens(rng, 90) for _ in range(4)]
+        cached = 0
+        for prompt in docs + [d + [7, 8] for d in docs]:
+            _, text, hit = complete(cluster, "tiers", prompt, max_tokens=6)
+            assert text == greedy(engine, prompt, 6)
+            cached += hit
+        assert cached > 0
+    finally:
+        serve.delete("tiers")

@@ -598,6 +598,26 @@ class KVCacheManager:
             self.coordinator.checkpoints.clear()
         return dropped
 
+    def cached_keys(self, group: int) -> list:
+        """The keys of the blocks group `group` can serve from the pool now
+        (a copy, in no set order): what a snapshot of the KV events, or a
+        tier writing the pool out, needs. O(cached blocks of the group)."""
+        self._check_group(group)
+        return list(self.block_cache.cached[group])
+
+    def cached_pages(self, group: int) -> list[tuple]:
+        """(key, pages) of every block group `group` caches in the pool: the
+        pages hold its content now (a copy of the list; valid until the
+        next allocation may reuse them). O(cached blocks of the group)."""
+        self._check_group(group)
+        width = self.coordinator.managers[group].width
+        cache = self.block_cache
+        return [(key, cache.pages(block, width)) for key, block in cache.cached[group].items()]
+
+    def _check_group(self, group: int) -> None:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.layout.groups):
+            raise ValueError(f"group must be an index in [0, {len(self.layout.groups)}), got {group!r}")
+
     def pages_in_use_by_group(self) -> list[int]:
         """Pages the live requests hold, per group (shared blocks counted
         once). O(blocks held): for reports, not for the step loop."""

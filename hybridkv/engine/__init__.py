@@ -1,7 +1,8 @@
 """The engine: requests, scheduler, runner, sampler and Engine (torch)."""
 
+from .config import EngineConfig
 from .engine import Engine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams"]

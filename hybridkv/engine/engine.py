@@ -4,12 +4,16 @@ the paged hybrid KV cache.
     engine = Engine("path/to/model", kv_cache_memory="2GiB")
     outs = engine.generate(["Hello", [1, 17, 42]], SamplingParams(temperature=0, max_tokens=32))
 
-The step loop (docs/engine.md): schedule (scheduler.py) -> copy pages for
-copy-on-write, write the step's inputs and run the model (runner.py; decode
-steps at fixed shapes, captured as CUDA graphs on a GPU) -> mark the computed
-tokens in the KV cache manager (caches full blocks, releases what left a
-window) -> sample the batch (sampler.py) -> append tokens, fork n > 1
-children after the prompt, check stop conditions, free finished sequences.
+The parts (docs/engine.md): the options, validated once (config.py); the
+scheduler, which decides what runs each step and allocates its slots
+(scheduler.py); the runner, which turns the step into tensors and runs the
+model over the paged cache (runner.py; decode steps at fixed shapes,
+captured as CUDA graphs on a GPU; a tensor-parallel engine's workers run the
+same step from its plan). A step (`Engine.step`): schedule -> execute ->
+apply the outputs: mark the computed tokens in the KV cache manager (caches
+full blocks, releases what left a window), fork n > 1 children of a prompt
+just computed, sample (sampler.py), judge verified drafts (speculative.py),
+append the tokens, check stop conditions, free finished sequences.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backends import choose as choose_backend
 from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
 from .kv_tiers import TieredStore, kv_identity
@@ -50,112 +55,53 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
                          f"{max_model_len} tokens (one token must remain to generate)")
 
 
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 class Engine:
-    def __init__(self, model_dir: str, *, kv_cache_memory: int | str = "2GiB", block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", device: str = "cpu", seed: int | None = None, max_model_len: int | None = None,
-                 checkpoint_policy: str = "hybridkv", progress: bool = True, backend: str | None = None,
-                 enforce_eager: bool = False, fixed_shape_decode: bool | None = None,
-                 speculative_method: str | None = None, num_speculative_tokens: int = 4,
-                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 kv_host_cache_memory: int | str | None = None, kv_disk_cache: str | None = None,
-                 kv_disk_cache_memory: int | str = "16GiB", enable_kv_events: bool = False,
-                 tensor_parallel_size: int = 1):
-        """`backend`: "auto" (default, or $HYBRIDKV_BACKEND), "torch", "cpu",
-        "triton", "flashinfer" or "triton+flashinfer" (layers/backends/),
-        chosen once here; how it prepared the model and how many steps ran
-        each route is in `stats["backend"]`. `enforce_eager`: no
-        CUDA graphs. `fixed_shape_decode`: run decode steps at bucketed fixed
-        shapes (None: where CUDA graphs capture them).
-        `speculative_method="ngram"`: each decoding step also verifies up to
-        `num_speculative_tokens` draft tokens found by prompt lookup (the
-        last prompt_lookup_max..prompt_lookup_min tokens matched earlier in
-        the sequence; speculative.py): greedy outputs are unchanged, sampled
-        ones keep their distribution (a seeded request's draws then depend
-        on how many drafts each step verified, which the batch can change).
-        Tiers below the pool (kv_tiers.py): `kv_host_cache_memory` ("4GiB")
-        keeps the blocks the pool evicts in host memory; `kv_disk_cache`
-        (a directory) keeps what host memory evicts, or with no host tier
-        what the pool evicts, in files, up to `kv_disk_cache_memory` bytes,
-        and survives a restart (`close()` writes what the pool still
-        caches there too).
-        `enable_kv_events`: the manager records what its cache can serve
-        as it changes (core/events.py); `take_kv_events()` hands it over,
-        for a publisher or a router's prefix index.
-        `tensor_parallel_size`: split the model over that many processes
-        (tensor_parallel.py; this one and N - 1 workers), one manager here.
-        `seed`: the draws of requests without a seed of their own; None
-        (default): fresh entropy at each start, so a restart does not repeat
-        them; a 64-bit integer: runs that add the same requests in the same
-        order draw the same (seeding.py)."""
-        _positive("block_size", block_size)
-        _positive("max_num_seqs", max_num_seqs)
-        _positive("max_num_batched_tokens", max_num_batched_tokens)
-        _positive("tensor_parallel_size", tensor_parallel_size)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not -(1 << 63) <= seed < (1 << 63)):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {seed!r}")
-        if tensor_parallel_size > 1 and (kv_host_cache_memory is not None or kv_disk_cache is not None):
-            raise ValueError("tiers below the pool do not work with tensor_parallel_size > 1 yet: "
-                             "each rank's pool would need its own")
-        if speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method must be None or 'ngram' (prompt lookup), "
-                             f"got {speculative_method!r}")
-        if speculative_method:
-            _positive("num_speculative_tokens", num_speculative_tokens)
-            _positive("prompt_lookup_min", prompt_lookup_min)
-            _positive("prompt_lookup_max", prompt_lookup_max)
-            if prompt_lookup_min > prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) is above prompt_lookup_max "
-                                 f"({prompt_lookup_max})")
-        self.speculative = (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative_method \
-            else None
-        self.device = torch.device(device)
-        model_dir = resolve_model_dir(model_dir, progress=progress)
-        self.model_dir = model_dir
-        parallel = (0, tensor_parallel_size) if tensor_parallel_size > 1 else None
-        if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // tensor_parallel_size))
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=self.device, progress=progress,
-                                             tensor_parallel=parallel)
-        self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = load_tokenizer(model_dir)
-        self.vocab_size = self.config.vocab_size
-        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
-        self.max_model_len = min(max_model_len or context, context)
-        specs = specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype))
-        self.layout = plan_layout(specs, self._kv_budget(kv_cache_memory), block_size=block_size)
-        self.kv = KVCacheManager(self.layout, enable_prefix_caching=enable_prefix_caching,
-                                 checkpoint_policy=checkpoint_policy, enable_kv_events=enable_kv_events)
-        self.backend = choose_backend(backend, self.device)
+    def __init__(self, model_dir: str | EngineConfig, **options):
+        """`Engine(model_dir, **options)` or `Engine(EngineConfig(...))`:
+        every option, its default and its checks are in config.py
+        (EngineConfig); a bad one is a ValueError before anything loads.
+        The parts, built in order: the model (loaded, split over
+        `tensor_parallel_size` processes when above 1), the layout and the
+        KV cache manager, the backend and the runner, the tiers below the
+        pool, the scheduler."""
+        config = EngineConfig.build(model_dir, **options)
+        self.engine_config = config
+        self.speculative = config.speculative
+        self.device = torch.device(config.device)
+        self.model_dir = resolve_model_dir(config.model, progress=config.progress)
+        self._load_model(config)
+        self.layout = plan_layout(specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype)),
+                                  self._kv_budget(config.kv_cache_memory), block_size=config.block_size)
+        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
+                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events)
+        self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
         self.parallel = None
-        if parallel:
+        if config.tensor_parallel_size > 1:
             from .tensor_parallel import TensorParallel
 
-            self.parallel = TensorParallel(tensor_parallel_size, model_dir, dict(
-                device=str(self.device), dtype=dtype, layout=self.layout, backend=self.backend.name,
-                max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, threads=torch.get_num_threads()),
+            host = config.kv_host_cache_memory
+            self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
+                device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
+                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                threads=torch.get_num_threads(), host_tier_bytes=parse_memory(host) if host is not None else 0),
                 self.device, self.config.vocab_size)
-        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, max_num_seqs,
-                                  self.max_model_len, enforce_eager=enforce_eager,
-                                  fixed_shape_decode=fixed_shape_decode, parallel=self.parallel)
+        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
+                                  self.max_model_len, enforce_eager=config.enforce_eager,
+                                  fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)
         if self.device.type == "cpu":
             # host_memory.py: no page faults on each step's big tensors; set
             # once loading is done and the runner has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
-        self.tiers = self._attach_tiers(kv_host_cache_memory, kv_disk_cache, kv_disk_cache_memory)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, on_release=self.runner.release,
+        self.tiers = self._attach_tiers(config) if config.tiers else None
+        self.runner.tiers = self.tiers
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   on_release=self.runner.release,
                                    propose=self._drafts if self.speculative else None)
-        self.random = engine_stream(seed)  # unseeded requests' draws (seeding.py)
-        self.eos_token_ids = self._eos_ids(model_dir)
+        self.random = engine_stream(config.seed)  # unseeded requests' draws (seeding.py)
+        self.eos_token_ids = self._eos_ids(self.model_dir)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -165,16 +111,30 @@ class Engine:
         self.num_accepted_tokens = 0  # and those the model agreed with
         self.last_step_tier_load_seconds = 0.0  # the last step's wait for tier hits
 
-    def _attach_tiers(self, host_memory, disk_dir, disk_memory) -> TieredStore | None:
-        if host_memory is None and disk_dir is None:
-            return None
-        if not self.kv.enable_prefix_caching:
-            raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
+    def _load_model(self, config: EngineConfig) -> None:
+        """The weights (this rank's slices under tensor parallelism), the
+        tokenizer, and the context they allow."""
+        world = config.tensor_parallel_size
+        parallel = (0, world) if world > 1 else None
+        if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        self.model, self.config = load_model(self.model_dir, dtype=config.dtype, device=self.device,
+                                             progress=config.progress, tensor_parallel=parallel)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.vocab_size = self.config.vocab_size
+        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(config.max_model_len or context, context)
+
+    def _attach_tiers(self, config: EngineConfig) -> TieredStore:
+        host = config.kv_host_cache_memory
         identity = kv_identity(self.model_dir, dtype_name(self.dtype), self.layout)
         tiers = TieredStore(self.runner.buffers.pool, self.layout,
-                            host_bytes=parse_memory(host_memory) if host_memory is not None else 0,
-                            disk_dir=disk_dir, disk_bytes=parse_memory(disk_memory), identity=identity)
+                            host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
+                            disk_bytes=parse_memory(config.kv_disk_cache_memory), identity=identity)
         self.kv.attach_tier(tiers)
+        if self.parallel is not None:
+            tiers.log = []  # the workers' host tiers replay its calls (kv_tiers.py)
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)
@@ -311,7 +271,7 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.abort(seq)
                 seq.finish_reason = "abort"
-        request.forked = True
+        request.fork_pending = False
         request.metrics.finish_time = time.perf_counter()
         del self.requests[request_id]
 
@@ -320,56 +280,96 @@ class Engine:
 
     # -- the step loop -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of the requests it advanced."""
-        loading = self.tiers.load_seconds if self.tiers is not None else 0.0
-        steps = self.scheduler.schedule()  # admissions load their tier hits here
-        if self.tiers is not None:
-            self.last_step_tier_load_seconds = self.tiers.load_seconds - loading
-        if not steps:
-            return []
+        """Run one step: schedule it (the scheduler decides what runs and
+        allocates its slots), execute it (the runner), apply its outputs
+        (`_apply`). Returns the outputs of the requests it advanced."""
+        tiers = self.tiers
+        loading = tiers.load_seconds if tiers is not None else 0.0
+        steps = self._schedule()
+        if steps:
+            # The runner makes the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
+            logits = self.runner.execute(steps)
+            self.num_steps += 1
+        elif tiers is not None:
+            tiers.copy(tiers.take_copies())  # stores decided by a step that schedules nothing
+        if tiers is not None:
+            self.last_step_tier_load_seconds = tiers.load_seconds - loading
+        return self._apply(steps, logits) if steps else []
+
+    def _schedule(self) -> list[Scheduled]:
+        steps = self.scheduler.schedule()  # admissions take their tier hits here
         now = time.perf_counter()
         for s in steps:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
-        logits = self.runner.execute(steps)
-        self.num_steps += 1
+        return steps
+
+    def _apply(self, steps: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+        """After the forward pass: the computed tokens join the cache, a
+        prompt with n > 1 forks its children, every sequence that reached
+        the end of its tokens samples the next one, verified drafts are
+        judged, and stopped sequences finish."""
+        self._mark_computed(steps)
+        children = self._fork_completed_prompts(steps)
+        sampling, verifying = self._logits_rows(steps, children)
+        touched: dict[str, Request] = {}
+        self._sample(sampling, logits, touched)
+        if verifying:
+            self._verify_drafts(verifying, logits, touched)
+        return self._outputs(touched)
+
+    def _mark_computed(self, steps: list[Scheduled]) -> None:
+        """Decodes in one call; prefill chunks one by one. A step that
+        verifies drafts is marked once they are judged (_verify_drafts)."""
         kv = self.kv
-        decodes = [s.seq.seq_id for s in steps if s.count == 1]
-        kv.mark_computed_many(decodes, 1)
+        kv.mark_computed_many([s.seq.seq_id for s in steps if s.count == 1], 1)
         for s in steps:
-            if s.count > 1 and not s.drafts:  # a verified step is marked once its drafts are judged
+            if s.count > 1 and not s.drafts:
                 kv.mark_computed(s.seq.seq_id, s.count)
-        # Who samples from which logits row: every step that reaches the end
-        # of its tokens; a prompt with n > 1 forks its children now, and they
-        # all sample from the prompt's last row. A step with drafts has a row
-        # per token (_verify).
-        to_sample: list[tuple[Sequence, int]] = []
-        verified: list[tuple[Scheduled, int]] = []
+
+    def _fork_completed_prompts(self, steps: list[Scheduled]) -> dict[str, list[Sequence]]:
+        """A request with n > 1 whose prompt this step completed makes its
+        n - 1 children now: they share the computed prompt's blocks and
+        sample their first tokens from its last logits row. Returns the
+        children by the parent's sequence id."""
+        return {s.seq.seq_id: self._fork(s.seq) for s in steps
+                if s.completes and not s.drafts and s.seq.request.fork_pending}
+
+    @staticmethod
+    def _logits_rows(steps: list[Scheduled], children: dict[str, list[Sequence]]):
+        """Who reads which logits row (the runner returns one row per step
+        that completes its known tokens, in order, and one per token of a
+        step that verifies drafts): (sequence, row) pairs that sample one
+        token, forked children at their parent's row; (step, first row)
+        pairs whose drafts are judged."""
+        sampling: list[tuple[Sequence, int]] = []
+        verifying: list[tuple[Scheduled, int]] = []
         row = 0
         for s in steps:
             if s.drafts:
-                verified.append((s, row))
+                verifying.append((s, row))
                 row += s.count
-                continue
-            if not s.completes:
-                continue
-            request = s.seq.request
-            family = [s.seq] if request.forked else [s.seq, *self._fork(s.seq)]
-            to_sample.extend((seq, row) for seq in family)
-            row += 1
-        touched: dict[str, Request] = {}
-        if to_sample:
-            rows = [r for _, r in to_sample]
-            # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
-            chosen = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(chosen, [q.request.params for q, _ in to_sample],
-                            [q.stream for q, _ in to_sample], self.random)
-        else:
-            tokens = []
-        sampled = [(seq, token) for (seq, _), token in zip(to_sample, tokens) if token is not None]
-        kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
+            elif s.completes:
+                sampling.extend((seq, row) for seq in (s.seq, *children.get(s.seq.seq_id, ())))
+                row += 1
+        return sampling, verifying
+
+    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor,
+                touched: dict[str, Request]) -> None:
+        """Sample one token for each (sequence, row), append it, and stop
+        the sequences it ends."""
+        if not sampling:
+            return
+        rows = [r for _, r in sampling]
+        # Usually every logits row samples once, in order: no copy of a [rows, vocab] tensor then.
+        chosen = logits if rows == list(range(logits.shape[0])) else \
+            logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(chosen, [q.request.params for q, _ in sampling], [q.stream for q, _ in sampling],
+                        self.random)
+        sampled = [(seq, token) for (seq, _), token in zip(sampling, tokens) if token is not None]
+        self.kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
         now = time.perf_counter()
-        for (seq, _), token in zip(to_sample, tokens):
+        for (seq, _), token in zip(sampling, tokens):
             request = seq.request
             touched[request.request_id] = request
             if token is None:
@@ -381,8 +381,10 @@ class Engine:
             reason = self._stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason)
-        if verified:
-            self._verify(verified, logits, touched)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The touched requests' outputs; finished ones leave the engine."""
+        now = time.perf_counter()
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -410,8 +412,8 @@ class Engine:
             seq.drafter = PromptLookup(low, high)
         return seq.drafter.propose(tokens, k)
 
-    def _verify(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
-                touched: dict[str, Request]) -> None:
+    def _verify_drafts(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
+                       touched: dict[str, Request]) -> None:
         """Judge each verified step's drafts (its logits rows from `row`),
         append what it emits up to a stop, leave the Mamba states after the
         last kept token, then mark the kept tokens computed: the manager drops
@@ -458,7 +460,7 @@ class Engine:
             self.scheduler.add_running(child)
             request.sequences.append(child)
             children.append(child)
-        request.forked = True
+        request.fork_pending = False
         return children
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -4,9 +4,18 @@ what the manager asks of them and the rules they follow).
 A block the pool reuses is copied out (`put`) into host memory; what host
 memory pushes out goes to disk; with no host tier, straight to disk. A hit
 reads the content back (`fetch`) and the manager loads it into fresh pool
-pages (`load`). Copies are synchronous, at the moment the manager evicts or
-takes a hit: the pages are not written again before the next forward pass,
-so no ordering between stores, loads and steps is needed.
+pages (`load`).
+
+Decisions and copies are apart. The manager decides, inside the
+scheduler: `put` and `load` only record what to copy (`TierCopy`), in the
+order decided; `fetch` reads a disk or host hit's content then, so a block
+the tier lost (a missing, short or corrupt file) is a miss the manager
+recomputes. The worker copies: `take_copies()` hands the step's list over
+with its plan and `copy(copies)` carries it out, in order, before the
+forward pass (runner.py): each block the pool is about to reuse is read
+out before any page is written, each hit is written into its fresh pages
+before the step reads them. A block evicted and hit again in one step is
+loaded from the copy its store made.
 
 On disk (`DiskTier`), one file per block under
 `DIR/<identity>/g<group>/<key hex>.kv`: a header (magic, format version,
@@ -352,6 +361,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class TierCopy:
+    """One copy a step's worker makes: a store (`pages` -> the tiers, as
+    block `item`) or a load (`content` -> `pages`; `content` may be a
+    store of the same step, whose snapshot it then reads)."""
+
+    __slots__ = ("item", "pages", "content", "keep")
+
+    def __init__(self, item, pages, content=None):
+        self.item = item  # (group, key) of a store; None for a load
+        self.pages = pages
+        self.content = content  # a store: its snapshot once made; a load: what to write
+        self.keep = True  # a store: False once the tiers were cleared (only a load of this step reads it)
+
+    @property
+    def is_store(self) -> bool:
+        return self.item is not None
+
+
 class TieredStore:
     """The tiers below one engine's pool, as the manager sees them
     (core/tiers.py's KVTier): host memory, then disk; either may be off."""
@@ -378,6 +405,12 @@ class TieredStore:
         self.counters = {"stores": 0, "loads": 0, "store_bytes": 0, "load_bytes": 0, "evictions": 0}
         self.store_bytes_by_group = [0] * len(layout.groups)  # what each layer type costs the tiers
         self.load_seconds = 0.0  # reading hits back and copying them into the pool
+        self.copies: list[TierCopy] = []  # decided, not yet made (take_copies)
+        self.storing: dict[tuple, TierCopy] = {}  # (group, key) -> its store not yet made
+        # Tensor parallelism: the manager's calls, in order, for the workers' stores to replay
+        # (replay: each rank's host tier then holds the same blocks in the same slab pages).
+        self.log: list | None = None
+        self._logged: dict[int, int] = {}  # id(fetched content) -> its fetch's place in the log
         if self.disk is not None:
             for group, key in self.disk.files:
                 if group < len(self.index):
@@ -385,7 +418,15 @@ class TieredStore:
 
     # -- the manager's side ------------------------------------------------------
     def put(self, group: int, key: bytes, pages) -> None:
-        self.keep(group, key, self.pool[list(pages)].cpu())
+        """Decide to keep the block in `pages` (the worker copies it out
+        before the step writes them): the index holds it from now on."""
+        if self.log is not None:
+            self.log.append(("put", group, key, list(pages)))
+        store = TierCopy((group, key), list(pages))
+        self.copies.append(store)
+        self.storing[(group, key)] = store
+        if key not in self.index[group]:
+            self.index[group][key] = TierRef(group, key, "host" if self.host is not None else "disk")
 
     def keep(self, group: int, key: bytes, content: torch.Tensor) -> None:
         """Store a block's content ([width, page size] bytes, on the host):
@@ -428,12 +469,19 @@ class TieredStore:
     def fetch(self, ref: TierRef):
         started = time.perf_counter()
         try:
-            return self._fetch(ref)
+            content = self._fetch(ref)
         finally:
             self.load_seconds += time.perf_counter() - started
+        if self.log is not None:
+            self._logged[id(content)] = len(self.log)
+            self.log.append(("fetch", ref.group, ref.key, ref.tier, content is not None))
+        return content
 
     def _fetch(self, ref: TierRef):
         item = (ref.group, ref.key)
+        store = self.storing.get(item)
+        if store is not None:  # evicted in this very step: its load reads the store's snapshot
+            return store
         content = self.host.get(item) if self.host is not None else None
         if content is None and self.disk is not None:
             content = self.disk.read(*item)
@@ -444,12 +492,69 @@ class TieredStore:
         self.counters["load_bytes"] += content.numel()
         return content
 
-    def load(self, pages, content: torch.Tensor) -> None:
-        started = time.perf_counter()
-        self.pool[list(pages)] = content.to(self.pool.device, non_blocking=True)
-        self.load_seconds += time.perf_counter() - started
+    def load(self, pages, content) -> None:
+        """Decide to write a fetched block into fresh pool pages (the worker
+        does, before the step reads them)."""
+        if self.log is not None:
+            self.log.append(("load", self._logged[id(content)], list(pages)))
+        self.copies.append(TierCopy(None, list(pages), content))
+
+    def take_log(self) -> list:
+        """The calls logged since the last take (tensor parallelism: they go
+        with the step's plan)."""
+        log, self.log = self.log, []
+        self._logged.clear()
+        return log
+
+    def replay(self, log: list) -> None:
+        """A tensor-parallel worker's store: make the driver's calls, in
+        order, on this rank's pool and host tier (then `copy`)."""
+        fetched = {}
+        for at, entry in enumerate(log):
+            kind = entry[0]
+            if kind == "put":
+                self.put(*entry[1:])
+            elif kind == "fetch":
+                fetched[at] = self.fetch(TierRef(*entry[1:4]))
+                if fetched[at] is None and entry[4]:
+                    raise RuntimeError(f"the tiers of the ranks differ: this rank lacks block {entry[1:3]}")
+            elif kind == "load":
+                self.load(entry[2], fetched[entry[1]])
+            else:
+                self.clear()
+
+    # -- the worker's side -------------------------------------------------------
+    def take_copies(self) -> list[TierCopy]:
+        """The copies decided since the last call, in order: the step's plan
+        carries them to the worker."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def copy(self, copies: list[TierCopy]) -> None:
+        """Make the copies, in the order decided: stores read the pool pages
+        (then keep the content: host memory, else disk), loads write them."""
+        for c in copies:
+            if c.is_store:
+                c.content = self.pool[c.pages].cpu()
+                if self.storing.get(c.item) is c:
+                    del self.storing[c.item]
+                if c.keep:
+                    self.keep(*c.item, c.content)
+                continue
+            started = time.perf_counter()
+            content = c.content.content if isinstance(c.content, TierCopy) else c.content
+            if isinstance(c.content, TierCopy):
+                self.counters["loads"] += 1
+                self.counters["load_bytes"] += content.numel()
+            self.pool[c.pages] = content.to(self.pool.device, non_blocking=True)
+            self.load_seconds += time.perf_counter() - started
 
     def clear(self) -> None:
+        if self.log is not None:
+            self.log.append(("clear",))
+        for store in self.storing.values():  # decided before: not kept now
+            store.keep = False
+        self.storing.clear()
         if self.host is not None:
             self.host.clear()
         if self.disk is not None:
@@ -462,15 +567,14 @@ class TieredStore:
     def flush(self, kv) -> int:
         """Write every block the pool still caches to disk (a server about to
         stop: the next start hits them). Returns the blocks written."""
+        self.copy(self.take_copies())
         if self.disk is None or not self.disk.writable:
             return 0
-        cache = kv.block_cache
         written = 0
-        for manager in kv.coordinator.managers:
-            g = manager.index
-            for key, block in list(cache.cached[g].items()):
+        for g in range(len(self.index)):
+            for key, pages in kv.cached_pages(g):
                 if (g, key) not in self.disk.files:
-                    self._to_disk((g, key), self.pool[list(cache.pages(block, manager.width))].cpu())
+                    self._to_disk((g, key), self.pool[list(pages)].cpu())
                     written += (g, key) in self.disk.files
         return written
 

@@ -55,8 +55,9 @@ class Request:
         self.cache_salt = cache_salt
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.sequences: list[Sequence] = []
-        self.forked = params.n == 1  # children are made once the prompt is computed
+        # n > 1: the n - 1 children are still to be made (once the prompt is computed)
+        self.fork_pending = params.n > 1
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.status is Status.FINISHED for s in self.sequences)
+        return not self.fork_pending and all(s.status is Status.FINISHED for s in self.sequences)

@@ -53,10 +53,11 @@ class StepPlan:
     rows: np.ndarray  # [S] each sequence's table row
     verifying: np.ndarray | None  # [S] bool, or None: no sequence verifies drafts
     sampled: np.ndarray  # token rows whose logits are sampled
-    seq_ids: list  # for keep_accepted
+    seq_ids: list  # for keep_accepted (on a tensor-parallel worker: 0..S-1)
     copies: list = field(default_factory=list)  # (source page, destination page) to copy first
     table_changes: list = field(default_factory=list)  # DeviceTables.changes() of the driver
     accepted: dict | None = None  # the previous step's kept drafts (keep_accepted), applied first
+    tier_log: list = field(default_factory=list)  # the driver's tier calls, replayed by a worker's tiers
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -106,6 +107,7 @@ class ModelRunner:
         self.prepare_report = backend.prepare(model, layout, device)
         logging.getLogger("hybridkv.backend").info("%s", self.prepare_report)
         self.routes: Counter = Counter()  # steps per route ("cpu:decoder-layers", "triton:graph", ...)
+        self.tiers = None  # the tiers below the pool (kv_tiers.TieredStore), whose copies a step makes first
         self._mamba_metadata: list = []
         self._accepted: dict | None = None  # kept drafts the tensor-parallel workers have not applied yet
         self._verified: tuple[list, list] = ([], [])  # Mamba metadata of the last step's verified sequences (keep_accepted)
@@ -126,13 +128,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, steps: list[Scheduled]) -> torch.Tensor:
         """Run one step; logits [sampled rows, vocab] (float32) for the
-        steps that complete their known tokens, in order."""
+        steps that complete their known tokens, in order. First the copies
+        the scheduler decided: the tiers' stores and loads (kv_tiers.py:
+        stores read pages this step may write, loads write pages it reads),
+        then the copy-on-write pages of forks."""
+        if self.tiers is not None:
+            self.tiers.copy(self.tiers.take_copies())
         copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
         rows = [self.tables.row(s.seq.seq_id) for s in steps]
         if self.parallel is not None:  # every rank runs the step from its plan (engine/tensor_parallel.py)
             plan = self._plan(steps, rows)
             plan.copies, plan.table_changes = copies, self.tables.changes()
             plan.accepted, self._accepted = self._accepted, None
+            if self.tiers is not None:
+                plan.tier_log = self.tiers.take_log()
             self.tables.flush()
             self.parallel.send_plan(plan)
             return self.parallel.gather_logits(self.run_plan(plan))
@@ -221,6 +230,9 @@ class ModelRunner:
         of a tensor-parallel engine (which then gathers the logits)."""
         if plan.accepted is not None:  # a worker: the driver kept these drafts after the last step
             self.keep_accepted(plan.accepted)
+        if plan.tier_log and self.kv is None:  # a worker: its tiers make the driver's decisions, then copies
+            self.tiers.replay(plan.tier_log)
+            self.tiers.copy(self.tiers.take_copies())
         if plan.copies:
             self.buffers.copy_pages(plan.copies)
         if plan.table_changes:
@@ -245,7 +257,9 @@ class ModelRunner:
         draft there; the manager's contract, docs/architecture.md)."""
         metas, seq_ids = self._verified
         if self.parallel is not None and self.kv is not None and metas:
-            self._accepted = accepted  # the workers apply it before the next step (StepPlan.accepted)
+            # The workers apply it before the next step (StepPlan.accepted), keyed by the
+            # sequences' places in the last plan (their seq_ids: plan_wire.py).
+            self._accepted = {i: accepted[seq_id] for i, seq_id in enumerate(seq_ids) if seq_id in accepted}
         for meta in metas:
             self.backend.recurrent.keep_accepted(meta, [accepted[seq_ids[v.sequence]] for v in meta.verifies])
         self._verified = ([], [])

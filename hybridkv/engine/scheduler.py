@@ -101,70 +101,93 @@ class Scheduler:
         return self.kv.num_computed_tokens(seq.seq_id) == len(seq.token_ids) - 1
 
     def schedule(self) -> list[Scheduled]:
+        """The next step: running sequences first (preempting the newest
+        when the cache is full), then, if no one was preempted, waiting
+        ones while the budget and the cache allow."""
+        out: list[Scheduled] = []
+        budget, preempted = self._schedule_running(out)
+        if not preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: list[Scheduled]) -> tuple[int, bool]:
+        """Running sequences, oldest first: a run of decoding ones gets its
+        slots in one call, one with drafts or in prefill its own. Returns the
+        budget left and whether someone was preempted."""
         kv = self.kv
         budget = self.max_num_batched_tokens
-        out: list[Scheduled] = []
-        taken: set[str] = set()
+        taken: set[str] = set()  # scheduled this step: never a victim
+        proposed: dict[str, list[int]] = {}  # each sequence's drafts, asked once per step
         preempted = False
-        proposed: dict[str, list[int]] = {}
-
-        def drafts(seq: Sequence, budget: int) -> list[int]:
-            """Each sequence's drafts once per step (the budget left is the same at both asks)."""
-            if seq.seq_id not in proposed:
-                proposed[seq.seq_id] = self.propose(seq, budget)
-            return proposed[seq.seq_id]
-
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if self._decoding(seq):
-                if self.propose is not None and self._speculate(seq, drafts(seq, budget)[:budget - 1], out):
+                drafts = self._drafts(seq, budget, proposed) if self.propose is not None else []
+                if self._speculate(seq, drafts[:budget - 1], out):
                     taken.add(seq.seq_id)
                     budget -= out[-1].count
                     i += 1
                     continue
-                # The run of decoding sequences from here: slots for all in one call.
-                run = []
-                j = i
-                while j < len(self.running) and len(run) < budget and self._decoding(self.running[j]):
-                    if run and self.propose is not None and drafts(self.running[j], budget - len(run)):
-                        break  # it has drafts: its own step
-                    run.append(self.running[j])
-                    j += 1
+                run = self._decoding_run(i, budget, proposed)
                 got = kv.allocate_slots_many([s.seq_id for s in run], 1)
                 for s in run[:got]:
                     out.append(Scheduled(s, len(s.token_ids) - 1, 1))
                     taken.add(s.seq_id)
                 i += got
                 budget -= got
-                if got == len(run):
-                    continue
-                seq = run[got]  # did not fit: make room, then retry from it
-                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
-                self.preempt(victim)
-                preempted = True
+                if got < len(run):  # run[got] did not fit: make room, then retry from it
+                    self._preempt_newest(taken)
+                    preempted = True
                 continue
             done = kv.num_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
             while not kv.allocate_slots(seq.seq_id, count):
-                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
-                self.preempt(victim)
                 preempted = True
-                if victim is seq:
+                if self._preempt_newest(taken) is seq:
                     break
             else:
                 out.append(Scheduled(seq, done, count))
                 taken.add(seq.seq_id)
                 budget -= count
                 i += 1
-        if preempted:
-            return out  # no room to admit anyone this step
+        return budget, preempted
+
+    def _drafts(self, seq: Sequence, budget: int, proposed: dict[str, list[int]]) -> list[int]:
+        """A sequence's drafts, proposed once per step (the budget left is the same at both asks)."""
+        if seq.seq_id not in proposed:
+            proposed[seq.seq_id] = self.propose(seq, budget)
+        return proposed[seq.seq_id]
+
+    def _decoding_run(self, i: int, budget: int, proposed: dict[str, list[int]]) -> list[Sequence]:
+        """The run of decoding sequences from running[i], within the budget,
+        up to one that has drafts (it gets its own step)."""
+        run: list[Sequence] = []
+        j = i
+        while j < len(self.running) and len(run) < budget and self._decoding(self.running[j]):
+            if run and self.propose is not None and self._drafts(self.running[j], budget - len(run), proposed):
+                break
+            run.append(self.running[j])
+            j += 1
+        return run
+
+    def _preempt_newest(self, taken: set[str]) -> Sequence:
+        """Preempt the newest running sequence not scheduled in this step."""
+        victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
+        self.preempt(victim)
+        return victim
+
+    def _admit_waiting(self, out: list[Scheduled], budget: int) -> None:
+        """Waiting sequences, first come first served, while the budget,
+        max_num_seqs and the cache allow; one whose next block another
+        sequence computes in this step waits a step to hit it instead."""
+        kv = self.kv
         computing = self._keys_computed(out)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             # A prompt with n > 1 forks n - 1 children once computed: room for all of them.
-            if len(self.running) + (1 if seq.request.forked else seq.request.params.n) > self.max_num_seqs:
+            if len(self.running) + (seq.request.params.n if seq.request.fork_pending else 1) > self.max_num_seqs:
                 break
             done = kv.get_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
@@ -183,12 +206,10 @@ class Scheduler:
             metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.num_cached_tokens = done
-            scheduled = Scheduled(seq, done, count)
-            out.append(scheduled)
+            out.append(Scheduled(seq, done, count))
             computing.update(upcoming)
             budget -= count
         self.waiting.extendleft(reversed(deferred))
-        return out
 
     def _speculate(self, seq: Sequence, drafts: list[int], out: list[Scheduled]) -> bool:
         """Schedule a decoding sequence with its drafts, if it has any and

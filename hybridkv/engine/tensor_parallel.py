@@ -18,7 +18,10 @@ How the model is split (Megatron's scheme; docs/engine.md has the picture):
 So a layer costs two all-reduces of [tokens, hidden], and a step one
 broadcast of its plan (engine/runner.py `StepPlan`: token ids, positions,
 table rows, the block-table entries that changed, page copies) and one
-gather of the sampled rows' logits.
+gather of the sampled rows' logits. The plan travels as one int64 tensor
+(plan_wire.py), never pickled: a fixed head of `HEAD_VALUES` values holds
+its length and its start, and only a longer plan (a prefill of many
+tokens) takes a second broadcast for the rest.
 
 The KV cache: every rank has a pool for its own KV heads, planned from the
 per-rank specs by the same layout (same pages, same page size), so the
@@ -47,16 +50,20 @@ import datetime
 import logging
 import os
 import socket
+import time
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..modeling.tensor_split import vocab_part
+from . import plan_wire
 
 log = logging.getLogger("hybridkv.tensor_parallel")
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HYBRIDKV_TP_TIMEOUT", "600")))
+HEAD_VALUES = 1024  # the first broadcast of a plan: its length, then its start (a decode step of 64+ fits)
 
 
 def free_port() -> int:
@@ -90,8 +97,12 @@ class TensorParallel:
             torch.cuda.set_device(device.index or 0)  # rank 0's device; rank r uses cuda:r
         dist.init_process_group(self.backend, init_method=self.init_method, world_size=world, rank=0,
                                 timeout=TIMEOUT)
+        self.layout = engine_options["layout"]
+        wire_device = torch.device("cuda", device.index or 0) if self.backend == "nccl" else torch.device("cpu")
+        self.wire = PlanWire(wire_device)
         self.steps = 0
-        self.bytes_sent = 0  # plans broadcast, pickled
+        self.bytes_sent = 0  # plans broadcast (their encoded values; the head's padding not counted)
+        self.plan_seconds = 0.0  # the driver's time encoding and broadcasting plans
         self.closed = False
 
     def check_workers(self) -> None:
@@ -102,10 +113,12 @@ class TensorParallel:
 
     def send_plan(self, plan) -> None:
         self.check_workers()
-        payload = [plan]
-        dist.broadcast_object_list(payload, src=0)
+        started = time.perf_counter()
+        data = plan_wire.encode(plan, self.layout)
+        self.wire.send(data)
+        self.plan_seconds += time.perf_counter() - started
         self.steps += 1
-        self.bytes_sent += _pickled_size(plan)
+        self.bytes_sent += data.nbytes
 
     def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
         """[rows, this rank's vocabulary rows] here and on every rank ->
@@ -121,7 +134,7 @@ class TensorParallel:
         self.closed = True
         try:
             if all(w.is_alive() for w in self.workers):
-                dist.broadcast_object_list([None], src=0)  # the workers' signal to stop
+                self.wire.send(None)  # the workers' signal to stop
         finally:
             for worker in self.workers:
                 worker.join(30)
@@ -141,10 +154,39 @@ def pad_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
 
 
-def _pickled_size(plan) -> int:
-    import pickle
+class PlanWire:
+    """Plans as int64 tensors from the driver to every worker: a head of
+    HEAD_VALUES values (the plan's length, -1 to stop, then its start) and,
+    for a longer plan, a second broadcast of the rest. On NCCL the tensors
+    go through the rank's device."""
 
-    return len(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.head = torch.zeros(HEAD_VALUES, dtype=torch.int64, device=device)
+
+    def send(self, data: np.ndarray | None) -> None:
+        n = -1 if data is None else len(data)
+        first = np.empty(HEAD_VALUES, dtype=np.int64)
+        first[0] = n
+        if n > 0:
+            start = data[:HEAD_VALUES - 1]
+            first[1:1 + len(start)] = start
+        self.head.copy_(torch.from_numpy(first))
+        dist.broadcast(self.head, src=0)
+        if n > HEAD_VALUES - 1:
+            dist.broadcast(torch.from_numpy(data[HEAD_VALUES - 1:]).to(self.device), src=0)
+
+    def receive(self) -> np.ndarray | None:
+        dist.broadcast(self.head, src=0)
+        head = self.head.cpu().numpy()
+        n = int(head[0])
+        if n < 0:
+            return None
+        if n <= HEAD_VALUES - 1:
+            return head[1:1 + n].copy()
+        rest = torch.empty(n - (HEAD_VALUES - 1), dtype=torch.int64, device=self.device)
+        dist.broadcast(rest, src=0)
+        return np.concatenate([head[1:], rest.cpu().numpy()])
 
 
 def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: str, options: dict) -> None:
@@ -157,7 +199,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
         from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
-        from .runner import ModelRunner
+        from .runner import ModelRunner, StepPlan
 
         device = torch.device(options["device"])
         if device.type == "cuda":  # one device per rank
@@ -168,13 +210,17 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         layout = options["layout"]
         runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
                              options["max_num_seqs"], options["max_model_len"], parallel=Follower())
+        if options["host_tier_bytes"]:  # this rank's host tier: the driver's decisions, its own bytes
+            from .kv_tiers import TieredStore
+
+            runner.tiers = TieredStore(runner.buffers.pool, layout, host_bytes=options["host_tier_bytes"])
+        wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
         with torch.inference_mode():
             while True:
-                payload = [None]
-                dist.broadcast_object_list(payload, src=0)
-                plan = payload[0]
-                if plan is None:
+                data = wire.receive()
+                if data is None:
                     break
+                plan = plan_wire.decode(data, layout, StepPlan)
                 dist.gather(pad_vocab(runner.run_plan(plan), options["vocab_part"]), dst=0)
     except Exception:
         traceback.print_exc()

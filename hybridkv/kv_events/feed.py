@@ -62,9 +62,8 @@ def snapshot_events(kv) -> list:
     BlockStored with every key it holds (no order or parent: an index only
     needs which keys are held)."""
     out = [AllBlocksCleared()]
-    cache = kv.block_cache
     for group_idx, group in enumerate(kv.layout.groups):
-        keys = list(cache.cached[group_idx])
+        keys = kv.cached_keys(group_idx)
         if keys:
             out.append(BlockStored(keys, None, [], kv.layout.block_size, group_idx, group.kind))
     return out

@@ -1,0 +1,131 @@
+"""A step plan (runner.StepPlan) as one int64 array: what the driver of a
+tensor-parallel engine broadcasts to its workers each step, as a tensor,
+with no pickling.
+
+The array, in order (every part int64):
+
+    header   T tokens, S sequences, K sampled rows, C page copies,
+             V (1: a verifying mask follows), A accepted entries (-1: none),
+             N table changes, L tier calls
+    ids[T] first_positions[S] counts[S] rows[S] verifying[S if V] sampled[K]
+    copies[2C]   (source page, destination page) pairs
+    accepted[2A] (sequence index in the previous plan, drafts kept) pairs
+    N table changes, each: g, row, then
+        attention group: n, columns[n], pages[width * n] (plane by plane)
+        recurrent group: read[width], write[width], zero
+    L tier calls (kv_tiers.TieredStore.log: the workers replay them), each:
+        put 1, group, key, n, pages[n] | fetch 2, group, key, tier, found |
+        load 3, the fetch's place in the calls, n, pages[n] | clear 4
+        (a key: its length in bytes, then its bytes in int64 words)
+
+Sequences travel by their index in the plan, not their id: a worker's
+`seq_ids` are 0..S-1 and `accepted` is keyed by those indexes (the driver
+converts: runner.keep_accepted). Widths and group kinds come from the
+layout, which every rank holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.layout import KVCacheLayout
+
+HEADER = 8
+TIERS = ("host", "disk")
+
+
+def encode(plan, layout: KVCacheLayout) -> np.ndarray:
+    accepted = plan.accepted
+    parts = [np.array([len(plan.ids), len(plan.counts), len(plan.sampled), len(plan.copies),
+                       plan.verifying is not None, -1 if accepted is None else len(accepted),
+                       len(plan.table_changes), len(plan.tier_log)], dtype=np.int64),
+             plan.ids, plan.first_positions, plan.counts, plan.rows]
+    if plan.verifying is not None:
+        parts.append(plan.verifying)
+    parts.append(plan.sampled)
+    if plan.copies:
+        parts.append(np.asarray(plan.copies, dtype=np.int64).reshape(-1))
+    if accepted:
+        parts.append(np.fromiter((x for pair in accepted.items() for x in pair), dtype=np.int64,
+                                 count=2 * len(accepted)))
+    for change in plan.table_changes:
+        g, row = change[0], change[1]
+        if layout.groups[g].recurrent:
+            parts.append(np.array([g, row], dtype=np.int64))
+            parts.extend((change[2], change[3], np.array([change[4]], dtype=np.int64)))
+        else:
+            columns, pages = change[2], change[3]
+            parts.append(np.array([g, row, len(columns)], dtype=np.int64))
+            parts.extend((columns, pages.reshape(-1)))
+    for call in plan.tier_log:
+        parts.append(_tier_call(call))
+    return np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
+
+
+def _key(key: bytes) -> list:
+    padded = key + bytes(-len(key) % 8)
+    return [len(key), *np.frombuffer(padded, dtype="<i8").tolist()]
+
+
+def _tier_call(call) -> list:
+    kind = call[0]
+    if kind == "put":
+        return [1, call[1], *_key(call[2]), len(call[3]), *call[3]]
+    if kind == "fetch":
+        return [2, call[1], *_key(call[2]), TIERS.index(call[3]), int(call[4])]
+    if kind == "load":
+        return [3, call[1], len(call[2]), *call[2]]
+    return [4]
+
+
+def decode(data: np.ndarray, layout: KVCacheLayout, plan_type):
+    """The plan `encode` wrote, as a `plan_type` (runner.StepPlan)."""
+    t, s, k, c, v, a, n, calls = (int(x) for x in data[:HEADER])
+    at = HEADER
+
+    def take(count: int) -> np.ndarray:
+        nonlocal at
+        part = data[at:at + count]
+        at += count
+        return part
+
+    ids, first_positions, counts, rows = take(t), take(s), take(s), take(s)
+    verifying = take(s).astype(bool) if v else None
+    sampled = take(k)
+    copies = [tuple(pair) for pair in take(2 * c).reshape(c, 2).tolist()]
+    accepted = None if a < 0 else dict(take(2 * a).reshape(a, 2).tolist())
+    changes = []
+    for _ in range(n):
+        g, row = (int(x) for x in take(2))
+        group = layout.groups[g]
+        width = group.pages_per_block
+        if group.recurrent:
+            read, write = take(width).copy(), take(width).copy()
+            changes.append((g, row, read, write, bool(take(1)[0])))
+        else:
+            m = int(take(1)[0])
+            columns = take(m).copy()
+            changes.append((g, row, columns, take(width * m).reshape(width, m).copy()))
+    def key() -> bytes:
+        size = int(take(1)[0])
+        return take(-(-size // 8)).astype("<i8").tobytes()[:size]
+
+    tier_log = []
+    for _ in range(calls):
+        kind = int(take(1)[0])
+        if kind == 1:
+            group, k_ = int(take(1)[0]), key()
+            tier_log.append(("put", group, k_, take(int(take(1)[0])).tolist()))
+        elif kind == 2:
+            group, k_ = int(take(1)[0]), key()
+            tier, found = (int(x) for x in take(2))
+            tier_log.append(("fetch", group, k_, TIERS[tier], bool(found)))
+        elif kind == 3:
+            position = int(take(1)[0])
+            tier_log.append(("load", position, take(int(take(1)[0])).tolist()))
+        else:
+            tier_log.append(("clear",))
+    if at != len(data):
+        raise ValueError(f"a step plan of {len(data)} values held {at}: the ranks disagree on its format")
+    return plan_type(ids, first_positions, counts, rows, verifying, sampled, list(range(s)), copies, changes,
+                     accepted, tier_log)
