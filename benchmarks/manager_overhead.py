@@ -1,4 +1,10 @@
-"""Manager overhead: replay a request trace through KVCacheManager alone.
+"""Manager overhead: replay request traces through KVCacheManager alone.
+
+The traces (benchmarks/replay_trace.py): "mixed" (independent prompts, most
+opening with one system prompt), "multi-turn" (chats whose turns append the
+answer and a new message to the previous prompt, each turn arriving when
+the one before it finished) and "shared-system" (a few long system prompts,
+short unique questions).
 
 A scheduler loop admits waiting requests while the pool allows (lookup,
 allocate, mark computed, chunk by chunk up to each Mamba checkpoint), then
@@ -11,7 +17,7 @@ the per-step cost does not grow with the pool size or the context length.
     python -m benchmarks.manager_overhead            # full run, fastest of 2 rounds
     python -m benchmarks.manager_overhead --quick    # seconds, for CI
     python -m benchmarks.manager_overhead --against vllm --events
-        # also vLLM's KVCacheManager on the same trace (run it with an interpreter that has
+        # also vLLM's KVCacheManager on the same traces (run it with an interpreter that has
         # vllm), and hybridkv with KV events on; the variants take turns each round
 """
 
@@ -21,7 +27,7 @@ import os
 import time
 
 from benchmarks import harness
-from benchmarks.replay_trace import CONFIGS, MODELS_DIR, make_trace
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
 from hybridkv.core import KVCacheManager, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
 
@@ -45,8 +51,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
     `take_events`: the manager records KV events and they are taken after
     every admission and decode step (timed with it), as a server does."""
     drain = kv.take_events if take_events else (lambda: None)
-    waiting = [(f"r{i}", list(tokens), outputs, samples) for i, (tokens, outputs, samples) in enumerate(trace)]
-    waiting.reverse()  # pop() from the end = FCFS
+    waiting = Waiting(trace)
     running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far]
     admit_time = failed_time = decode_time = 0.0
     admissions = failed = decode_steps = preemptions = 0
@@ -54,7 +59,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
     perf = time.perf_counter
     while waiting or running:
         while waiting and len(running) < max_running:
-            rid, tokens, outputs, samples = waiting[-1]
+            rid, tokens, outputs, samples = waiting.head()
             t0 = perf()
             if rid not in kv:
                 kv.add_request(rid, tokens)
@@ -68,7 +73,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
             drain()
             admit_time += perf() - t0
             admissions += 1
-            waiting.pop()
+            waiting.admitted()
             running[rid] = [outputs, samples, tokens]
         peak_used = max(peak_used, kv.num_total_pages - kv.num_free_pages)
         t0 = perf()
@@ -98,10 +103,12 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
             del running[rid]
         for rid in reversed(preempted):
             outputs, samples, tokens = running.pop(rid)
-            waiting.append((rid, tokens, outputs, samples))
+            waiting.requeue((rid, tokens, outputs, samples))
             preemptions += 1
         drain()
         decode_time += perf() - t0
+        for rid in finished:  # the next turns of these chats arrive (untimed: the trace, not the manager)
+            waiting.finished(rid)
     stats = kv.stats
     return {
         "admissions": admissions,
@@ -114,6 +121,8 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
         "peak_pages": peak_used,
         "total_pages": kv.num_total_pages,
         "hit_rate": stats.hit_rate,
+        "prompt_tokens": stats.queried_tokens,
+        "hit_tokens": stats.hit_tokens,
     }
 
 
@@ -173,41 +182,46 @@ def fastest(rows: list[dict]) -> dict:
 
 def print_vllm(version: str, rows: list[dict], notes: list[str]) -> None:
     """vLLM's rows beside ours, with vLLM time / hybridkv time."""
-    print(f"\nvLLM {version} KVCacheManager, same trace (ratio = vLLM time / hybridkv time)")
-    print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'(Request)':>10} {'us/decode step':>15} "
-          f"{'us/failed adm.':>15} {'preempt':>8} {'peak blocks':>12} {'hit rate':>9} {'adm. x':>7} {'decode x':>9}")
+    print(f"\nvLLM {version} KVCacheManager, same traces (ratio = vLLM time / hybridkv time; "
+          "hit x = hybridkv's hit tokens / vLLM's)")
+    print(f"{'model':<26} {'trace':<14} {'groups':>6} {'us/admission':>13} {'(Request)':>10} {'us/decode step':>15} "
+          f"{'preempt':>8} {'peak blocks':>12} {'hit tokens':>11} {'hit rate':>9} {'adm. x':>7} {'decode x':>9} "
+          f"{'hit x':>6}")
     for row in rows:
-        print(f"{row['model']:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} "
+        print(f"{row['model']:<26} {row['trace']:<14} {row['groups']:>6} {row['us_per_admission']:>13.1f} "
               f"{row['us_per_request_build']:>10.1f} {row['us_per_decode_step']:>15.2f} "
-              f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} {row['peak_pages']:>12,} "
-              f"{row['hit_rate']:>9.1%} {row['admission_ratio']:>7.2f} {row['decode_ratio']:>9.2f}")
+              f"{row['preemptions']:>8} {row['peak_pages']:>12,} {row['hit_tokens']:>11,} "
+              f"{row['hit_rate']:>9.1%} {row['admission_ratio']:>7.2f} {row['decode_ratio']:>9.2f} "
+              f"{'-' if row['hit_ratio'] is None else format(row['hit_ratio'], '.2f'):>6}")
     print("(Request): the part of us/admission spent building the vLLM Request, which hashes the prompt's blocks")
     print("\n".join(notes))
 
 
 def print_events(rows: list[dict]) -> None:
     print("\nKV events on (recorded, and taken after every admission and decode step) against off")
-    print(f"{'model':<26} {'us/admission off':>17} {'on':>8} {'change':>7} {'us/decode step off':>19} {'on':>8} "
-          f"{'change':>7}")
+    print(f"{'model':<26} {'trace':<14} {'us/admission off':>17} {'on':>8} {'change':>7} {'us/decode step off':>19} "
+          f"{'on':>8} {'change':>7}")
     for row in rows:
         off, on = row["off"], row["on"]
-        print(f"{row['model']:<26} {off['us_per_admission']:>17.1f} {on['us_per_admission']:>8.1f} "
+        print(f"{row['model']:<26} {row['trace']:<14} {off['us_per_admission']:>17.1f} {on['us_per_admission']:>8.1f} "
               f"{row['admission_change']:>+7.1%} {off['us_per_decode_step']:>19.2f} {on['us_per_decode_step']:>8.2f} "
               f"{row['decode_change']:>+7.1%}")
 
 
 def arguments(parser) -> None:
-    parser.add_argument("--requests", type=int, default=2000, help="(--quick: 60)")
+    parser.add_argument("--requests", type=int, default=2000, help="per trace (--quick: 60)")
+    parser.add_argument("--traces", default=",".join(TRACES),
+                        help=f"comma-separated, from {', '.join(TRACES)} (benchmarks/replay_trace.py)")
     parser.add_argument("--memory", default="40GiB", help="KV budget per model")
     parser.add_argument("--against", choices=["vllm"], default=None,
-                        help="also replay the trace through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
+                        help="also replay the traces through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
     parser.add_argument("--events", action="store_true",
                         help="also replay with KV events on (recorded and taken every step)")
 
 
 def run(args) -> dict:
-    """Each model's replay, `--repeat` rounds, the variants (hybridkv, with
-    events, vLLM's) taking turns; each timing is the fastest round's."""
+    """Each trace on each model, `--repeat` rounds, the variants (hybridkv,
+    with events, vLLM's) taking turns; each timing is the fastest round's."""
     vllm_replay = None
     if args.against == "vllm":  # vLLM stays optional: imported only here, checked before the long run
         from benchmarks import vllm_replay
@@ -216,48 +230,56 @@ def run(args) -> dict:
         except vllm_replay.VLLMUnavailable as e:
             raise SystemExit(str(e))
     num = 60 if args.quick else args.requests
-    trace = make_trace(num)
+    names = [name.strip() for name in args.traces.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(TRACES))
+    if unknown:
+        raise SystemExit(f"--traces: unknown {', '.join(unknown)}; expected some of {', '.join(TRACES)}")
     tables: dict = {"models": [], "scaling": []}
-    print(f"{'model':<26} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
-          f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit rate':>9}")
+    print(f"{'model':<26} {'trace':<14} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
+          f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit tokens':>11} {'hit rate':>9}")
     theirs, events, notes = [], [], []
-    for label, file in CONFIGS.items():
-        path = os.path.join(MODELS_DIR, file)
-        layout = plan_layout(specs_from_config(load_config(path)), args.memory)
-        variants = {"hybridkv": lambda: replay(KVCacheManager(layout), trace)}
-        if args.events:
-            variants["events"] = lambda: replay(KVCacheManager(layout, enable_kv_events=True), trace,
-                                                take_events=True)
-        if vllm_replay is not None:
-            variants["vllm"] = lambda: vllm_replay.run(path, trace, args.memory)
-        rounds = {name: fastest(runs) for name, runs in harness.interleaved(variants, args.repeat).items()}
-        row = {"model": label, "groups": len(layout.groups), **rounds["hybridkv"]}
-        tables["models"].append(row)
-        print(f"{label:<26} {row['groups']:>6} {row['us_per_admission']:>13.1f} {row['us_per_decode_step']:>15.2f} "
-              f"{row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
-              f"{row['peak_pages']:>11,} {row['hit_rate']:>9.1%}")
-        if "events" in rounds:
-            on = rounds["events"]
-            events.append({"model": label, "off": rounds["hybridkv"], "on": on,
-                           "admission_change": on["us_per_admission"] / row["us_per_admission"] - 1,
-                           "decode_change": on["us_per_decode_step"] / row["us_per_decode_step"] - 1})
-        if "vllm" in rounds:
-            them = rounds["vllm"]
-            theirs.append({"model": label, **them, "version": vllm_version,
-                           "admission_ratio": them["us_per_admission"] / row["us_per_admission"],
-                           "decode_ratio": them["us_per_decode_step"] / row["us_per_decode_step"]})
-            notes.append(f"  {label}: {vllm_replay.describe(them)}")
+    for name in names:
+        trace = TRACES[name](num)
+        for label, file in CONFIGS.items():
+            path = os.path.join(MODELS_DIR, file)
+            layout = plan_layout(specs_from_config(load_config(path)), args.memory)
+            variants = {"hybridkv": lambda: replay(KVCacheManager(layout), trace)}
+            if args.events:
+                variants["events"] = lambda: replay(KVCacheManager(layout, enable_kv_events=True), trace,
+                                                    take_events=True)
+            if vllm_replay is not None:
+                variants["vllm"] = lambda: vllm_replay.run(path, trace, args.memory)
+            rounds = {variant: fastest(runs) for variant, runs in harness.interleaved(variants, args.repeat).items()}
+            row = {"model": label, "trace": name, "groups": len(layout.groups), **rounds["hybridkv"]}
+            tables["models"].append(row)
+            print(f"{label:<26} {name:<14} {row['groups']:>6} {row['us_per_admission']:>13.1f} "
+                  f"{row['us_per_decode_step']:>15.2f} {row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
+                  f"{row['peak_pages']:>11,} {row['hit_tokens']:>11,} {row['hit_rate']:>9.1%}")
+            if "events" in rounds:
+                on = rounds["events"]
+                events.append({"model": label, "trace": name, "off": rounds["hybridkv"], "on": on,
+                               "admission_change": on["us_per_admission"] / row["us_per_admission"] - 1,
+                               "decode_change": on["us_per_decode_step"] / row["us_per_decode_step"] - 1})
+            if "vllm" in rounds:
+                them = rounds["vllm"]
+                theirs.append({"model": label, "trace": name, **them, "version": vllm_version,
+                               "admission_ratio": them["us_per_admission"] / row["us_per_admission"],
+                               "decode_ratio": them["us_per_decode_step"] / row["us_per_decode_step"],
+                               "hit_ratio": row["hit_tokens"] / them["hit_tokens"] if them["hit_tokens"] else None})
+                if name == names[0]:
+                    notes.append(f"  {label}: {vllm_replay.describe(them)}")
     if events:
         print_events(events)
         tables["events"] = events
     if theirs:
         print_vllm(vllm_version, theirs, notes)
         tables["vllm"] = theirs
-    print("\nper decode step vs pool size and context (8 requests x 256 steps)")
+    print("\nper decode step vs pool size and context (8 requests x 256 steps, fastest round)")
     print(f"{'model':<26} {'pool pages':>11} {'context':>8} {'us/decode step':>15}")
     for label, file in CONFIGS.items():
         specs = specs_from_config(load_config(os.path.join(MODELS_DIR, file)))
-        for row in scaling(specs, args.quick):
+        # the fastest of `--repeat` rounds per cell: one cell is a few ms, which one pause can spoil
+        for row in map(fastest, zip(*(scaling(specs, args.quick) for _ in range(args.repeat)))):
             tables["scaling"].append({"model": label, **row})
             print(f"{label:<26} {row['pool_pages']:>11,} {row['context']:>8,} {row['us_per_decode_step']:>15.2f}")
     return tables

@@ -88,16 +88,24 @@ def rows_of(name: str, where: Callable[[dict], bool] = lambda row: True) -> Call
 # -- the tables --------------------------------------------------------------------------
 
 def manager_rows(t: dict) -> list[dict]:
-    """hybridkv's row, vLLM's, and the decode step's cost across the pool sizes and contexts."""
-    theirs = {row["model"]: row for row in t.get("vllm", [])}
+    """hybridkv's row, vLLM's, and the decode step's cost across the pool
+    sizes and contexts, on the mixed trace."""
+    theirs = {row["model"]: row for row in t.get("vllm", []) if row.get("trace", "mixed") == "mixed"}
     out = []
-    for row in t["models"]:
+    for row in (row for row in t["models"] if row.get("trace", "mixed") == "mixed"):
         scaled = [r for r in t["scaling"] if r["model"] == row["model"]]
         us = [r["us_per_decode_step"] for r in scaled]
         out.append({**row, "vllm": theirs[row["model"]], "scaled": (min(us), max(us)),
                     "pools": (min(r["pool_pages"] for r in scaled), max(r["pool_pages"] for r in scaled)),
                     "contexts": (min(r["context"] for r in scaled), max(r["context"] for r in scaled))})
     return out
+
+
+def manager_trace_rows(t: dict) -> list[dict]:
+    """Per model and trace: hybridkv's row with vLLM's beside it."""
+    theirs = {(row["model"], row["trace"]): row for row in t.get("vllm", []) if "trace" in row}
+    return [{**row, "vllm": theirs[row["model"], row["trace"]]} for row in t["models"]
+            if (row["model"], row.get("trace")) in theirs]
 
 
 def routing_rows(t: dict) -> list[dict]:
@@ -192,6 +200,16 @@ TABLES: dict[str, Table] = {
         "µs / decode step at other pools and contexts": lambda r: (
             f"{r['scaled'][0]:.2f}-{r['scaled'][1]:.2f} ({num(r['pools'][0])}-{num(r['pools'][1])} pages, "
             f"{num(r['contexts'][0])}-{num(r['contexts'][1])} tokens)")}),
+    "manager-traces": Table("manager_overhead.json", manager_trace_rows, {
+        "model": key("model"), "trace": key("trace"), "prompt tokens": key("prompt_tokens", num),
+        "hit tokens": key("hit_tokens", num), "vLLM hit tokens": lambda r: num(r["vllm"]["hit_tokens"]),
+        "hit x": lambda r: "-" if r["vllm"]["hit_ratio"] is None else times(r["vllm"]["hit_ratio"]),
+        "µs / admission": key("us_per_admission", lambda v: num(v, 0)),
+        "vLLM µs / admission": lambda r: num(r["vllm"]["us_per_admission"], 0),
+        "admission x": lambda r: times(r["vllm"]["admission_ratio"]),
+        "µs / decode step": key("us_per_decode_step", lambda v: num(v, 2)),
+        "vLLM µs / decode step": lambda r: num(r["vllm"]["us_per_decode_step"], 2),
+        "decode x": lambda r: times(r["vllm"]["decode_ratio"], 1)}),
     "events": Table("manager_overhead_events.json", rows_of("events"), {
         "model": key("model"), "µs / admission, off": lambda r: num(r["off"]["us_per_admission"], 1),
         "on": lambda r: f"{num(r['on']['us_per_admission'], 1)} ({r['admission_change']:+.0%})",

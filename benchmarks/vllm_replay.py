@@ -53,14 +53,16 @@ import time
 import types
 
 from benchmarks import harness
-from benchmarks.replay_trace import CONFIGS, MODELS_DIR, make_trace
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
 from hybridkv.core.hf_config import load_config, specs_from_config, text_config
 from hybridkv.core.layout import parse_memory
 from hybridkv.core.specs import FullAttentionSpec as HKFull
-from hybridkv.core.specs import MambaSpec as HKMamba
+from hybridkv.core.specs import RecurrentSpec as HKRecurrent
 from hybridkv.core.specs import SlidingWindowSpec as HKSliding
 
 BLOCK_SIZE = 16
+# hybridkv's recurrent kinds -> vLLM's Mamba backend for that mixer (MambaAttentionBackendEnum)
+RECURRENT_BACKENDS = {"mamba": "MAMBA1", "mamba2": "MAMBA2", "gated_delta": "GDN_ATTN", "short_conv": "SHORT_CONV"}
 
 
 class VLLMUnavailable(RuntimeError):
@@ -90,6 +92,13 @@ class _ModelConfigStub:
     convert_type = "none"
     runner_type = "generate"
     use_mla = False
+    # what the Scheduler's constructor reads: a text-only decoder
+    uses_mrope = False
+    is_encoder_decoder = False
+    supports_multimodal_inputs = False
+    is_diffusion = False
+    return_sampling_mask = False
+    multimodal_config = None
 
     def __init__(self, config: dict, attn: tuple[int, int] | None):
         import torch
@@ -125,10 +134,10 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_kv_cache_configs,
                                              get_request_block_hasher, init_none_hash,
                                              resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes)
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, get_kv_quant_mode
 
@@ -140,7 +149,11 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         hk_specs = specs_from_config(config)  # only for which layer is which kind (same config.json parsing)
         attn = next(((s.num_kv_heads, s.head_size) for s in hk_specs.values()
                      if isinstance(s, (HKFull, HKSliding))), None)
-        has_mamba = any(isinstance(s, HKMamba) for s in hk_specs.values())
+        kinds = {s.kind for s in hk_specs.values() if isinstance(s, HKRecurrent)}
+        if len(kinds) > 1:
+            raise ValueError(f"{config_path}: more than one recurrent kind ({sorted(kinds)})")
+        has_mamba = bool(kinds)
+        mamba_type = MambaAttentionBackendEnum[RECURRENT_BACKENDS[kinds.pop()]] if has_mamba else None
         model_config = _ModelConfigStub(config, attn)
 
         cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
@@ -162,15 +175,14 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         kv_cache_spec = {}
         for name, spec in hk_specs.items():
             i = int(name.rsplit(".", 1)[1])
-            if isinstance(spec, HKMamba):
+            if isinstance(spec, HKRecurrent):
                 # MambaBase.get_kv_cache_spec
-                kv_cache_spec[f"model.layers.{i}.mamba"] = MambaSpec(
+                kv_cache_spec[f"model.layers.{i}.mixer"] = MambaSpec(
                     shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
                     dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
                     block_size=cache_config.mamba_block_size,
                     page_size_padded=cache_config.mamba_page_size_padded,
-                    mamba_type=MambaAttentionBackendEnum.MAMBA1 if config.get("model_type") == "jamba"
-                    else MambaAttentionBackendEnum.MAMBA2,
+                    mamba_type=mamba_type,
                     mamba_cache_mode=cache_config.mamba_cache_mode,
                     num_speculative_blocks=0)
             elif isinstance(spec, HKSliding):
@@ -194,8 +206,7 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         # EngineCore._initialize_kv_caches
         backends = [backend]
         if has_mamba:
-            backends.append(MambaAttentionBackendEnum.MAMBA1.get_class()
-                            if config.get("model_type") == "jamba" else MambaAttentionBackendEnum.MAMBA2.get_class())
+            backends.append(mamba_type.get_class())
         layouts = get_supported_kv_cache_layouts(backends)
         layout = resolve_kv_cache_layout(vllm_config, [[m.name for m in layouts]], list(kv_cache_spec.values()))
         memory_bytes = parse_memory(memory)
@@ -212,24 +223,13 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         kv_cache_config.hash_block_size = hash_block_size
         kv_cache_config.cache_hit_alignment_tokens = alignment
 
-        # Scheduler.__init__
-        kv = KVCacheManager(
-            kv_cache_config=kv_cache_config,
-            max_model_len=model_config.max_model_len,
-            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
-            enable_caching=cache_config.enable_prefix_caching,
-            use_eagle=False,
-            num_prefill_lookahead=vllm_config.num_prefill_lookahead_tokens,
-            log_stats=False,
-            enable_kv_cache_events=False,
-            dcp_world_size=1,
-            pcp_world_size=1,
-            scheduler_block_size=scheduler_block_size,
-            hash_block_size=hash_block_size,
-            metrics_collector=None,
-            watermark=vllm_config.scheduler_config.watermark,
-            enable_mamba_shared_prefix_checkpoint=cache_config.enable_mamba_shared_prefix_checkpoint,
-        )
+        # EngineCore: the Scheduler builds the manager (its split of prefill
+        # chunks at Mamba cache positions is what the replay asks it for)
+        cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # EngineCore sets it before the Scheduler
+        scheduler = Scheduler(vllm_config, kv_cache_config, structured_output_manager=None,
+                              block_size=scheduler_block_size, hash_block_size=hash_block_size)
+        kv = scheduler.kv_cache_manager
+        split = scheduler._mamba_block_aligned_split if scheduler.need_mamba_block_aligned_split else None
         # EngineCore.__init__: the request block hasher
         hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -257,19 +257,20 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         "max_model_len": model_config.max_model_len,
         "kv_cache_layout": layout.name,
     }
-    return kv, hasher, info
+    return kv, hasher, split, info
 
 
-def replay(kv, hasher, trace, max_running: int = 256) -> dict:
-    """manager_overhead.replay's loop, against vLLM's KVCacheManager."""
+def replay(kv, hasher, trace, max_running: int = 256, split=None) -> dict:
+    """manager_overhead.replay's loop, against vLLM's KVCacheManager.
+    `split`: the Scheduler's clip of a prefill chunk to the next position
+    where a Mamba state must be cached ("align" mode), or None."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
     params = SamplingParams(max_tokens=1 << 30)  # lengths are the trace's; one shared object, built once
     RUNNING = RequestStatus.RUNNING
-    waiting = [(f"r{i}", list(tokens), outputs, samples) for i, (tokens, outputs, samples) in enumerate(trace)]
-    waiting.reverse()  # pop() from the end = FCFS
-    pending: dict[str, Request] = {}  # requests built but not yet admitted (a failed admission keeps its Request)
+    waiting = Waiting(trace)
+    pending: dict[str, list] = {}  # [Request, hit] built, not yet admitted (a failed admission keeps its progress)
     running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far, Request]
     admit_time = failed_time = decode_time = build_time = 0.0
     admissions = failed = decode_steps = preemptions = 0
@@ -283,30 +284,25 @@ def replay(kv, hasher, trace, max_running: int = 256) -> dict:
         kv.new_step_starts()  # Scheduler.schedule() opens every step with it
         decode_time += perf() - t0
         while waiting and len(running) < max_running:
-            rid, tokens, outputs, samples = waiting[-1]
+            rid, tokens, outputs, samples = waiting.head()
             t0 = perf()
-            req = pending.get(rid)
-            if req is None:  # EngineCore.add_request: the Request hashes its full blocks
-                req = pending[rid] = Request(rid, tokens, params, None, block_hasher=hasher)
+            entry = pending.get(rid)
+            if entry is None:  # EngineCore.add_request: the Request hashes its full blocks
+                entry = pending[rid] = [Request(rid, tokens, params, None, block_hasher=hasher), 0]
                 build_time += perf() - t0
-            blocks, hit, req.shared_prefix_boundary = kv.get_computed_blocks(req)
-            new_blocks = kv.allocate_slots(req, req.num_tokens - hit, num_new_computed_tokens=hit,
-                                           new_computed_blocks=blocks, full_sequence_must_fit=True,
-                                           has_scheduled_reqs=bool(running))
-            if new_blocks is None:
+            req = entry[0]
+            if not _prefill(kv, entry, split, has_scheduled_reqs=bool(running)):
                 failed_time += perf() - t0
                 failed += 1
                 if not running:
                     raise RuntimeError("a single request does not fit the pool")
                 break
-            req.num_computed_tokens = hit  # Scheduler.schedule(): the hit is computed ...
-            req.num_computed_tokens += req.num_tokens - hit  # ... and _update_after_schedule adds the chunk
             req.status = RUNNING
             admit_time += perf() - t0
             admissions += 1
             queried += req.num_tokens
-            hit_tokens += hit
-            waiting.pop()
+            hit_tokens += entry[1]
+            waiting.admitted()
             del pending[rid]
             running[rid] = [outputs, samples, tokens, req]
         peak_used = max(peak_used, usable - pool.get_num_free_blocks())
@@ -339,7 +335,7 @@ def replay(kv, hasher, trace, max_running: int = 256) -> dict:
             del running[rid]
         for rid in reversed(preempted):
             outputs, samples, tokens, _ = running.pop(rid)
-            waiting.append((rid, tokens, outputs, samples))  # a fresh Request with the tokens so far
+            waiting.requeue((rid, tokens, outputs, samples))  # a fresh Request with the tokens so far
             preemptions += 1
         # What Scheduler.schedule() drains from the manager every step.
         kv.take_boundary_state_offloads()
@@ -348,6 +344,8 @@ def replay(kv, hasher, trace, max_running: int = 256) -> dict:
             pool.free_blocks(retained)
         kv.take_new_block_ids()
         decode_time += perf() - t0
+        for rid in finished:  # the next turns of these chats arrive (untimed: the trace, not the manager)
+            waiting.finished(rid)
     return {
         "admissions": admissions,
         "us_per_admission": 1e6 * admit_time / max(1, admissions),
@@ -359,20 +357,50 @@ def replay(kv, hasher, trace, max_running: int = 256) -> dict:
         "peak_pages": peak_used,
         "total_pages": usable,
         "hit_rate": hit_tokens / queried if queried else 0.0,
+        "prompt_tokens": queried,
+        "hit_tokens": hit_tokens,
         "us_per_request_build": 1e6 * build_time / max(1, admissions),
     }
 
 
+def _prefill(kv, entry: list, split, has_scheduled_reqs: bool) -> bool:
+    """The manager calls of the Scheduler's prefill of `entry` ([Request,
+    hit], the hit set here): the lookup and
+    the first chunk with the hit (room for the whole prompt checked, as
+    `scheduler_reserve_full_isl` does by default), then chunk after chunk,
+    each clipped by `split` where "align" mode must cache a Mamba state.
+    False if the pool is full (the Request keeps its progress)."""
+    req = entry[0]
+    if req.num_computed_tokens == 0:
+        blocks, hit, req.shared_prefix_boundary = kv.get_computed_blocks(req)
+        size = req.num_tokens - hit
+        if split is not None:
+            size = split(req, size, hit)
+        if kv.allocate_slots(req, size, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                             full_sequence_must_fit=True, has_scheduled_reqs=has_scheduled_reqs) is None:
+            return False
+        entry[1] = hit  # Scheduler.schedule(): the hit is computed ...
+        req.num_computed_tokens = hit + size  # ... and _update_after_schedule adds the chunk
+    while req.num_computed_tokens < req.num_tokens:  # later chunks, as the running loop schedules them
+        size = req.num_tokens - req.num_computed_tokens
+        if split is not None:
+            size = split(req, size)
+        if kv.allocate_slots(req, size, has_scheduled_reqs=True) is None:
+            return False
+        req.num_computed_tokens += size
+    return True
+
+
 def run(config_path: str, trace, memory="40GiB", max_running: int = 256, freeze_gc: bool = True) -> dict:
     """Build vLLM's manager for the model and replay `trace` through it."""
-    kv, hasher, info = build_manager(config_path, memory)
+    kv, hasher, split, info = build_manager(config_path, memory)
     if freeze_gc:
         # EngineCore.__init__ ends with freeze_gc_heap(): the startup heap (the
         # pool's KVCacheBlock objects among it) is left out of GC passes.
         gc.collect()
         gc.freeze()
     try:
-        row = replay(kv, hasher, trace, max_running=max_running)
+        row = replay(kv, hasher, trace, max_running=max_running, split=split)
     finally:
         if freeze_gc:
             gc.unfreeze()
@@ -409,16 +437,17 @@ def arguments(parser) -> None:
 
 
 def main_run(args) -> dict:
-    """vLLM's manager alone on the trace (manager_overhead.py --against vllm
-    runs it beside hybridkv's)."""
+    """vLLM's manager alone on the traces (manager_overhead.py --against
+    vllm runs it beside hybridkv's)."""
     import_vllm()
-    trace = make_trace(20 if args.quick else args.requests)
     rows = []
-    for label, file in CONFIGS.items():
-        row = run(os.path.join(MODELS_DIR, file), trace, args.memory, freeze_gc=not args.no_gc_freeze)
-        print(label, {k: v for k, v in row.items() if k != "notes"})
-        print("   ", describe(row))
-        rows.append({"model": label, **row})
+    for name, make in TRACES.items():
+        trace = make(20 if args.quick else args.requests)
+        for label, file in CONFIGS.items():
+            row = run(os.path.join(MODELS_DIR, file), trace, args.memory, freeze_gc=not args.no_gc_freeze)
+            print(label, name, {k: v for k, v in row.items() if k != "notes"})
+            print("   ", describe(row))
+            rows.append({"model": label, "trace": name, **row})
     return {"models": rows}
 
 

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from benchmarks import harness, render
+from benchmarks import harness, manager_overhead, render
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting, generated, make_chats
+from hybridkv.core import KVCacheManager, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
 from real_model import real_gguf_path
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -32,7 +35,42 @@ def test_manager_overhead_quick(tmp_path):
     assert "us/decode step" in text and "pool pages" in text
     for row in data["models"]:
         assert row["admissions"] > 0 and row["us_per_decode_step"] > 0 and 0 <= row["hit_rate"] <= 1
+    assert {(row["model"], row["trace"]) for row in data["models"]} == {(m, t) for m in CONFIGS for t in TRACES}
+    # every model, recurrent ones included, reuses the previous turn of a chat
+    assert all(row["hit_tokens"] > 0 for row in data["models"] if row["trace"] == "multi-turn")
     assert data["scaling"]  # small pools hold no Gemma-3-27B rows in --quick
+
+
+def test_a_chat_turn_extends_the_previous_one_and_arrives_when_it_finished():
+    trace = make_chats(40)
+    assert any(r.after is not None for r in trace)
+    for i, r in enumerate(trace):
+        if r.after is not None:
+            prev = trace[r.after]
+            assert r.after < i and r.tokens[:len(prev.tokens)] == prev.tokens
+            assert r.tokens[len(prev.tokens):len(prev.tokens) + prev.outputs] == generated(prev.outputs, prev.samples)
+            assert len(r.tokens) > len(prev.tokens) + prev.outputs  # and a new message
+    waiting = Waiting(trace)
+    first = {f"r{i}" for i, r in enumerate(trace) if r.after is None}
+    seen = []
+    while waiting:
+        seen.append(waiting.head()[0])
+        waiting.admitted()
+    assert set(seen) == first  # later turns wait for theirs
+    waiting.finished(seen[0])
+    follower = next(i for i, r in enumerate(trace) if r.after == int(seen[0][1:]))
+    assert waiting.head()[0] == f"r{follower}"
+
+
+def test_the_second_turn_of_a_chat_hits_everything_the_replay_decoded_in_the_first():
+    """The replay loop decodes `generated(...)`: the next turn's prompt then
+    extends the cached sequence, and on full attention hits all of it but
+    the last partial block."""
+    trace = make_chats(2, turns=(2, 2))
+    path = os.path.join(MODELS_DIR, CONFIGS["full-only (Llama-3.1-8B)"])
+    row = manager_overhead.replay(KVCacheManager(plan_layout(specs_from_config(load_config(path)), "4GiB")), trace)
+    first = trace[0]
+    assert row["hit_tokens"] == (len(first.tokens) + first.outputs - 1) // 16 * 16
 
 
 def test_manager_overhead_with_events_quick(tmp_path):
