@@ -92,19 +92,23 @@ def test_engine_outputs_with_tiers_equal_those_without(tmp_path):
     assert cached[1] > cached[0] and cached[2] > cached[0]
 
 
+def copy_on_both(driver, worker) -> None:
+    """Tensor parallelism: the driver makes its copies, the worker replays
+    the driver's calls on its own pool and makes its own."""
+    driver.copy(driver.take_copies())
+    worker.replay(driver.take_log())
+    worker.copy(worker.take_copies())
+
+
 def test_a_worker_replaying_the_drivers_tier_calls_makes_the_same_copies():
     # Tensor parallelism: each rank's host tier replays the driver's calls on its own pool.
     (pool_a, driver), (pool_b, worker) = store(), store()
     driver.log = []
     pool_a[3], pool_b[3] = 7, 8  # each rank's own bytes of the same block
     driver.put(0, b"k", [3])
-    driver.copy(driver.take_copies())
-    worker.replay(driver.take_log())
-    worker.copy(worker.take_copies())
+    copy_on_both(driver, worker)
     driver.load([5], driver.fetch(driver.index[0][b"k"]))
-    driver.copy(driver.take_copies())
-    worker.replay(driver.take_log())
-    worker.copy(worker.take_copies())
+    copy_on_both(driver, worker)
     assert int(pool_a[5, 0]) == 7 and int(pool_b[5, 0]) == 8
     assert worker.host.blocks == driver.host.blocks and worker.index == driver.index
 
@@ -142,14 +146,10 @@ def test_a_disk_read_counts_only_if_every_rank_read_its_file(tmp_path):
     for key in (b"k", b"m"):
         pool_a[3], pool_b[3] = 7, 8  # each rank's own bytes of the same block
         driver.put(0, key, [3])
-        driver.copy(driver.take_copies())
-        worker.replay(driver.take_log())
-        worker.copy(worker.take_copies())
+        copy_on_both(driver, worker)
     # Both read k: a hit, each rank loading its own bytes.
     driver.load([5], driver.fetch(driver.index[0][b"k"]))
-    driver.copy(driver.take_copies())
-    worker.replay(driver.take_log())
-    worker.copy(worker.take_copies())
+    copy_on_both(driver, worker)
     assert int(pool_a[5, 0]) == 7 and int(pool_b[5, 0]) == 8
     # The worker's file of m is gone: a miss on both, and both drop m.
     os.unlink(worker.disk._path(0, b"m"))
