@@ -6,8 +6,8 @@ prefill and Mamba checkpoint hits; and a host tier below each rank's pool
 (each worker replays the driver's tier decisions on its own pool). The two
 ranks' tokens equal the one process's and transformers' argmax.
 
-And a disk tier below each rank's pool (each rank writes its own slices
-to its own files): hits served from disk, within one engine and after a
+And a disk tier below each rank's pool, alone or below a host tier (each
+rank writes its own slices to its own files): hits served from disk, within one engine and after a
 restart, give the one process's tokens; a block one rank cannot read
 (truncated, missing, unreadable) is a miss on every rank, removed on every
 rank, and recomputed with the same tokens."""
@@ -147,12 +147,14 @@ def plain_tokens(jamba):
     return dict(zip(map(tuple, prompts), tokens))
 
 
+@pytest.mark.parametrize("host", [None, "64KiB"])
 def test_two_ranks_with_a_disk_tier_serve_hits_from_disk_after_a_restart_with_the_one_process_tokens(
-        jamba, plain_tokens, tmp_path):
+        jamba, plain_tokens, tmp_path, host):
+    # With a small host tier too, each rank's host memory pushes its oldest blocks to its own files.
     path, reference = jamba
     docs = documents(6)
     revisits = docs + [d + [3, 4] for d in docs]
-    options = tier_options(path)
+    options = dict(tier_options(path), kv_host_cache_memory=host)
     engine = Engine(path, progress=False, tensor_parallel_size=2, kv_disk_cache=str(tmp_path), **options)
     try:
         tokens, _ = one_by_one(engine, revisits)
