@@ -120,8 +120,6 @@ def _serve_replicas(args) -> int:
     replicas = 1 if args.replicas is None else args.replicas
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size with --replicas is not supported yet: one process per replica")
     model = args.model or args.model_option
     if model is None:
         from .tiny_models import tiny_model_dir

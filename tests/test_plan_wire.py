@@ -59,3 +59,16 @@ def test_a_plan_of_another_format_is_an_error(layout):
     data = plan_wire.encode(plan(layout, False, None), layout)
     with pytest.raises(ValueError, match="ranks disagree"):
         plan_wire.decode(np.concatenate([data, [0]]), layout, StepPlan)
+
+
+def test_tier_calls_and_a_disk_read_travel_alone():
+    # A flush's calls (stores, then cached blocks written through) and the
+    # block of a disk read the ranks vote on.
+    calls = [("put", 1, b"\x02" * 32, [3]), ("write", 0, b"w" * 32, [7, 8]), ("write", 1, b"x", [9]), ("clear",)]
+    data = plan_wire.encode_tier_calls(calls)
+    assert data.dtype == np.int64 and plan_wire.decode_tier_calls(data) == calls
+    assert plan_wire.decode_tier_calls(plan_wire.encode_tier_calls([])) == []
+    block = plan_wire.encode_block(2, b"k" * 13)
+    assert plan_wire.decode_block(block) == (2, b"k" * 13)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        plan_wire.decode_block(np.concatenate([block, [0]]))

@@ -39,7 +39,7 @@ SETTLE_S = 1.0  # a few report periods: long enough for the routers to hear of w
 
 @pytest.fixture(scope="module")
 def cluster():
-    start_ray(num_cpus=6, log_to_driver=False)
+    start_ray(num_cpus=8, log_to_driver=False)  # room for the applications below at once (logical CPUs)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for name in OPTIONS:
@@ -345,24 +345,38 @@ def _retried(client) -> float:
     return float(line.split()[-1])
 
 
+def served_like_plain(cluster, plain, app, options, docs) -> int:
+    """Deploy `app`: two replicas of tiny Gemma-3 with engine `options`; send
+    each document, then each with a question, and check every text against
+    the plain engine's. Returns the cached tokens, summed."""
+    serve.run(build_application(tiny_model_dir("tiny-gemma3"), model_name="tiny-gemma3", num_replicas=2,
+                                engine_options=options, stats_period_s=STATS_PERIOD_S, snapshot_every=5),
+              name=app, route_prefix=f"/{app}", blocking=False)
+    _wait_running(app)
+    try:
+        engine = plain("tiny-gemma3")
+        cached = 0
+        for prompt in docs + [d + [7, 8] for d in docs]:
+            _, text, hit = complete(cluster, app, prompt, max_tokens=6)
+            assert text == greedy(engine, prompt, 6)
+            cached += hit
+        return cached
+    finally:
+        serve.delete(app)
+
+
 def test_replicas_with_host_and_disk_tiers_equal_one_plain_engine(cluster, plain, tmp_path):
     # Both replicas keep evicted blocks in host memory and share one disk
     # directory; the pool holds about two of these prompts, so revisits hit
     # the tiers. Outputs equal the plain engine's.
     options = dict(OPTIONS["tiny-gemma3"], kv_host_cache_memory="1MiB", kv_disk_cache=str(tmp_path))
-    app = build_application(tiny_model_dir("tiny-gemma3"), model_name="tiny-gemma3", num_replicas=2,
-                            engine_options=options, stats_period_s=STATS_PERIOD_S, snapshot_every=5)
-    serve.run(app, name="tiers", route_prefix="/tiers", blocking=False)
-    _wait_running("tiers")
-    try:
-        engine = plain("tiny-gemma3")
-        rng = random.Random(9)
-        docs = [tokens(rng, 90) for _ in range(4)]
-        cached = 0
-        for prompt in docs + [d + [7, 8] for d in docs]:
-            _, text, hit = complete(cluster, "tiers", prompt, max_tokens=6)
-            assert text == greedy(engine, prompt, 6)
-            cached += hit
-        assert cached > 0
-    finally:
-        serve.delete("tiers")
+    rng = random.Random(9)
+    assert served_like_plain(cluster, plain, "tiers", options, [tokens(rng, 90) for _ in range(4)]) > 0
+
+
+def test_replicas_with_tensor_parallelism_equal_one_plain_engine(cluster, plain):
+    # Each replica is an engine of two ranks (its worker process started by
+    # the engine inside Ray's actor); Ray counts two CPUs per replica.
+    options = dict(OPTIONS["tiny-gemma3"], tensor_parallel_size=2)
+    rng = random.Random(5)
+    served_like_plain(cluster, plain, "tp", options, [tokens(rng, 50) for _ in range(3)])

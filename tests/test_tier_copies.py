@@ -6,6 +6,9 @@ the engine's outputs with tiers equal those without."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from hybridkv import Engine, FullAttentionSpec, SamplingParams, plan_layout
@@ -89,18 +92,69 @@ def test_engine_outputs_with_tiers_equal_those_without(tmp_path):
     assert cached[1] > cached[0] and cached[2] > cached[0]
 
 
+def copy_on_both(driver, worker) -> None:
+    """Tensor parallelism: the driver makes its copies, the worker replays
+    the driver's calls on its own pool and makes its own."""
+    driver.copy(driver.take_copies())
+    worker.replay(driver.take_log())
+    worker.copy(worker.take_copies())
+
+
 def test_a_worker_replaying_the_drivers_tier_calls_makes_the_same_copies():
     # Tensor parallelism: each rank's host tier replays the driver's calls on its own pool.
     (pool_a, driver), (pool_b, worker) = store(), store()
     driver.log = []
     pool_a[3], pool_b[3] = 7, 8  # each rank's own bytes of the same block
     driver.put(0, b"k", [3])
-    driver.copy(driver.take_copies())
-    worker.replay(driver.take_log())
-    worker.copy(worker.take_copies())
+    copy_on_both(driver, worker)
     driver.load([5], driver.fetch(driver.index[0][b"k"]))
-    driver.copy(driver.take_copies())
-    worker.replay(driver.take_log())
-    worker.copy(worker.take_copies())
+    copy_on_both(driver, worker)
     assert int(pool_a[5, 0]) == 7 and int(pool_b[5, 0]) == 8
     assert worker.host.blocks == driver.host.blocks and worker.index == driver.index
+
+
+class Vote:
+    """Two ranks' disk-read votes in one process (tensor_parallel.py's
+    TensorParallel and Follower do it over torch.distributed): the driver's
+    `ask` starts the worker's read on a thread, and `all` waits for both."""
+
+    def __init__(self, rank: int, flags: list, barrier: threading.Barrier, worker=None):
+        self.leads, self.rank, self.flags, self.barrier, self.worker = rank == 0, rank, flags, barrier, worker
+
+    def ask(self, item):
+        if self.leads:
+            self.reading = threading.Thread(target=self.worker.read_agreed, args=(item,))
+            self.reading.start()
+
+    def all(self, ok: bool) -> bool:
+        self.flags[self.rank] = ok
+        self.barrier.wait()
+        agreed = all(self.flags)
+        self.barrier.wait()  # both have read the flags before either votes again
+        if self.leads:
+            self.reading.join()  # the worker has kept what it read, as a real one has before the next plan
+        return agreed
+
+
+def test_a_disk_read_counts_only_if_every_rank_read_its_file(tmp_path):
+    # Tensor parallelism: two ranks' disk tiers, each with its own file of block k.
+    (pool_a, driver), (pool_b, worker) = store(tmp_path / "0", host=False), store(tmp_path / "1", host=False)
+    flags, barrier = [None, None], threading.Barrier(2, timeout=10)
+    driver.log = []
+    driver.agreement = Vote(0, flags, barrier, worker)
+    worker.agreement = Vote(1, flags, barrier)
+    for key in (b"k", b"m"):
+        pool_a[3], pool_b[3] = 7, 8  # each rank's own bytes of the same block
+        driver.put(0, key, [3])
+        copy_on_both(driver, worker)
+    # Both read k: a hit, each rank loading its own bytes.
+    driver.load([5], driver.fetch(driver.index[0][b"k"]))
+    copy_on_both(driver, worker)
+    assert int(pool_a[5, 0]) == 7 and int(pool_b[5, 0]) == 8
+    # The worker's file of m is gone: a miss on both, and both drop m.
+    os.unlink(worker.disk._path(0, b"m"))
+    assert driver.fetch(driver.index[0][b"m"]) is None
+    assert b"m" not in driver.index[0] and (0, b"m") not in driver.disk.files
+    assert not os.path.exists(driver.disk._path(0, b"m"))
+    worker.replay(driver.take_log())  # the driver's failed fetch: nothing to load, no disagreement
+    assert (0, b"m") not in worker.disk.files and worker.index == driver.index

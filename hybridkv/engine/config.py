@@ -45,7 +45,9 @@ class EngineConfig:
     directory) keeps what host memory evicts, or with no host tier what the
     pool evicts, in files, up to `kv_disk_cache_memory` bytes, and survives
     a restart (the engine's `close()` writes what the pool still caches
-    there too). Both need prefix caching.
+    there too). Both need prefix caching. Under tensor parallelism every
+    rank has its own tiers (its slices of the blocks, its own files), with
+    these budgets each.
     `enable_kv_events`: the manager records what its cache can serve as it
     changes (core/events.py); the engine's `take_kv_events()` hands it over.
     `tensor_parallel_size`: split the model over that many processes
@@ -121,10 +123,6 @@ class EngineConfig:
         _memory("kv_disk_cache_memory", self.kv_disk_cache_memory)
         if self.tiers and not self.enable_prefix_caching:
             raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
-        if self.kv_disk_cache is not None and self.tensor_parallel_size > 1:
-            raise ValueError("a disk tier below the pool does not work with tensor_parallel_size > 1 yet: a "
-                             "read that fails on one rank would have to be a miss on every rank (the host tier "
-                             "works: each rank replays the driver's decisions)")
 
     def _check_speculative(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

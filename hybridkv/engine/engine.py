@@ -38,7 +38,7 @@ from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
-from .kv_tiers import TieredStore, kv_identity
+from .kv_tiers import TieredStore, kv_identities
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .runner import ModelRunner
@@ -78,15 +78,14 @@ class Engine:
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
         self.parallel = None
+        tiers = self._tier_options(config) if config.tiers else None
         if config.tensor_parallel_size > 1:
             from .tensor_parallel import TensorParallel
 
-            host = config.kv_host_cache_memory
             self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
                 device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                threads=torch.get_num_threads(), host_tier_bytes=parse_memory(host) if host is not None else 0),
-                self.device, self.config.vocab_size)
+                threads=torch.get_num_threads(), tiers=tiers), self.device, self.config.vocab_size)
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)
@@ -95,7 +94,7 @@ class Engine:
             # once loading is done and the runner has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
-        self.tiers = self._attach_tiers(config) if config.tiers else None
+        self.tiers = self._attach_tiers(tiers) if tiers is not None else None
         self.runner.tiers = self.tiers
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=self.runner.release,
@@ -126,15 +125,23 @@ class Engine:
         context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(config.max_model_len or context, context)
 
-    def _attach_tiers(self, config: EngineConfig) -> TieredStore:
+    def _tier_options(self, config: EngineConfig) -> dict:
+        """What each rank's tiers are made of (every rank's own: its host
+        memory, its disk files under its own identity)."""
         host = config.kv_host_cache_memory
-        identity = kv_identity(self.model_dir, dtype_name(self.dtype), self.layout)
-        tiers = TieredStore(self.runner.buffers.pool, self.layout,
-                            host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
-                            disk_bytes=parse_memory(config.kv_disk_cache_memory), identity=identity)
+        return dict(host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
+                    disk_bytes=parse_memory(config.kv_disk_cache_memory),
+                    identities=kv_identities(self.model_dir, dtype_name(self.dtype), self.layout,
+                                             config.tensor_parallel_size))
+
+    def _attach_tiers(self, options: dict) -> TieredStore:
+        tiers = TieredStore(self.runner.buffers.pool, self.layout, host_bytes=options["host_bytes"],
+                            disk_dir=options["disk_dir"], disk_bytes=options["disk_bytes"],
+                            identity=options["identities"][0])
         self.kv.attach_tier(tiers)
         if self.parallel is not None:
-            tiers.log = []  # the workers' host tiers replay its calls (kv_tiers.py)
+            tiers.log = []  # the workers' tiers replay its calls (kv_tiers.py)
+            tiers.agreement = self.parallel  # a disk read counts only if every rank's did
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)
@@ -145,10 +152,14 @@ class Engine:
         """Write what the pool still caches to the disk tier (the next start
         hits it), and stop the tensor-parallel workers. Safe to call more than
         once; without a disk tier or workers, nothing."""
-        if self.tiers is not None:
-            self.tiers.flush(self.kv)
-        if self.parallel is not None:
-            self.parallel.close()
+        try:
+            if self.tiers is not None:
+                self.tiers.flush(self.kv)
+                if self.parallel is not None:  # the workers write their slices of the same blocks
+                    self.parallel.send_tier_calls(self.tiers.take_log())
+        finally:
+            if self.parallel is not None:
+                self.parallel.close()
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":
@@ -292,6 +303,8 @@ class Engine:
             self.num_steps += 1
         elif tiers is not None:
             tiers.copy(tiers.take_copies())  # stores decided by a step that schedules nothing
+            if self.parallel is not None:  # ... and on the workers now, so the ranks' tiers move alike
+                self.parallel.send_tier_calls(tiers.take_log())
         if tiers is not None:
             self.last_step_tier_load_seconds = tiers.load_seconds - loading
         return self._apply(steps, logits) if steps else []

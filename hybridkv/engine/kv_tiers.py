@@ -29,6 +29,14 @@ another version is a miss and is removed. A write that fails is a lost
 block, never an error for a request: on a full disk the tier makes room
 from its own LRU and tries again, after other errors it pauses and tries
 again later (`DiskTier`); serving goes on.
+
+Tensor parallelism: every rank keeps its own store, with its own slice of
+each block (its own files: `kv_identities`), and replays the driver's
+calls (`log`, `replay`). Host memory behaves alike on every rank, but a
+disk read can fail on one rank only, so a disk read is made by every rank
+at once (`read_agreed`) and counts only if every rank's did; otherwise
+every rank drops the block and the driver's `fetch` returns None, the
+miss one process gives for a lost file.
 """
 
 from __future__ import annotations
@@ -76,6 +84,17 @@ def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = 
     if extra:
         h.update(extra.encode())
     return h.digest()
+
+
+def kv_identities(model_dir: str, dtype: str, layout: KVCacheLayout, world: int) -> list[bytes]:
+    """One identity per tensor-parallel rank: each rank's disk tier holds
+    its own slice of every block, so rank and world size are part of what
+    made it (a restart at another size, or another rank, never reads
+    these files). One process: `kv_identity` itself, as before."""
+    if world == 1:
+        return [kv_identity(model_dir, dtype, layout)]
+    return [kv_identity(model_dir, dtype, layout, extra=f"tensor-parallel rank {rank} of {world}")
+            for rank in range(world)]
 
 
 class HostTier:
@@ -411,6 +430,12 @@ class TieredStore:
         # (replay: each rank's host tier then holds the same blocks in the same slab pages).
         self.log: list | None = None
         self._logged: dict[int, int] = {}  # id(fetched content) -> its fetch's place in the log
+        # Tensor parallelism with a disk: the ranks' vote on each disk read
+        # (tensor_parallel.py: `leads` on the driver, which asks the workers
+        # to read; `all(ok)` is every rank's answer), and on a worker the
+        # reads agreed on, which the replay of the driver's fetch then takes.
+        self.agreement = None
+        self.agreed: dict[tuple, torch.Tensor] = {}
         if self.disk is not None:
             for group, key in self.disk.files:
                 if group < len(self.index):
@@ -484,12 +509,36 @@ class TieredStore:
             return store
         content = self.host.get(item) if self.host is not None else None
         if content is None and self.disk is not None:
-            content = self.disk.read(*item)
+            content = self._read_disk(item)
         if content is None:
             self._reindex(item)
             return None
         self.counters["loads"] += 1
         self.counters["load_bytes"] += content.numel()
+        return content
+
+    def _read_disk(self, item) -> torch.Tensor | None:
+        if self.agreement is None:
+            return self.disk.read(*item)
+        if self.agreement.leads:
+            return self.read_agreed(item)
+        # A worker replaying the driver's fetch: it read the block when the
+        # driver asked; nothing here means the ranks did not all read it.
+        return self.agreed.get(item)
+
+    def read_agreed(self, item) -> torch.Tensor | None:
+        """A disk read under tensor parallelism, made on every rank at once
+        (the driver asks the workers, then reads its own file): the content
+        if every rank read its slice, else None on every rank, each having
+        removed its own file, so no rank keeps a block the index dropped."""
+        self.agreement.ask(item)
+        content = self.disk.read(*item)
+        if not self.agreement.all(content is not None):
+            self.disk.remove(item)
+            self.agreed.pop(item, None)
+            return None
+        if not self.agreement.leads:
+            self.agreed[item] = content
         return content
 
     def load(self, pages, content) -> None:
@@ -520,8 +569,12 @@ class TieredStore:
                     raise RuntimeError(f"the tiers of the ranks differ: this rank lacks block {entry[1:3]}")
             elif kind == "load":
                 self.load(entry[2], fetched[entry[1]])
+            elif kind == "write":
+                self.copy(self.take_copies())  # as the driver's flush: what was decided before, first
+                self.write_through(*entry[1:])
             else:
                 self.clear()
+        self.agreed.clear()  # every read agreed on before this log was fetched in it
 
     # -- the worker's side -------------------------------------------------------
     def take_copies(self) -> list[TierCopy]:
@@ -574,9 +627,19 @@ class TieredStore:
         for g in range(len(self.index)):
             for key, pages in kv.cached_pages(g):
                 if (g, key) not in self.disk.files:
-                    self._to_disk((g, key), self.pool[list(pages)].cpu())
-                    written += (g, key) in self.disk.files
+                    written += self.write_through(g, key, pages)
         return written
+
+    def write_through(self, group: int, key: bytes, pages) -> bool:
+        """Write a block the pool caches to disk now (`flush`; a worker
+        replays it on its own pages). True if the disk holds it then."""
+        item = (group, key)
+        if self.log is not None:
+            self.log.append(("write", group, key, list(pages)))
+        if item in self.disk.files:
+            return False
+        self._to_disk(item, self.pool[list(pages)].cpu())
+        return item in self.disk.files
 
     def describe(self) -> dict:
         """Sizes and counters, for stats and metrics."""

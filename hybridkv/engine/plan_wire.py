@@ -15,8 +15,14 @@ The array, in order (every part int64):
         recurrent group: read[width], write[width], zero
     L tier calls (kv_tiers.TieredStore.log: the workers replay them), each:
         put 1, group, key, n, pages[n] | fetch 2, group, key, tier, found |
-        load 3, the fetch's place in the calls, n, pages[n] | clear 4
+        load 3, the fetch's place in the calls, n, pages[n] | clear 4 |
+        write 5, group, key, n, pages[n] (a flush: a cached block to disk)
         (a key: its length in bytes, then its bytes in int64 words)
+
+Besides plans, two smaller messages use the same words: tier calls alone
+(`encode_tier_calls`: L, then the calls; the calls a flush or a step that
+runs nothing decided) and one block (`encode_block`: group, key; a disk
+read every rank makes before the driver's manager may count it as a hit).
 
 Sequences travel by their index in the plan, not their id: a worker's
 `seq_ids` are 0..S-1 and `accepted` is keyed by those indexes (the driver
@@ -62,33 +68,92 @@ def encode(plan, layout: KVCacheLayout) -> np.ndarray:
     return np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
 
 
+def encode_tier_calls(calls: list) -> np.ndarray:
+    return np.asarray([len(calls), *(x for call in calls for x in _tier_call(call))], dtype=np.int64)
+
+
+def decode_tier_calls(data: np.ndarray) -> list:
+    reader = _Reader(data)
+    calls = reader.tier_calls(int(reader.take(1)[0]))
+    reader.end()
+    return calls
+
+
+def encode_block(group: int, key: bytes) -> np.ndarray:
+    return np.asarray([group, *_key(key)], dtype=np.int64)
+
+
+def decode_block(data: np.ndarray) -> tuple[int, bytes]:
+    reader = _Reader(data)
+    block = int(reader.take(1)[0]), reader.key()
+    reader.end()
+    return block
+
+
 def _key(key: bytes) -> list:
     padded = key + bytes(-len(key) % 8)
     return [len(key), *np.frombuffer(padded, dtype="<i8").tolist()]
 
 
+_CALLS = {"put": 1, "fetch": 2, "load": 3, "clear": 4, "write": 5}
+
+
 def _tier_call(call) -> list:
     kind = call[0]
-    if kind == "put":
-        return [1, call[1], *_key(call[2]), len(call[3]), *call[3]]
+    if kind in ("put", "write"):
+        return [_CALLS[kind], call[1], *_key(call[2]), len(call[3]), *call[3]]
     if kind == "fetch":
-        return [2, call[1], *_key(call[2]), TIERS.index(call[3]), int(call[4])]
+        return [_CALLS[kind], call[1], *_key(call[2]), TIERS.index(call[3]), int(call[4])]
     if kind == "load":
-        return [3, call[1], len(call[2]), *call[2]]
-    return [4]
+        return [_CALLS[kind], call[1], len(call[2]), *call[2]]
+    return [_CALLS["clear"]]
+
+
+class _Reader:
+    """Reads an encoded message front to back."""
+
+    def __init__(self, data: np.ndarray):
+        self.data, self.at = data, 0
+
+    def take(self, count: int) -> np.ndarray:
+        part = self.data[self.at:self.at + count]
+        self.at += count
+        return part
+
+    def key(self) -> bytes:
+        size = int(self.take(1)[0])
+        return self.take(-(-size // 8)).astype("<i8").tobytes()[:size]
+
+    def tier_calls(self, count: int) -> list:
+        take, calls = self.take, []
+        for _ in range(count):
+            kind = int(take(1)[0])
+            if kind in (1, 5):
+                group, key = int(take(1)[0]), self.key()
+                calls.append(("put" if kind == 1 else "write", group, key, take(int(take(1)[0])).tolist()))
+            elif kind == 2:
+                group, key = int(take(1)[0]), self.key()
+                tier, found = (int(x) for x in take(2))
+                calls.append(("fetch", group, key, TIERS[tier], bool(found)))
+            elif kind == 3:
+                position = int(take(1)[0])
+                calls.append(("load", position, take(int(take(1)[0])).tolist()))
+            else:
+                calls.append(("clear",))
+        return calls
+
+    def end(self) -> None:
+        if self.at != len(self.data):
+            raise ValueError(f"a message of {len(self.data)} values held {self.at}: the ranks disagree on its "
+                             f"format")
 
 
 def decode(data: np.ndarray, layout: KVCacheLayout, plan_type):
     """The plan `encode` wrote, as a `plan_type` (runner.StepPlan)."""
     t, s, k, c, v, a, n, calls = (int(x) for x in data[:HEADER])
-    at = HEADER
-
-    def take(count: int) -> np.ndarray:
-        nonlocal at
-        part = data[at:at + count]
-        at += count
-        return part
-
+    reader = _Reader(data)
+    reader.take(HEADER)
+    take = reader.take
     ids, first_positions, counts, rows = take(t), take(s), take(s), take(s)
     verifying = take(s).astype(bool) if v else None
     sampled = take(k)
@@ -106,26 +171,7 @@ def decode(data: np.ndarray, layout: KVCacheLayout, plan_type):
             m = int(take(1)[0])
             columns = take(m).copy()
             changes.append((g, row, columns, take(width * m).reshape(width, m).copy()))
-    def key() -> bytes:
-        size = int(take(1)[0])
-        return take(-(-size // 8)).astype("<i8").tobytes()[:size]
-
-    tier_log = []
-    for _ in range(calls):
-        kind = int(take(1)[0])
-        if kind == 1:
-            group, k_ = int(take(1)[0]), key()
-            tier_log.append(("put", group, k_, take(int(take(1)[0])).tolist()))
-        elif kind == 2:
-            group, k_ = int(take(1)[0]), key()
-            tier, found = (int(x) for x in take(2))
-            tier_log.append(("fetch", group, k_, TIERS[tier], bool(found)))
-        elif kind == 3:
-            position = int(take(1)[0])
-            tier_log.append(("load", position, take(int(take(1)[0])).tolist()))
-        else:
-            tier_log.append(("clear",))
-    if at != len(data):
-        raise ValueError(f"a step plan of {len(data)} values held {at}: the ranks disagree on its format")
+    tier_log = reader.tier_calls(calls)
+    reader.end()
     return plan_type(ids, first_positions, counts, rows, verifying, sampled, list(range(s)), copies, changes,
                      accepted, tier_log)

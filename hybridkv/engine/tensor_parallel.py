@@ -20,8 +20,17 @@ broadcast of its plan (engine/runner.py `StepPlan`: token ids, positions,
 table rows, the block-table entries that changed, page copies) and one
 gather of the sampled rows' logits. The plan travels as one int64 tensor
 (plan_wire.py), never pickled: a fixed head of `HEAD_VALUES` values holds
-its length and its start, and only a longer plan (a prefill of many
-tokens) takes a second broadcast for the rest.
+its length, its kind and its start, and only a longer plan (a prefill of
+many tokens) takes a second broadcast for the rest.
+
+Tiers: each rank has its own host and disk tiers, holding its slices of
+the blocks, and replays the driver's tier calls, which go with the plans
+(kv_tiers.py). Two other messages serve them: tier calls alone (a flush
+at close, or stores decided by a step that runs nothing), and a disk read
+the driver is about to make: every rank reads its own file, and one
+all-reduce of a flag (`all_ranks`) says whether all did; if not, the
+block is a miss on every rank, decided before the driver's manager counts
+the hit, as a lost file is in one process.
 
 The KV cache: every rank has a pool for its own KV heads, planned from the
 per-rank specs by the same layout (same pages, same page size), so the
@@ -63,7 +72,8 @@ from . import plan_wire
 log = logging.getLogger("hybridkv.tensor_parallel")
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HYBRIDKV_TP_TIMEOUT", "600")))
-HEAD_VALUES = 1024  # the first broadcast of a plan: its length, then its start (a decode step of 64+ fits)
+HEAD_VALUES = 1024  # the first broadcast of a message: its length, its kind, then its start (a decode step of 64+ fits)
+PLAN, TIER_CALLS, DISK_READ = 0, 1, 2  # the kinds of message the driver sends
 
 
 def free_port() -> int:
@@ -104,6 +114,7 @@ class TensorParallel:
         self.bytes_sent = 0  # plans broadcast (their encoded values; the head's padding not counted)
         self.plan_seconds = 0.0  # the driver's time encoding and broadcasting plans
         self.closed = False
+        self.leads = True  # for the tiers' disk reads (kv_tiers.TieredStore.agreement): the driver asks
 
     def check_workers(self) -> None:
         for worker in self.workers:
@@ -119,6 +130,23 @@ class TensorParallel:
         self.plan_seconds += time.perf_counter() - started
         self.steps += 1
         self.bytes_sent += data.nbytes
+
+    def send_tier_calls(self, calls: list) -> None:
+        """Tier calls decided outside a step (a flush, stores of a step that
+        runs nothing): the workers replay them and make their copies now,
+        so that every rank's tiers move in the same order."""
+        if calls and not self.closed:
+            self.check_workers()
+            self.wire.send(plan_wire.encode_tier_calls(calls), TIER_CALLS)
+
+    def ask(self, item: tuple) -> None:
+        """Every worker is to read disk block `item` (group, key) and vote
+        (`all`)."""
+        self.check_workers()
+        self.wire.send(plan_wire.encode_block(*item), DISK_READ)
+
+    def all(self, ok: bool) -> bool:
+        return all_ranks(ok, self.wire.device)
 
     def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
         """[rows, this rank's vocabulary rows] here and on every rank ->
@@ -154,44 +182,56 @@ def pad_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
 
 
+def all_ranks(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (each rank calls it at the same
+    point): one all-reduce of a flag, its minimum."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 class PlanWire:
-    """Plans as int64 tensors from the driver to every worker: a head of
-    HEAD_VALUES values (the plan's length, -1 to stop, then its start) and,
-    for a longer plan, a second broadcast of the rest. On NCCL the tensors
-    go through the rank's device."""
+    """Messages as int64 tensors from the driver to every worker: a head of
+    HEAD_VALUES values (the message's length, -1 to stop; its kind; then
+    its start) and, for a longer one, a second broadcast of the rest. On
+    NCCL the tensors go through the rank's device."""
+
+    ROOM = HEAD_VALUES - 2  # the values of a message the head holds
 
     def __init__(self, device: torch.device):
         self.device = device
         self.head = torch.zeros(HEAD_VALUES, dtype=torch.int64, device=device)
 
-    def send(self, data: np.ndarray | None) -> None:
+    def send(self, data: np.ndarray | None, kind: int = PLAN) -> None:
         n = -1 if data is None else len(data)
         first = np.empty(HEAD_VALUES, dtype=np.int64)
-        first[0] = n
+        first[:2] = n, kind
         if n > 0:
-            start = data[:HEAD_VALUES - 1]
-            first[1:1 + len(start)] = start
+            start = data[:self.ROOM]
+            first[2:2 + len(start)] = start
         self.head.copy_(torch.from_numpy(first))
         dist.broadcast(self.head, src=0)
-        if n > HEAD_VALUES - 1:
-            dist.broadcast(torch.from_numpy(data[HEAD_VALUES - 1:]).to(self.device), src=0)
+        if n > self.ROOM:
+            dist.broadcast(torch.from_numpy(data[self.ROOM:]).to(self.device), src=0)
 
-    def receive(self) -> np.ndarray | None:
+    def receive(self) -> tuple[int, np.ndarray] | None:
+        """(kind, message), or None: stop."""
         dist.broadcast(self.head, src=0)
         head = self.head.cpu().numpy()
-        n = int(head[0])
+        n, kind = int(head[0]), int(head[1])
         if n < 0:
             return None
-        if n <= HEAD_VALUES - 1:
-            return head[1:1 + n].copy()
-        rest = torch.empty(n - (HEAD_VALUES - 1), dtype=torch.int64, device=self.device)
+        if n <= self.ROOM:
+            return kind, head[2:2 + n].copy()
+        rest = torch.empty(n - self.ROOM, dtype=torch.int64, device=self.device)
         dist.broadcast(rest, src=0)
-        return np.concatenate([head[1:], rest.cpu().numpy()])
+        return kind, np.concatenate([head[2:], rest.cpu().numpy()])
 
 
 def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: str, options: dict) -> None:
-    """A rank other than the driver: load this rank's shard, then run every
-    plan the driver broadcasts until it sends None."""
+    """A rank other than the driver: load this rank's shard, then act on
+    every message the driver broadcasts (a plan to run, tier calls to
+    replay, a disk read to make and vote on) until it sends None."""
     try:
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
         if backend == "nccl":
@@ -208,20 +248,32 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         model, _ = load_model(model_dir, dtype=options["dtype"], device=device, progress=False,
                               tensor_parallel=(rank, world))
         layout = options["layout"]
+        wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
+        follower = Follower(wire.device)
         runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
-                             options["max_num_seqs"], options["max_model_len"], parallel=Follower())
-        if options["host_tier_bytes"]:  # this rank's host tier: the driver's decisions, its own bytes
+                             options["max_num_seqs"], options["max_model_len"], parallel=follower)
+        tiers = options["tiers"]
+        if tiers is not None:  # this rank's tiers: the driver's decisions, its own bytes and files
             from .kv_tiers import TieredStore
 
-            runner.tiers = TieredStore(runner.buffers.pool, layout, host_bytes=options["host_tier_bytes"])
-        wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
+            runner.tiers = TieredStore(runner.buffers.pool, layout, host_bytes=tiers["host_bytes"],
+                                       disk_dir=tiers["disk_dir"], disk_bytes=tiers["disk_bytes"],
+                                       identity=tiers["identities"][rank])
+            runner.tiers.agreement = follower
         with torch.inference_mode():
             while True:
-                data = wire.receive()
-                if data is None:
+                message = wire.receive()
+                if message is None:
                     break
-                plan = plan_wire.decode(data, layout, StepPlan)
-                dist.gather(pad_vocab(runner.run_plan(plan), options["vocab_part"]), dst=0)
+                kind, data = message
+                if kind == DISK_READ:
+                    runner.tiers.read_agreed(plan_wire.decode_block(data))
+                elif kind == TIER_CALLS:
+                    runner.tiers.replay(plan_wire.decode_tier_calls(data))
+                    runner.tiers.copy(runner.tiers.take_copies())
+                else:
+                    plan = plan_wire.decode(data, layout, StepPlan)
+                    dist.gather(pad_vocab(runner.run_plan(plan), options["vocab_part"]), dst=0)
     except Exception:
         traceback.print_exc()
         os._exit(1)
@@ -229,4 +281,16 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
 
 
 class Follower:
-    """A worker's `parallel`: it receives plans rather than sending them."""
+    """A worker's `parallel`: it receives plans rather than sending them;
+    for its tiers' disk reads, it reads when the driver asks and votes."""
+
+    leads = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def ask(self, item: tuple) -> None:
+        pass  # the driver asked: this rank is already reading
+
+    def all(self, ok: bool) -> bool:
+        return all_ranks(ok, self.device)

@@ -252,7 +252,8 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
                       retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None):
     """The Ray Serve application: `serve.run(build_application(...))`.
     `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
-    power-of-two-choices, for comparison). `max_body_bytes`,
+    power-of-two-choices, for comparison). `replica_cpus`: what a replica
+    asks of Ray per process (tensor parallelism: per rank). `max_body_bytes`,
     `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -266,13 +267,21 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
                                             request_routing_stats_period_s=stats_period_s)
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_cpus}, request_router_config=router_config,
+        ray_actor_options={"num_cpus": replica_cpus * _ranks(engine_options)}, request_router_config=router_config,
         health_check_period_s=health_check_period_s, health_check_timeout_s=max(30.0, health_check_period_s))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     limits = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
     return ingress.bind(engines.bind(model_dir, engine_options or {}, max_waiting, snapshot_every), model_dir,
                         model_name, api_key, retries, limits)
+
+
+def _ranks(engine_options: dict | None) -> int:
+    """The processes of one replica: its engine, and with tensor parallelism
+    the workers the engine starts itself (engine/tensor_parallel.py), which
+    Ray does not count: a replica asks for `replica_cpus` per process, so
+    Ray places no more replicas than the CPUs hold."""
+    return (engine_options or {}).get("tensor_parallel_size", 1)
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
@@ -294,7 +303,7 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
     application on Ray Serve's HTTP proxy at host:port, until interrupted
     (Ctrl-C or SIGTERM). Then the application is deleted, and a local Ray
     this call started is stopped with every process of it (stop_local_ray)."""
-    replica_cpus = options.get("replica_cpus", 1.0)
+    replica_cpus = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
     start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
     # Ray's own SIGTERM handler kills its processes and exits from inside the
     # handler (leaving its agents behind): a SIGTERM stops here instead, by
