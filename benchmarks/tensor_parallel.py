@@ -34,7 +34,7 @@ def model_path(tiny: bool) -> tuple[str, str]:
 
 def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dict:
     from hybridkv import Engine, SamplingParams
-    from hybridkv.modeling import tensor_split
+    from hybridkv.layers import parallel
 
     engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="512MiB",
                     max_num_seqs=max(64, batch))
@@ -46,7 +46,7 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
             engine.add_request(p, params)
         times, outputs = [], {}
         steps0 = engine.num_steps
-        reduced0 = dict(tensor_split.REDUCED)
+        reduced0 = dict(parallel.REDUCED)
         sent0 = engine.parallel.bytes_sent if engine.parallel else 0
         plan0 = engine.parallel.plan_seconds if engine.parallel else 0.0
         while engine.has_unfinished_requests():
@@ -59,10 +59,11 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
         decode = times[-(new_tokens - 2):]  # the steps after the prefills
         row = {"tp": tp, "batch": batch, "ms_per_decode_step": 1000 * statistics.median(decode),
                "tokens_per_s": batch / statistics.median(decode), "steps": steps,
-               "first_ids": next(iter(outputs.values()))[:8]}
+               "first_ids": next(iter(outputs.values()))[:8],
+               "routes": dict(engine.stats["backend"]["routes"])}  # the driver's; every rank runs the same
         if engine.parallel:
-            row["all_reduces_per_step"] = (tensor_split.REDUCED["calls"] - reduced0["calls"]) / steps
-            row["all_reduce_bytes_per_step"] = (tensor_split.REDUCED["bytes"] - reduced0["bytes"]) / steps
+            row["all_reduces_per_step"] = (parallel.REDUCED["calls"] - reduced0["calls"]) / steps
+            row["all_reduce_bytes_per_step"] = (parallel.REDUCED["bytes"] - reduced0["bytes"]) / steps
             row["plan_bytes_per_step"] = (engine.parallel.bytes_sent - sent0) / steps
             row["plan_us_per_step"] = 1e6 * (engine.parallel.plan_seconds - plan0) / steps
         return row

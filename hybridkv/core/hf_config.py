@@ -83,7 +83,7 @@ def _attention_dims(cfg: dict, family: str) -> tuple[int, int]:
 
 
 def _mamba1_spec(cfg: dict, dtype: str, state_dtype: str) -> RecurrentSpec:
-    # mamba_inner: a tensor-parallel rank's share of the channels (engine/tensor_parallel.py).
+    # mamba_inner: a tensor-parallel rank's share of the channels (modeling/tensor_split.py).
     d_inner = cfg.get("mamba_inner") or cfg.get("mamba_expand", 2) * _need(cfg, "hidden_size", "Jamba")
     d_conv, d_state = cfg.get("mamba_d_conv", 4), cfg.get("mamba_d_state", 16)
     # The conv state keeps the d_conv - 1 inputs before the current one.

@@ -85,7 +85,7 @@ class Engine:
             self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
                 device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                threads=torch.get_num_threads(), tiers=tiers), self.device, self.config.vocab_size)
+                threads=torch.get_num_threads(), tiers=tiers), self.device)
         self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)

@@ -144,7 +144,7 @@ class ModelRunner:
                 plan.tier_log = self.tiers.take_log()
             self.tables.flush()
             self.parallel.send_plan(plan)
-            return self.parallel.gather_logits(self.run_plan(plan))
+            return self.run_plan(plan)
         self.buffers.copy_pages(copies)
         self.tables.flush()
         if self.fixed_shape_decode and all(s.count == 1 and s.completes for s in steps):
@@ -227,7 +227,8 @@ class ModelRunner:
 
     def run_plan(self, plan: "StepPlan") -> torch.Tensor:
         """Run an eager step from its plan: on one rank, or on every rank
-        of a tensor-parallel engine (which then gathers the logits)."""
+        of a tensor-parallel engine (whose LM head gathers the logits on the
+        driver: the other ranks get none)."""
         if plan.accepted is not None:  # a worker: the driver kept these drafts after the last step
             self.keep_accepted(plan.accepted)
         if plan.tier_log and self.kv is None:  # a worker: its tiers make the driver's decisions, then copies

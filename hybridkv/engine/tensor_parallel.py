@@ -1,19 +1,14 @@
 """Tensor parallelism: one model split over N processes (torch.distributed:
 gloo on the CPU, NCCL on CUDA), one scheduler and one KVCacheManager.
 
-How the model is split (Megatron's scheme; docs/engine.md has the picture):
-
-* attention: the query heads into N equal parts, rank r computing heads
-  [r H/N, (r+1) H/N); the KV heads likewise when there are at least N of
-  them, else each rank holds the one KV head its query heads read (Gemma-3
-  270M's single KV head is on every rank). The output projection takes
-  the rank's heads' columns; its partial sums are all-reduced.
-* MLP: gate and up by rows of the intermediate dimension, down by its
-  columns; one all-reduce of the output.
-* LM head: by rows of the vocabulary (ceil(V / N) per rank, the last
-  rank's padded); each rank computes its slice of the logits and the
-  driver gathers them. Embeddings and norms are whole on
-  every rank.
+How the model is split: each rank builds the whole model's structure,
+knowing its rank and the world size (layers/parallel.py), and the layers
+where the split applies hold only their part (Megatron's scheme;
+docs/engine.md has the table): attention by heads, the MLP and every
+expert by width, Mamba layers by channels, the LM head by vocabulary rows.
+A row-parallel layer all-reduces its partial sums in its forward and the
+LM head gathers the logits on the driver, so the runner and the backend
+run the same step, by the same route, on every rank.
 
 So a layer costs two all-reduces of [tokens, hidden], and a step one
 broadcast of its plan (engine/runner.py `StepPlan`: token ids, positions,
@@ -44,13 +39,7 @@ weights (modeling/loader.py reads just their bytes). A worker that fails
 ends: the driver's next collective then fails instead of waiting (the
 collectives have a timeout too), and the engine reports it.
 
-Mamba layers (Jamba) split by channels: in_proj's x and gate rows, the
-conv, dt_proj, A and D of the rank's channels, so each rank keeps the conv
-and SSM states of its channels; x_proj and out_proj take those channels'
-columns and their partial sums are all-reduced (x_proj's, dt and B and C,
-is small). A mixture of experts splits every expert's MLP by its width and
-all-reduces once after summing its experts. Other architectures are
-refused with the reason.
+Which models split, and the sizes that must divide: modeling/tensor_split.py.
 """
 
 from __future__ import annotations
@@ -66,7 +55,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..modeling.tensor_split import vocab_part
 from . import plan_wire
 
 log = logging.getLogger("hybridkv.tensor_parallel")
@@ -83,16 +71,13 @@ def free_port() -> int:
 
 
 class TensorParallel:
-    """The driver's side: starts the workers, sends each step's plan,
-    gathers the logits, and counts what crosses between ranks."""
+    """The driver's side: starts the workers, sends each step's plan, and
+    counts what crosses between ranks."""
 
-    def __init__(self, world: int, model_dir: str, engine_options: dict, device: torch.device, vocab_size: int):
+    def __init__(self, world: int, model_dir: str, engine_options: dict, device: torch.device):
         import torch.multiprocessing as mp
 
         self.world = world
-        self.vocab_size = vocab_size
-        self.vocab_part = vocab_part(vocab_size, world)
-        engine_options = dict(engine_options, vocab_part=self.vocab_part)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -148,14 +133,6 @@ class TensorParallel:
     def all(self, ok: bool) -> bool:
         return all_ranks(ok, self.wire.device)
 
-    def gather_logits(self, shard: torch.Tensor) -> torch.Tensor:
-        """[rows, this rank's vocabulary rows] here and on every rank ->
-        [rows, vocab] here."""
-        padded = pad_vocab(shard, self.vocab_part)
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.gather(padded, parts, dst=0)
-        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
-
     def close(self) -> None:
         if self.closed:
             return
@@ -170,16 +147,6 @@ class TensorParallel:
                     worker.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def pad_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """Logits [rows, n <= width] padded with -inf to `width` columns (the
-    gather takes equal shapes; a step that samples nothing has none)."""
-    if logits.dim() < 2:
-        return logits.contiguous()
-    if logits.shape[-1] == width:
-        return logits.contiguous()
-    return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
 
 
 def all_ranks(ok: bool, device: torch.device) -> bool:
@@ -272,8 +239,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
                     runner.tiers.replay(plan_wire.decode_tier_calls(data))
                     runner.tiers.copy(runner.tiers.take_copies())
                 else:
-                    plan = plan_wire.decode(data, layout, StepPlan)
-                    dist.gather(pad_vocab(runner.run_plan(plan), options["vocab_part"]), dst=0)
+                    runner.run_plan(plan_wire.decode(data, layout, StepPlan))  # its LM head sends its logits
     except Exception:
         traceback.print_exc()
         os._exit(1)

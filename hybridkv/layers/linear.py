@@ -4,6 +4,7 @@
 fused with its siblings after loading (q/k/v, gate/up: one weight read and
 one call). How its product runs is a backend's business: the cpu backend
 swaps it for one over oneDNN's packed weights (backends/cpu/linear.py).
+Its tensor-parallel kinds are in parallel.py.
 
 `product_nt` is the product attention's tiles use on the CPU in every
 backend: oneDNN's matmul (torch.ops.mkldnn) where it is present and agrees
@@ -85,7 +86,16 @@ def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) that siblings can
-    be fused into after loading."""
+    be fused into after loading. Its product is a method of its own
+    (`product`), so that a backend swaps how the product runs while a
+    subclass keeps what its forward does around it (parallel.py's layers
+    sum or gather their ranks' products)."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
 
     @classmethod
     def fused(cls, parts: list[nn.Linear]) -> "Linear":

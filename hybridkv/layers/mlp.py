@@ -7,21 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import Linear
+from .parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); `kind` names the activation: "silu",
     "gelu_tanh" (GELU's tanh form) or "gelu"."""
 
-    # Tensor parallelism (engine/tensor_parallel.py): sums the ranks' partial
-    # outputs of the split down projection. None: one process.
-    reduce = None
-
-    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu", reduce: bool = True):
+        """`intermediate`: the whole width, of which a tensor-parallel rank
+        holds its share (gate and up by rows, down by columns: parallel.py);
+        `reduce=False`: down's partial sums are left to the caller (a
+        mixture of experts sums its experts' first, then reduces once)."""
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias=False)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, reduce=reduce)
         self.gate_up_proj: Linear | None = None
         if activation in ("silu", "swish"):
             self.act, self.kind = F.silu, "silu"
@@ -45,5 +46,4 @@ class GatedMLP(nn.Module):
         return self.act(gate) * up
 
     def forward(self, x):
-        out = self.down_proj(self.activated(x))
-        return out if self.reduce is None else self.reduce(out)
+        return self.down_proj(self.activated(x))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, inverse_frequencies
 from ..layers.step import StepBatch
 from .base import CausalLM
@@ -63,7 +63,7 @@ class BambaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(BambaDecoderLayer(config, i in attention)
                                           for i in range(config.num_hidden_layers))
         self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         self.rotary = Rotary(*inverse_frequencies(config))
 

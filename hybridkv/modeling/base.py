@@ -48,7 +48,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the output projection with the embedding when the config says so."""
         if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def fuse_projections(self) -> None:
         """After loading: modules that can run several projections as one

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
 from .bamba import mamba2_mixer
@@ -91,7 +91,7 @@ class FalconH1ForCausalLM(CausalLM):
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(FalconH1DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         self.rotary = Rotary(*inverse_frequencies(config))
 

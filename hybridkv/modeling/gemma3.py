@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..layers.decoder import DecoderParts
-from ..layers.step import StepBatch
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.step import StepBatch
 from .base import CausalLM
 from .sublayers import GatedMLP, PagedSelfAttention
 
@@ -77,7 +77,7 @@ class GemmaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(
             GemmaDecoderLayer(config, qk_norm, attn_softcap) for _ in self.layer_types)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = {}

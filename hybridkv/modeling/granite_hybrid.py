@@ -17,6 +17,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
 from .bamba import mamba2_mixer
@@ -101,7 +102,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(GraniteDecoderLayer(config, t in ("full_attention", "attention"))
                                           for t in config.layer_types)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         self.rotary = Rotary(*inverse_frequencies(config)) if config.position_embedding_type == "rope" else None
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer, CausalLM
@@ -26,36 +27,50 @@ from .sublayers import GatedMLP, PagedSelfAttention
 
 
 class JambaMamba(CacheLayer, nn.Module):
-    # Tensor parallelism (engine/tensor_parallel.py): sums the ranks' partial
-    # products over their channels (x_proj's, out_proj's). None: one process.
-    reduce = None
+    """Tensor parallelism (layers/parallel.py): a rank holds its share of
+    the channels: in_proj's rows of them (of x, then of the gate), their
+    conv, dt_proj rows, A and D, so its conv and SSM states are its
+    channels'; x_proj and out_proj take the channels' columns and sum the
+    ranks' products (x_proj's, dt and B and C, is small)."""
+
+    # Parameters indexed by channel (first dimension), read as the rank's channels.
+    CHANNEL_PARAMETERS = ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias")
 
     def __init__(self, config):
         nn.Module.__init__(self)
         hidden = config.hidden_size
-        # A tensor-parallel rank's config names its share of the channels.
-        self.inner = getattr(config, "mamba_inner", None) or config.mamba_expand * hidden
+        self.ranks = ranks = current_ranks()
+        inner = config.mamba_expand * hidden
+        self.channels = ranks.share(inner)
+        self.inner = inner // ranks.world
         self.state_size = config.mamba_d_state
         self.conv_width = config.mamba_d_conv
         self.dt_rank = config.mamba_dt_rank
-        self.in_proj = Linear(hidden, 2 * self.inner, bias=config.mamba_proj_bias)
+        gate = slice(inner + self.channels.start, inner + self.channels.stop)
+        self.in_proj = ColumnParallelLinear(hidden, 2 * inner, bias=config.mamba_proj_bias,
+                                            rows=[self.channels, gate])
         self.conv1d = nn.Conv1d(self.inner, self.inner, self.conv_width, groups=self.inner,
                                 bias=config.mamba_conv_bias, padding=self.conv_width - 1)
-        self.x_proj = Linear(self.inner, self.dt_rank + 2 * self.state_size, bias=False)
+        self.x_proj = RowParallelLinear(inner, self.dt_rank + 2 * self.state_size, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
         self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = Linear(self.inner, hidden, bias=config.mamba_proj_bias)
+        self.out_proj = RowParallelLinear(inner, hidden, bias=config.mamba_proj_bias)
         eps = config.rms_norm_eps
         self.dt_layernorm = RMSNorm(self.dt_rank, eps)
         self.b_layernorm = RMSNorm(self.state_size, eps)
         self.c_layernorm = RMSNorm(self.state_size, eps)
 
+    def checkpoint_part(self, name: str, ndim: int):
+        """The rank's channels of the channel-indexed parameters (the
+        projections answer for themselves)."""
+        if self.ranks.world == 1 or name not in self.CHANNEL_PARAMETERS:
+            return None
+        return (self.channels,) + (slice(None),) * (ndim - 1)
+
     def _ssm_inputs(self, x: torch.Tensor):
         """dt (after bias and softplus, float32), B, C from conv outputs x [L, I]."""
         projected = self.x_proj(x)
-        if self.reduce is not None:
-            projected = self.reduce(projected)
         dt, B, C = torch.split(projected, [self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
         dt = F.softplus(dt.float() + self.dt_proj.bias.float())
@@ -79,8 +94,7 @@ class JambaMamba(CacheLayer, nn.Module):
             self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
         if meta.verifies:  # chunks that verify drafts: also keep each token's state
             self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
-        out = self.out_proj(y_all.to(h.dtype))
-        return out if self.reduce is None else self.reduce(out)
+        return self.out_proj(y_all.to(h.dtype))
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):
         ops = self.ops
@@ -93,13 +107,17 @@ class JambaMamba(CacheLayer, nn.Module):
 
 
 class JambaMoE(nn.Module):
-    reduce = None  # tensor parallelism: the experts' partial sums, once for all of them
+    """Tensor parallelism: every expert's MLP split by its width, the
+    router whole on every rank; the experts' partial sums are summed here,
+    then reduced once for all of them."""
 
     def __init__(self, config):
         super().__init__()
+        self.ranks = current_ranks()
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                                              reduce=False)
                                      for _ in range(config.num_experts))
 
     def forward(self, x):
@@ -107,7 +125,7 @@ class JambaMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
         out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
-        return out if self.reduce is None else self.reduce(out)
+        return self.ranks.all_reduce(out)
 
 
 class JambaDecoderLayer(nn.Module):
@@ -141,7 +159,7 @@ class JambaForCausalLM(CausalLM):
             JambaDecoderLayer(config, i % period == offset, moe and i % e_period == e_offset)
             for i in range(config.num_hidden_layers))
         self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def forward(self, batch: StepBatch) -> torch.Tensor:

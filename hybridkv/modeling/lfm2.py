@@ -19,6 +19,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.recurrent_state import padded_chunks
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
@@ -106,7 +107,7 @@ class Lfm2ForCausalLM(CausalLM):
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(Lfm2DecoderLayer(config, t != "conv") for t in config.layer_types)
         self.model.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         self.rotary = Rotary(*inverse_frequencies(config))
 

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from ..layers.decoder import DecoderParts
-from ..layers.step import StepBatch
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.step import StepBatch
 from .base import CausalLM
 from .sublayers import GatedMLP, PagedSelfAttention
 
@@ -61,7 +61,7 @@ class LlamaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=self.unit_offset,
                                   scale_in_float32=self.scale_in_float32)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
         inv_freq, scaling = inverse_frequencies(config)
         self.rotary = Rotary(inv_freq, scaling)

@@ -13,7 +13,9 @@ import torch
 from ..core.dtypes import MODEL_DTYPES, dtype_name
 from ..core.hf_config import ENGINE_ARCHITECTURES
 from ..layers.dtypes import TORCH_DTYPES
+from ..layers.parallel import Ranks, building
 from .base import CausalLM
+from .tensor_split import rank_config
 
 
 def _model_classes():
@@ -200,29 +202,21 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     or devices get one converted copy, one tensor at a time.
 
     `tensor_parallel=(rank, world)`: this rank's part of the model
-    (engine/tensor_parallel.py), built from its share of the config and
-    reading only its slices of the split tensors; the config returned is
-    the rank's."""
+    (engine/tensor_parallel.py). The model is built from the whole config
+    with the rank's place among the ranks (layers/parallel.py): the layers where the split
+    applies hold their part, and each checkpoint tensor is read only as the
+    module holding it asks (`checkpoint_part`). The config returned is the
+    rank's view of it (modeling/tensor_split.py), which the cache reads."""
     from tqdm.auto import tqdm
 
     config, text, architecture = read_config(model_dir)
     model_class, renames = _model_classes()[ENGINE_ARCHITECTURES[architecture]]
     torch_dtype = resolve_dtype(dtype, text)
     device = torch.device(device)
-    shard = None
-    if tensor_parallel is not None:
-        from .tensor_split import Shard, rank_config
-
-        full, text = text, rank_config(text, tensor_parallel[1])
-        shard = Shard(*tensor_parallel, full)
-        text.tie_word_embeddings = False  # the LM head is this rank's rows of the embedding (Shard.finish)
-    with torch.device("meta"):
+    ranks = Ranks(*tensor_parallel) if tensor_parallel is not None else Ranks()
+    rank_text = rank_config(text, ranks.world)  # refuses what cannot be split, before building
+    with torch.device("meta"), building(ranks):
         model: CausalLM = model_class(text)
-    if shard is not None:
-        from ..layers.linear import Linear
-
-        model.lm_head = Linear(text.hidden_size, shard.vocab_size, bias=False, device="meta")
-    model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
 
@@ -233,15 +227,23 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
                 name = new + name[len(old):]
                 break
         name = model.weight_name(name)
-        return name if name in params else None  # vision tower, rotary buffers ...
+        return name if name in params else None  # vision tower, rotary buffers, another rank's bias ...
+
+    def part(name: str, ndim: int):
+        """The part of checkpoint tensor `name` this rank holds (None: all
+        of it), as the nearest module on its path that splits says."""
+        path = parameter(name).split(".")
+        for depth in range(len(path) - 1, 0, -1):
+            ask = getattr(model.get_submodule(".".join(path[:depth])), "checkpoint_part", None)
+            if ask is not None:
+                return ask(".".join(path[depth:]), ndim)
+        return None
 
     files = checkpoint_files(model_dir)
-    index = None if shard is None else (lambda n, ndim: shard.slices(parameter(n), ndim))
     for path in tqdm(files, desc="loading weights", unit="shard", disable=not progress or len(files) < 2):
-        for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None, index):
+        for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None,
+                                             part if ranks.world > 1 else None):
             target = parameter(name)
-            if shard is not None and not shard.bias_here(target):
-                tensor = torch.zeros_like(tensor)
             if tuple(tensor.shape) != tuple(params[target].shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                                  f"{tuple(params[target].shape)}")
@@ -249,11 +251,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
             value = tensor.to(device=device, dtype=torch_dtype)
             model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
             loaded.add(target)
-    model.tie_weights()
-    if shard is not None:
-        shard.finish(model)
-        if shard.tied:
-            loaded.add("lm_head.weight")
+    model.tie_weights()  # a tied LM head: the loaded embedding's weight (this rank's rows of it)
     if "lm_head.weight" not in loaded and getattr(text, "tie_word_embeddings", False):
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
@@ -261,7 +259,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     model.fuse_projections()
     model.eval()
-    return model, text
+    return model, rank_text
 
 
 def load_tokenizer(model_dir: str):

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelHead
 from ..layers.step import StepBatch
 from .base import CausalLM
 from .experts import mix_experts
@@ -149,12 +150,12 @@ class NemotronHForCausalLM(CausalLM):
         self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(NemotronHBlock(config, t) for t in block_types(config))
         self.model.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embeddings.weight
+            self.lm_head.tie(self.model.embeddings)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         x = self.model.embeddings(batch.input_ids)

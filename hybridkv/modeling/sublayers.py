@@ -10,6 +10,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.mlp import GatedMLP
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from ..layers.step import StepBatch
 from .base import CacheLayer
 
@@ -18,21 +19,32 @@ __all__ = ["GatedMLP", "PagedSelfAttention"]
 
 class PagedSelfAttention(CacheLayer, nn.Module):
     """q/k/v/o projections around the paged cache. Families turn the
-    projections into q, k (norms, rotary) and call `attend`."""
+    projections into q, k (norms, rotary) and call `attend`.
 
-    reduce = None  # as GatedMLP's: the split output projection's partial sums
+    Tensor parallelism (layers/parallel.py): a rank computes its share of
+    the query heads, and the KV heads likewise where there are at least as
+    many as ranks, else the one KV head its query heads read (so its cache
+    holds only those); o_proj takes the heads' columns and sums the ranks'
+    products."""
 
     def __init__(self, config, scale: float | None = None, softcap: float | None = None):
         nn.Module.__init__(self)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.ranks = ranks = current_ranks()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads = heads // ranks.world
+        self.num_kv_heads = max(1, kv_heads // ranks.world)
+        if kv_heads >= ranks.world:
+            first_kv = ranks.rank * self.num_kv_heads
+        else:
+            first_kv = ranks.rank * self.num_heads // (heads // kv_heads)
+        kv_rows = slice(first_kv * dim, (first_kv + self.num_kv_heads) * dim)
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden, heads * dim, bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * dim, bias=bias, rows=kv_rows)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * dim, bias=bias, rows=kv_rows)
+        self.o_proj = RowParallelLinear(heads * dim, hidden, bias=bias)
         self.qkv_proj: Linear | None = None
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
@@ -71,8 +83,7 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
         if gate is not None:
             attended = attended * torch.sigmoid(gate)
-        out = self.o_proj(attended.reshape(q.shape[0], -1))
-        return out if self.reduce is None else self.reduce(out)
+        return self.o_proj(attended.reshape(q.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return self.attend(*self.project(x), batch)

@@ -105,7 +105,7 @@ def check_gated_activation(lib) -> None:
 def check_decode_layer(lib) -> None:
     """One decoder layer over two decode rows, Gemma's shape (every norm,
     offset 1, GELU) and Llama's (two norms, offset 0, SiLU) with attention
-    sinks."""
+    sinks; in one call, and in the three parts a tensor-parallel rank runs."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
     positions, firsts = [5, 12], [0, 4]
@@ -153,15 +153,20 @@ def check_decode_layer(lib) -> None:
         rows = lib.structs["decode_rows"](rows=2, max_blocks=pages.shape[1], pages=pages.data_ptr(),
                                           first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
                                           store_offsets=store_offsets.data_ptr())
-        got = x.clone()
-        status = lib.decode_layer(layer, paged_cache(lib, cache), rows, got.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), torch.get_num_threads())
-        if status != 0:
-            raise AssertionError("decode_layer failed to allocate")
-        _close(got, expected, f"decode_layer (offset {offset})")
-        written = [(int(p), int(s)) for p, s in zip(store_pages, store_offsets)]
-        for page, slot in written:
-            _close(cache[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store")
+        # The whole layer in one call, then in its three parts (a tensor-parallel
+        # rank's, here with nothing to add between them: one rank's sums are whole).
+        for parts in ((0,), (1, 2, 3)):
+            got, sums = x.clone(), torch.empty_like(x)
+            for part in parts:
+                status = lib.decode_layer(layer, paged_cache(lib, cache), rows, got.data_ptr(), cos.data_ptr(),
+                                          sin.data_ptr(), sums.data_ptr() if part else None, part,
+                                          torch.get_num_threads())
+                if status != 0:
+                    raise AssertionError("decode_layer failed to allocate")
+            _close(got, expected, f"decode_layer (offset {offset}, parts {parts})")
+            written = [(int(p), int(s)) for p, s in zip(store_pages, store_offsets)]
+            for page, slot in written:
+                _close(cache[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store")
 
 
 def check(lib) -> None:

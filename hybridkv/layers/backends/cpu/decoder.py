@@ -18,7 +18,14 @@ step's rows (`CpuDecodeStep`) in the batch; any other step runs the
 wrapped layer's modules. The products read the dense weights, while
 oneDNN's batched products read packed ones (linear.py): a wrapped layer
 keeps both copies, so layers are wrapped only where the machine has four
-times the dense weights free.
+times the dense weights free (under tensor parallelism: on every rank, so
+that every rank runs the same route).
+
+Under tensor parallelism a rank's layer holds its share of the heads and
+of the MLP's width, so its output products are partial sums, which the
+residual adds and the norms after them need whole: the layer then runs as
+three C calls (kernels.c `decode_layer`'s parts) with an all-reduce of the
+sums between them, the same two all-reduces as the modules make.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from .modules import ACTIVATIONS
 # Above this many query rows a step goes through the modules: oneDNN's
 # packed products then beat matrix-vector ones (benchmarks/cpu_decode_step.py).
 MAX_ROWS = 4
+# kernels.c's parts of `decode_layer`: the whole layer, or the three that a
+# tensor-parallel rank runs with an all-reduce of their sums between them.
+LAYER_WHOLE, LAYER_PARTS = 0, (1, 2, 3)
 
 
 def _dense(t: torch.Tensor | None) -> bool:
@@ -50,8 +60,8 @@ def refusal(parts: DecoderParts) -> str | None:
         return "a mixture-of-experts feed-forward" if hasattr(mlp, "experts") else f"feed-forward {type(mlp).__name__}"
     if attn.qkv_proj is None or mlp.gate_up_proj is None:
         return "projections not fused"
-    if attn.reduce is not None or mlp.reduce is not None:
-        return "tensor parallel"
+    if mlp.down_proj.ranks != attn.ranks or not mlp.down_proj.reduce:
+        return "an MLP whose partial sums another module adds"
     if mlp.kind not in ACTIVATIONS:
         return f"activation {mlp.kind}"
     if len({(n.eps, n.unit_offset) for n in norms}) != 1:
@@ -130,6 +140,7 @@ class CpuDecoderLayer(nn.Module):
         attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
         # Where the layer's K/V lives (bound by the runner before prepare).
         self.layer_name, self.group, self.column = attn.layer_name, attn.group, attn.column
+        self.ranks = attn.ranks  # the tensor-parallel ranks its partial sums are added up over
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         # The tensors the struct points into, held here: they outlive the
         # modules' dense copies, which packing for oneDNN drops.
@@ -164,11 +175,21 @@ class CpuDecoderLayer(nn.Module):
         # x [rows, hidden] float32, contiguous: updated in place and returned.
         cos, sin = cos_sin
         rows = step.groups[self.group].rows(self.lib, self.column)
-        status = self.lib.decode_layer(self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(),
-                                       sin.data_ptr(), step.threads)
+        call = (self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if self.ranks.world == 1:
+            self._check(self.lib.decode_layer(*call, None, LAYER_WHOLE, step.threads))
+            return x
+        sums = torch.empty_like(x)
+        for part in LAYER_PARTS:
+            self._check(self.lib.decode_layer(*call, sums.data_ptr(), part, step.threads))
+            if part != LAYER_PARTS[-1]:
+                self.ranks.all_reduce(sums)
+        return x
+
+    @staticmethod
+    def _check(status: int) -> None:
         if status != 0:
             raise MemoryError("hybridkv's CPU decoder layer could not allocate its scratch")
-        return x
 
 
 def wrap_decoder_layers(model: nn.Module, lib, free_bytes: int, report) -> int:
@@ -187,7 +208,8 @@ def wrap_decoder_layers(model: nn.Module, lib, free_bytes: int, report) -> int:
         report.declined.append(f"one-call decoder layers: {', '.join(sorted(refused))}")
         return 0
     size = sum(dense_bytes(p) for p in parts.values())
-    if free_bytes < 4 * size:
+    # (Every rank reaches this with the same parts; the free memory is its own.)
+    if not next(iter(parts.values())).attention.ranks.agree(free_bytes >= 4 * size):
         report.declined.append(f"one-call decoder layers: their dense weights ({size / 2**20:.0f} MiB) are kept "
                                f"beside the packed ones, and under 4x that is free")
         return 0

@@ -455,6 +455,84 @@ typedef struct {
     const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
 } decoder_layer;
 
+/* The layer's parts, between which a tensor-parallel rank (decoder.py)
+ * sums its output products with the other ranks': it holds its share of
+ * the heads and of the MLP's width, so Wo and down give partial sums, and
+ * the residual add and the norms after them need the whole sum. */
+enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_FEED_FORWARD = 2, LAYER_LAST_RESIDUAL = 3 };
+
+/* sums [rows, hidden] = attn(rotary(norm(q)), ...) Wo (+ b) of h = norm(x),
+ * the new K/V stored: each thread's share, inside the caller's parallel
+ * region. A failed attention row sets *failed. */
+static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const float *x,
+                           const float *cos, const float *sin, float *h, float *qkv, float *attn, float *sums,
+                           int *failed)
+{
+    const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
+    const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
+    const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
+    float *cache = c->data;
+    const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
+    const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
+    const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
+    const float offset = L->norm_offset, eps = L->eps;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + r * H, L->input_norm, offset, eps, H, h + r * H);
+    products(h, rows, H, L->qkv, L->qkv_bias, qkv_width, qkv);
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
+            float *row = qkv + r * qkv_width + head * dim;
+            const float *weight = head < L->q_heads ? L->q_norm : L->k_norm;
+            if (weight != NULL)
+                norm_row(row, weight, offset, eps, dim, row);
+            rotate_row(row, cos + r * dim, sin + r * dim, dim);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *page = cache + store_pages[r] * page_stride;
+        const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
+        for (int64_t head = 0; head < L->kv_heads; head++) {
+            float *slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
+            memcpy(slot0, k + head * dim, sizeof(float) * (size_t)dim);
+            memcpy(slot0 + half_stride, v + head * dim, sizeof(float) * (size_t)dim);
+            for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
+                memset(page + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
+                memset(page + half_stride + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
+            }
+        }
+    }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t hb = 0; hb < L->kv_heads * batches; hb++) {
+            const int64_t head = hb / batches, g0 = hb % batches * 4;
+            const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
+            if (attend_row(qkv + r * qkv_width, c, d, r, groups, head, g0, count, L->scale, L->softcap, L->sinks,
+                           attn + r * q_width) != 0) {
+#pragma omp atomic write
+                *failed = 1;
+            }
+        }
+    }
+    products(attn, rows, q_width, L->o, L->o_bias, H, sums);
+}
+
+/* x += post_norm(sums) (the attention's), then sums [rows, hidden] =
+ * down(act(h Wg) * h Wu) with h = pre_norm(x): inside the caller's region. */
+static void feed_forward_part(const decoder_layer *L, int64_t rows, float *x, float *h, float *act, float *sums)
+{
+    const int64_t H = L->hidden;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        add_residual(x + r * H, sums + r * H, L->post_attention_norm, L->norm_offset, L->eps, H);
+        norm_row(x + r * H, L->pre_feedforward_norm, L->norm_offset, L->eps, H, h + r * H);
+    }
+    gated_products(h, rows, H, L->gate_up, L->inter, (int)L->activation, act);
+    products(act, rows, L->inter, L->down, NULL, H, sums);
+}
+
 /* x [rows, hidden] (in place: the residual stream) through one layer, each
  * row one sequence's next token:
  *   h = norm(x); q, k, v = h Wqkv (+ b); q, k = rotary(norm(q), norm(k));
@@ -465,75 +543,42 @@ typedef struct {
  *   with h = pre_norm(x)
  * (a missing post norm is the identity). A block written first here gets
  * the slots after the new token zeroed, as the torch reference's `store`
- * does. cos, sin [rows, head_dim]. Returns 0, or -1 where memory for
- * scratch could not be had. */
+ * does. cos, sin [rows, head_dim].
+ *
+ * `part` LAYER_WHOLE runs all of it in one parallel region (`sums` may be
+ * NULL). A tensor-parallel rank runs it in three calls, adding up `sums`
+ * [rows, hidden] with the other ranks' after the first two: LAYER_ATTENTION
+ * leaves its attention's partial output product in `sums`,
+ * LAYER_FEED_FORWARD adds the summed one to x and leaves the MLP's partial
+ * product there, LAYER_LAST_RESIDUAL adds the summed one to x. Returns 0,
+ * or -1 where memory for scratch could not be had (or `part` is none of
+ * these). */
 int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, float *x, const float *cos,
-                 const float *sin, int threads)
+                 const float *sin, float *sums, int part, int threads)
 {
-    const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
-    const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
-    const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
-    float *cache = c->data;
-    const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
-    const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
-    const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
-    const float offset = L->norm_offset, eps = L->eps;
+    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL)
+        return -1;
+    const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim;
+    const int64_t q_width = L->q_heads * dim, qkv_width = q_width + 2 * L->kv_heads * dim;
     float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * H + qkv_width + q_width + L->inter)));
     if (scratch == NULL)
         return -1;
-    float *h = scratch, *qkv = h + rows * H, *attn = qkv + rows * qkv_width, *sub = attn + rows * q_width,
-          *act = sub + rows * H;
+    float *h = scratch, *qkv = h + rows * H, *attn = qkv + rows * qkv_width, *act = attn + rows * q_width,
+          *sub = act + rows * L->inter;
+    if (sums == NULL)
+        sums = sub;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        if (part == LAYER_WHOLE || part == LAYER_ATTENTION)
+            attention_part(L, c, d, x, cos, sin, h, qkv, attn, sums, &failed);
+        if (part == LAYER_WHOLE || part == LAYER_FEED_FORWARD)
+            feed_forward_part(L, rows, x, h, act, sums);
+        if (part == LAYER_WHOLE || part == LAYER_LAST_RESIDUAL) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            norm_row(x + r * H, L->input_norm, offset, eps, H, h + r * H);
-        products(h, rows, H, L->qkv, L->qkv_bias, qkv_width, qkv);
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
-                float *row = qkv + r * qkv_width + head * dim;
-                const float *weight = head < L->q_heads ? L->q_norm : L->k_norm;
-                if (weight != NULL)
-                    norm_row(row, weight, offset, eps, dim, row);
-                rotate_row(row, cos + r * dim, sin + r * dim, dim);
-            }
+            for (int64_t r = 0; r < rows; r++)
+                add_residual(x + r * H, sums + r * H, L->post_feedforward_norm, L->norm_offset, L->eps, H);
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *page = cache + store_pages[r] * page_stride;
-            const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
-            for (int64_t head = 0; head < L->kv_heads; head++) {
-                float *slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
-                memcpy(slot0, k + head * dim, sizeof(float) * (size_t)dim);
-                memcpy(slot0 + half_stride, v + head * dim, sizeof(float) * (size_t)dim);
-                for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
-                    memset(page + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
-                    memset(page + half_stride + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
-                }
-            }
-        }
-#pragma omp for schedule(dynamic, 1) collapse(2) reduction(| : failed)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t hb = 0; hb < L->kv_heads * batches; hb++) {
-                const int64_t head = hb / batches, g0 = hb % batches * 4;
-                const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
-                failed |= attend_row(qkv + r * qkv_width, c, d, r, groups, head, g0, count, L->scale, L->softcap,
-                                     L->sinks, attn + r * q_width);
-            }
-        }
-        products(attn, rows, q_width, L->o, L->o_bias, H, sub);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            add_residual(x + r * H, sub + r * H, L->post_attention_norm, offset, eps, H);
-            norm_row(x + r * H, L->pre_feedforward_norm, offset, eps, H, h + r * H);
-        }
-        gated_products(h, rows, H, L->gate_up, L->inter, (int)L->activation, act);
-        products(act, rows, L->inter, L->down, NULL, H, sub);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            add_residual(x + r * H, sub + r * H, L->post_feedforward_norm, offset, eps, H);
     }
     free(scratch);
     return failed ? -1 : 0;

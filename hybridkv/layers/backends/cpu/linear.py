@@ -20,6 +20,7 @@ reads it dense (the prepare report says which).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,17 +42,25 @@ class OneDNNLinear(Linear):
     matmul = None  # oneDNN's op
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout (None: read dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.packed if self.packed is not None else self.weight
         flat = x.reshape(-1, x.shape[-1])
         return self.matmul(flat, weight, self.bias, "none", [], "").view(*x.shape[:-1], self.out_features)
 
 
+@functools.cache
+def onednn_class(kind: type) -> type:
+    """The OneDNNLinear of a Linear class: its product over oneDNN, the rest
+    of its forward (a tensor-parallel layer's all-reduce or gather) its own."""
+    return OneDNNLinear if kind is Linear else type(f"OneDNN{kind.__name__}", (OneDNNLinear, kind), {})
+
+
 def pack_linears(model: nn.Module, report) -> None:
     """Every Linear of `model` (after loading, fusing and whatever reads
-    the dense weights has taken them) swapped for a OneDNNLinear."""
+    the dense weights has taken them) swapped for its OneDNNLinear."""
     linears = [(parent, name, child) for parent in list(model.modules())
-               for name, child in parent.named_children() if type(child) is Linear]
+               for name, child in parent.named_children()
+               if isinstance(child, Linear) and not isinstance(child, OneDNNLinear)]
     if not linears:
         return
     ops = onednn_ops(linears[0][2].weight.device, linears[0][2].weight.dtype)
@@ -65,7 +74,7 @@ def pack_linears(model: nn.Module, report) -> None:
     packed = 0
     with torch.no_grad():
         for parent, name, linear in linears:
-            new = twin(OneDNNLinear, linear, matmul=matmul)
+            new = twin(onednn_class(type(linear)), linear, matmul=matmul)
             weight = linear.weight
             shared = weight.data_ptr() in elsewhere
             size = weight.numel() * weight.element_size()
