@@ -155,6 +155,7 @@ def test_cpu_decode_step_quick(tmp_path):
     assert batch1["linears_s"] > 0 and batch1["read_s"] > 0 and len(data["first_ids"][0]["ids"]) == 6
 
 
+@pytest.mark.soak  # ~2 min on 2 cores; run by hand before a GPU run (pytest -m soak -k gpu_suite)
 def test_gpu_suite_dry_run_builds_every_case(tmp_path):
     # benchmarks/gpu_suite.sh --dry-run: every part of the GPU run, small and
     # on the CPU (kernels under triton's interpreter), so that the script is
@@ -261,6 +262,7 @@ def test_step_times_quick(tmp_path):
     assert all(r["steps"] > 0 and r["median_ms"] > 0 for r in data["steps"])
 
 
+@pytest.mark.soak  # ~50 s (a Ray cluster of its own); test_ray_replicas.py covers the replicas
 def test_ray_replicas_quick(tmp_path):
     pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
     pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
