@@ -23,7 +23,7 @@ the blocks, and replays the driver's tier calls, which go with the plans
 (kv_tiers.py). Two other messages serve them: tier calls alone (a flush
 at close, or stores decided by a step that runs nothing), and a disk read
 the driver is about to make: every rank reads its own file, and one
-all-reduce of a flag (`all_ranks`) says whether all did; if not, the
+all-reduce of a flag (layers/parallel.py `every_rank`) says whether all did; if not, the
 block is a miss on every rank, decided before the driver's manager counts
 the hit, as a lost file is in one process.
 
@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..layers.parallel import every_rank
 from . import plan_wire
 
 log = logging.getLogger("hybridkv.tensor_parallel")
@@ -131,7 +132,7 @@ class TensorParallel:
         self.wire.send(plan_wire.encode_block(*item), DISK_READ)
 
     def all(self, ok: bool) -> bool:
-        return all_ranks(ok, self.wire.device)
+        return every_rank(ok)
 
     def close(self) -> None:
         if self.closed:
@@ -147,14 +148,6 @@ class TensorParallel:
                     worker.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def all_ranks(ok: bool, device: torch.device) -> bool:
-    """Whether `ok` holds on every rank (each rank calls it at the same
-    point): one all-reduce of a flag, its minimum."""
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 class PlanWire:
@@ -216,7 +209,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
                               tensor_parallel=(rank, world))
         layout = options["layout"]
         wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
-        follower = Follower(wire.device)
+        follower = Follower()
         runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
                              options["max_num_seqs"], options["max_model_len"], parallel=follower)
         tiers = options["tiers"]
@@ -252,11 +245,8 @@ class Follower:
 
     leads = False
 
-    def __init__(self, device: torch.device):
-        self.device = device
-
     def ask(self, item: tuple) -> None:
         pass  # the driver asked: this rank is already reading
 
     def all(self, ok: bool) -> bool:
-        return all_ranks(ok, self.device)
+        return every_rank(ok)

@@ -66,11 +66,16 @@ class Ranks:
         """True where every rank says yes: for a choice that must be the
         same on every rank but rests on something one rank sees (its free
         memory)."""
-        if self.world == 1:
-            return yes
-        flag = torch.tensor([int(yes)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return yes if self.world == 1 else every_rank(yes)
+
+
+def every_rank(yes: bool) -> bool:
+    """Whether `yes` holds on every rank of the default process group (each
+    rank calls it at the same point): one all-reduce of a flag, its minimum.
+    On NCCL the flag goes through the rank's current CUDA device."""
+    flag = torch.tensor([int(yes)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 ONE_PROCESS = Ranks()

@@ -303,8 +303,8 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
     application on Ray Serve's HTTP proxy at host:port, until interrupted
     (Ctrl-C or SIGTERM). Then the application is deleted, and a local Ray
     this call started is stopped with every process of it (stop_local_ray)."""
-    replica_cpus = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
-    start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * replica_cpus) + 1))
+    cpus_per_replica = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
+    start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * cpus_per_replica) + 1))
     # Ray's own SIGTERM handler kills its processes and exits from inside the
     # handler (leaving its agents behind): a SIGTERM stops here instead, by
     # the same path as Ctrl-C.
