@@ -129,7 +129,3 @@ class Waiting:
     def finished(self, rid: str) -> None:
         for entry in self._followers.pop(rid, ()):
             self._queue.insert(0, entry)
-
-    @property
-    def blocked(self) -> int:
-        return sum(len(v) for v in self._followers.values())
