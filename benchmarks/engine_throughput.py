@@ -215,7 +215,7 @@ def measure(tree: str | None = None, **args) -> dict:
     hybridkv whose own copy of this module (and package) runs it (A/B runs)."""
     root = os.path.abspath(tree) if tree else harness.ROOT
     proc = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput", "--worker", json.dumps(args)],
-                          capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                          capture_output=True, text=True, cwd=root, env=harness.with_pythonpath(root))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

@@ -108,6 +108,14 @@ def use_threads(threads: int) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
+def with_pythonpath(root: str) -> dict:
+    """This process's environment for a child that imports hybridkv from
+    `root`: `root` goes first on PYTHONPATH, what was there stays after it (a
+    GPU machine's carried packages live there)."""
+    rest = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=root + (os.pathsep + rest if rest else ""))
+
+
 def write(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -477,6 +477,73 @@ def test_mamba_step_without_bias_D_or_gate():
     torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-5)
 
 
+# -- the norms', rotation's and gated MLPs' elementwise work, Mamba-1's prefill scan ---
+from hybridkv.layers.mamba_ops import selective_scan  # noqa: E402
+from hybridkv.layers.mlp import GatedMLP  # noqa: E402
+from hybridkv.layers.norm import RMSNorm  # noqa: E402
+
+
+def norm_module(convention, dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(dim, eps=1e-6, unit_offset=convention == "gemma", scale_in_float32=convention == "float32-scale")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen) * 0.5 + (0.0 if convention == "gemma" else 1.0))
+    return norm
+
+
+@pytest.mark.parametrize("convention", ["gemma", "llama", "float32-scale"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_kernel_matches_the_torch_norm_and_its_rotation(convention, dtype):
+    from hybridkv.layers.backends.triton.modules import TritonRMSNorm
+    from hybridkv.layers.backends.swap import twin
+    from hybridkv.layers.rotary import Rotary
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, dim = 5, 3, 16
+    norm = norm_module(convention, dim).to(DEVICE, dtype if convention != "float32-scale" else torch.float32)
+    fused = twin(TritonRMSNorm, norm, ops=ops)
+    # q as the projections leave it: a strided view of a wider row
+    wide = (torch.randn(tokens, heads * dim + 8, generator=gen) * 3).to(DEVICE, dtype)
+    q = wide[:, :heads * dim].view(tokens, heads, dim)
+    cos, sin = Rotary(torch.rand(dim // 2, generator=gen)).cos_sin(torch.tensor([0, 3, 7, 100, 2047]).to(DEVICE),
+                                                                  dtype)
+    atol, rtol = TOL[dtype]
+    hidden = (torch.randn(tokens, dim, generator=gen) * 3).to(DEVICE, dtype)
+    torch.testing.assert_close(fused(hidden), norm(hidden), atol=atol, rtol=rtol)
+    torch.testing.assert_close(fused(q), norm(q), atol=atol, rtol=rtol)
+    torch.testing.assert_close(fused.rotated(q, cos, sin), norm.rotated(q, cos, sin), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_activation_kernel_matches_torch(kind, dtype):
+    gen = torch.Generator().manual_seed(2)
+    mlp = GatedMLP(8, 40, "gelu_pytorch_tanh" if kind == "gelu_tanh" else "silu")
+    gate_up = (torch.randn(6, 80, generator=gen) * 3).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(ops.gated_activation(gate_up, kind), mlp.act(gate) * up, atol=atol, rtol=rtol)
+
+
+def test_selective_scan_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    lengths, channels, n = [7, 4, 1], 40, 16  # channels: not a multiple of the tile
+    R, L = len(lengths), max(lengths)
+    x = torch.randn(R, L, channels, generator=gen)
+    dt = F.softplus(torch.randn(R, L, channels, generator=gen))
+    A = -torch.rand(channels, n, generator=gen) * 2
+    B, C = torch.randn(R, L, n, generator=gen), torch.randn(R, L, n, generator=gen)
+    state = torch.randn(R, channels, n, generator=gen)
+    device_lengths = torch.tensor(lengths)
+    ref_y, ref_h, _ = selective_scan(x, dt, A, B, C, state, device_lengths)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    y, h = ops.selective_scan(to(x), to(dt), to(A), to(B), to(C), to(state), to(device_lengths))
+    for r, length in enumerate(lengths):
+        torch.testing.assert_close(y[r, :length].cpu(), ref_y[r, :length], atol=1e-4, rtol=1e-4)
+        assert not y[r, length:].any(), "outputs past a chunk's length"
+    torch.testing.assert_close(h.cpu(), ref_h, atol=1e-4, rtol=1e-4)
+
+
 # -- the engine with the kernels -------------------------------------------------
 @pytest.mark.parametrize("family", ["gemma3", "jamba"])
 def test_engine_with_triton_kernels_generates_the_reference_tokens(tmp_path_factory, family):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...linear import Linear, onednn_ops
-from .modules import twin
+from ..swap import twin
 
 
 def spare_memory() -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
+from ..swap import replace, twin
 
 # GatedMLP activations the C side computes: SiLU, and GELU's tanh form.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -26,31 +27,6 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 def usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def twin(cls, module: nn.Module, **extra) -> nn.Module:
-    """A `cls` (a subclass of `module`'s class) holding `module`'s
-    parameters, buffers, submodules and attributes (the same tensors)."""
-    new = cls.__new__(cls)
-    nn.Module.__init__(new)
-    for key, value in vars(module).items():
-        vars(new)[key] = dict(value) if key in ("_parameters", "_buffers", "_modules") else value
-    vars(new).update(extra)
-    return new
-
-
-def replace(model: nn.Module, kind: type, make) -> int:
-    """Every submodule of exactly type `kind` replaced by `make(module)`
-    (where that gives one); returns how many."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is kind:
-                new = make(child)
-                if new is not None:
-                    setattr(parent, name, new)
-                    count += 1
-    return count
 
 
 def norm_rotary(lib, x: torch.Tensor, weight: torch.Tensor | None, offset: float, eps: float,

@@ -98,7 +98,10 @@ class TritonFlashInferBackend(Backend):
         super().__init__(prefill, TritonRecurrent(ops))
 
     def prepare(self, model, layout, device):
+        from ..triton import swap_modules
+
         report = super().prepare(model, layout, device)
+        swap_modules(model, self.recurrent.ops, report)
         others = [g.index for g in layout.groups if not g.recurrent and
                   (g.spec.kind not in ("full", "sliding_window") or g.spec.dtype not in SIXTEEN_BIT)]
         if others:

@@ -1,6 +1,6 @@
 """hybridkv's Triton kernels (ops.py): stores, paged decode and prefill
-attention, and the Mamba decode step, reading and writing the pool in
-place. On CUDA devices, compiled; on CPU tensors under triton's
+attention, the Mamba decode step and prefill scan, reading and writing the
+pool in place, and the norms' and gated MLPs' elementwise work (modules.py). On CUDA devices, compiled; on CPU tensors under triton's
 interpreter (`TRITON_INTERPRET=1` set before ops.py is imported), which is
 how the tests run them without a GPU.
 
@@ -35,6 +35,20 @@ class TritonBackend(Backend):
         ops = ops or kernels()
         self.ops = ops
         super().__init__(TritonAttention(ops), TritonRecurrent(ops))
+
+    def prepare(self, model, layout, device):
+        report = super().prepare(model, layout, device)
+        swap_modules(model, self.ops, report)
+        return report
+
+
+def swap_modules(model, ops, report) -> None:
+    """The model's RMS norms and gated MLPs for their Triton twins (modules.py)."""
+    from .modules import swap_norms_and_mlps
+
+    norms, mlps = swap_norms_and_mlps(model, ops)
+    report.done.append(f"{norms} RMS norms (with the q/k rotation) and {mlps} gated MLPs' activations run "
+                       f"one Triton kernel each")
 
 
 _verified: dict[str, bool] = {}

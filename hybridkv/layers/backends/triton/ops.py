@@ -582,3 +582,149 @@ def mamba_ssm_step(pool: torch.Tensor, read_pages: torch.Tensor, write_pages: to
         *gate_t.stride(), *y.stride(), *read_pages.stride(), *write_pages.stride(),
         STATE=state, STATE_PAD=state_pad, BLOCK_I=block_i, HAS_D=D is not None, HAS_GATE=gate is not None)
     return y
+
+
+# -- a layer's elementwise work in one pass ----------------------------------------
+@triton.jit
+def _norm_scale(y, w_ptr, d, ok, offset, out_ptr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_SCALE: tl.constexpr):
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) + offset
+        if ROUND_BEFORE_SCALE:  # Llama's `w * norm(x).to(dtype)`
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * w
+    return y
+
+
+@triton.jit
+def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, dim, s_xt, s_xh, s_ot, s_oh, s_ct, s_st,
+                        offset, eps, BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_SCALE: tl.constexpr,
+                        ROTATE: tl.constexpr):
+    """One program per (token, head): the RMS norm of the row, scaled by
+    (weight + offset), then, with ROTATE, the rotate-half rotation by the
+    token's cos and sin. Each channel's rotation partner (d +- dim/2) is
+    normalised from its own load, so no value crosses lanes."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < dim
+    row = x_ptr + t * s_xt + h * s_xh
+    x = tl.load(row + d, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    y = _norm_scale(x * rstd, w_ptr, d, ok, offset, out_ptr, HAS_WEIGHT, ROUND_BEFORE_SCALE)
+    if ROTATE:
+        half = dim // 2
+        partner = tl.where(d < half, d + half, d - half)
+        xp = tl.load(row + partner, mask=ok, other=0.0).to(tl.float32)
+        yp = _norm_scale(xp * rstd, w_ptr, partner, ok, offset, out_ptr, HAS_WEIGHT, ROUND_BEFORE_SCALE)
+        # torch rotates the norm's output in the model's dtype: round it first
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        yp = yp.to(out_ptr.dtype.element_ty).to(tl.float32)
+        cos = tl.load(cos_ptr + t * s_ct + d, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * s_st + d, mask=ok, other=0.0).to(tl.float32)
+        y = y * cos + tl.where(d < half, -yp, yp) * sin
+    tl.store(out_ptr + t * s_ot + h * s_oh + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, offset: float, eps: float,
+                round_before_scale: bool = False, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[tokens, dim]` or `[tokens, heads, dim]` (last stride 1): each row
+    times rsqrt(mean(x^2) + eps), in float32, times (weight + offset) where
+    `weight` is given (after rounding to x's dtype with
+    `round_before_scale`), then rotated by cos, sin `[tokens, dim]` where
+    given. A new contiguous tensor of x's dtype: what layers/norm.py's
+    RMSNorm (and its `rotated`) computes, in one pass instead of five to ten."""
+    view = x if x.dim() == 3 else x.reshape(x.shape[0], 1, x.shape[-1])
+    tokens, heads, dim = view.shape
+    out = torch.empty(view.shape, dtype=x.dtype, device=x.device)
+    if tokens and heads:
+        rotate = cos is not None
+        _norm_rotary_kernel[(tokens, heads)](
+            view, weight if weight is not None else view, cos if rotate else view, sin if rotate else view, out,
+            dim, view.stride(0), view.stride(1), out.stride(0), out.stride(1),
+            cos.stride(0) if rotate else 0, sin.stride(0) if rotate else 0, float(offset), float(eps),
+            BLOCK_D=_pow2(dim), HAS_WEIGHT=weight is not None, ROUND_BEFORE_SCALE=round_before_scale,
+            ROTATE=rotate)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _gated_activation_kernel(in_ptr, out_ptr, inter, s_ir, s_or, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row, tile of columns): act(gate) * up, the gate in
+    the row's first `inter` columns, up in the next; the activation rounded
+    to the output dtype before the product, as torch's two ops do."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < inter
+    gate = tl.load(in_ptr + r * s_ir + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(in_ptr + r * s_ir + inter + c, mask=ok, other=0.0).to(tl.float32)
+    if GELU_TANH:  # 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        act = gate * tl.sigmoid(gate)
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + r * s_or + c, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def gated_activation(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
+    """gate_up `[rows, 2 * inter]` (last stride 1; the gate's columns, then
+    up's) -> act(gate) * up `[rows, inter]`; `kind` one of GATED_ACTIVATIONS."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, _pow2(inter))
+        _gated_activation_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), GELU_TANH=kind == "gelu_tanh", BLOCK=block)
+    return out
+
+
+# -- Mamba-1 prefill: the selective scan of chunks -----------------------------------
+@triton.jit
+def _selective_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, h0_ptr, len_ptr, y_ptr, h_ptr, channels,
+                           s_xr, s_xt, s_xi, s_dr, s_dt, s_di, s_ai, s_an, s_br, s_bt, s_bn, s_cr, s_ct, s_cn,
+                           s_h0r, s_h0i, s_h0n, s_yr, s_yt, s_yi, s_hr, s_hi, s_hn,
+                           STATE: tl.constexpr, STATE_PAD: tl.constexpr, BLOCK_I: tl.constexpr):
+    """One program per (chunk, tile of channels), its state tile [BLOCK_I,
+    STATE] in registers through the chunk's tokens:
+    h = exp(dt A) h + dt x B;  y_t = C_t . h."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    n = tl.arange(0, STATE_PAD)
+    i_ok = i < channels
+    n_ok = n < STATE
+    tile = i_ok[:, None] & n_ok[None, :]
+    A = tl.load(a_ptr + i[:, None] * s_ai + n[None, :] * s_an, mask=tile, other=0.0).to(tl.float32)
+    h = tl.load(h0_ptr + r * s_h0r + i[:, None] * s_h0i + n[None, :] * s_h0n, mask=tile, other=0.0).to(tl.float32)
+    length = tl.load(len_ptr + r)
+    for t in range(0, length):
+        x = tl.load(x_ptr + r * s_xr + t * s_xt + i * s_xi, mask=i_ok, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * s_dr + t * s_dt + i * s_di, mask=i_ok, other=0.0).to(tl.float32)
+        B = tl.load(b_ptr + r * s_br + t * s_bt + n * s_bn, mask=n_ok, other=0.0).to(tl.float32)
+        C = tl.load(c_ptr + r * s_cr + t * s_ct + n * s_cn, mask=n_ok, other=0.0).to(tl.float32)
+        h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
+        tl.store(y_ptr + r * s_yr + t * s_yt + i * s_yi, tl.sum(h * C[None, :], axis=1), mask=i_ok)
+    tl.store(h_ptr + r * s_hr + i[:, None] * s_hi + n[None, :] * s_hn, h, mask=tile)
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   state: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mamba_ops.selective_scan without per-token states: R chunks side by
+    side, x, dt `[R, L, I]` (dt after softplus), A `[I, N]`, B, C `[R, L,
+    N]`, state `[R, I, N]`, chunk r's tokens the first lengths[r] (on the
+    device). Returns (y `[R, L, I]` float32, 0 past a chunk's length, the
+    final states `[R, I, N]` float32). One program per chunk and channel
+    tile walks the tokens, where the reference launches a few ops per token."""
+    requests, length, channels = x.shape
+    y = torch.zeros(requests, length, channels, dtype=torch.float32, device=x.device)
+    h = torch.empty(requests, channels, A.shape[1], dtype=torch.float32, device=x.device)
+    if requests == 0:
+        return y, h
+    n = A.shape[1]
+    block_i = max(1, min(_pow2(channels), 32))
+    _selective_scan_kernel[(requests, triton.cdiv(channels, block_i))](
+        x, dt, A, B, C, state, lengths, y, h, channels, *x.stride(), *dt.stride(), *A.stride(), *B.stride(),
+        *C.stride(), *state.stride(), *y.stride(), *h.stride(), STATE=n, STATE_PAD=_pow2(n), BLOCK_I=block_i)
+    return y, h

@@ -1,7 +1,10 @@
 """The Triton kernels' recurrent side: decode states of the kinds it has
 kernels for (`kinds`: Mamba-1's conv and SSM steps) stay in the pool (the
 kernels read their read pages and write their write pages); prefill rows
-are gathered, scanned by the reference and written back. Groups of other
+are gathered and written back, Mamba-1's scanned by a kernel (one program
+per chunk and channel tile walking the tokens; the reference launches a
+few ops per token), the conv and verified chunks (which keep every
+token's state) by the reference. Groups of other
 kinds (Mamba-2, the short conv, Gated DeltaNet) are gathered whole, decode
 rows too, and run the reference's ops (the prepare report says so)."""
 
@@ -52,3 +55,11 @@ class TritonRecurrent(ReferenceRecurrent):
             return super().ssm_step(meta, layer_name, x, dt, A, B, C, D, gate)
         offset, dtype = self._part(meta, layer_name, 1)
         return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
+
+    def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
+        if keep:  # verified drafts keep each token's state: the reference's scan
+            return super().ssm_prefill(meta, layer_name, rows, x, dt, A, B, C, lengths, keep)
+        state = meta.state_views(layer_name)[1]
+        y, new_state = self.ops.selective_scan(x, dt, A, B, C, state[rows], lengths)
+        state[rows] = new_state.to(state.dtype)
+        return y
