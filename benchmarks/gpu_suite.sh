@@ -9,25 +9,27 @@
 #                                                   # kernel_tests and oracle included
 #
 # It runs $PYTHON (default: python3). The default parts, in this order, each
-# under its own time limit (they add up to 505 s):
+# under its own time limit (they add up to 510 s; FlashInfer's JIT, minutes on
+# a fresh machine, comes last so that it cannot starve the engine rows):
 #
 #   env.txt             the device, driver, library versions
 #   install.txt         the wheels benchmarks/gpu_wheels.sh fetched, carried in gpu_wheels/part*/
 #                       (a device call carries 64 MiB: FlashInfer's wheel alone is part1, so a first,
 #                       short call carries it and installs it; the next carries part2 and runs the
 #                       suite), installed into $GPU_SITE (default .gpu_site, kept between calls)
-#   prefill.txt/.json   benchmarks/kernels.py --only prefill: the paged prefill kernel at
-#                       Gemma-3-27B's heads, its tile sweep with float32 tiles and with 16-bit dots
-#                       (dot_16bit), beside FlashInfer's prefill on the same pool
 #   engine_gemma3.txt/.json, engine_jamba.txt/.json
 #                       benchmarks/engine_throughput.py: the engine on Gemma-3-1B- and
 #                       ~1B-Jamba-shaped random models in bf16, batch 64 and 1, CUDA graphs on,
-#                       backends triton and triton+flashinfer, beside the weights-read bound
+#                       backend triton ($GPU_ENGINE_BACKENDS: triton,triton+flashinfer adds
+#                       FlashInfer's, whose JIT needs minutes more), beside the weights-read bound
 #   profile.txt/.json   benchmarks/gpu_profile.py: decode steps at batch 1 and 64 (graphs on) under
 #                       torch.profiler: step, kernel and launch counts, top kernels
+#   prefill.txt/.json   benchmarks/kernels.py --only prefill: the paged prefill kernel at
+#                       Gemma-3-27B's heads, its tile sweep with float32 tiles and with 16-bit dots
+#                       (dot_16bit), beside FlashInfer's prefill on the same pool
 #
-# More parts, named in GPU_SUITE_PARTS (the default is "install prefill engine_gemma3
-# engine_jamba profile"):
+# More parts, named in GPU_SUITE_PARTS (the default is "install engine_gemma3
+# engine_jamba profile prefill"):
 #   kernel_tests        tests/test_triton_kernels.py compiled on the GPU, real sizes included
 #   kernels             benchmarks/kernels.py whole: decode at 64 x 8K and 32K, prefill, store, Mamba
 #   oracle              the engine against transformers on CUDA in bf16 (loose bounds), graphs included
@@ -48,7 +50,7 @@ export PYTHONPATH="$GPU_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     HYBRIDKV_CACHE="${HYBRIDKV_CACHE:-$OUT/.cache}"
 failed=0
 
-DEFAULT_PARTS="install prefill engine_gemma3 engine_jamba profile"
+DEFAULT_PARTS="install engine_gemma3 engine_jamba profile prefill"
 [ "$DRY" = "--dry-run" ] && DEFAULT_PARTS="$DEFAULT_PARTS kernel_tests oracle"  # all of it, small
 PARTS=" ${GPU_SUITE_PARTS:-$DEFAULT_PARTS} "
 part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
@@ -87,7 +89,7 @@ print('triton', triton.__version__, 'transformers', transformers.__version__)"
 
 export -f install_wheels
 export PYTHON GPU_SITE
-part install 45 bash -c install_wheels
+part install 40 bash -c install_wheels
 
 if [ "$DRY" = "--dry-run" ]; then
     # The same parts on the CPU: shrunk models, kernels under triton's interpreter.
@@ -103,16 +105,16 @@ if [ "$DRY" = "--dry-run" ]; then
     part oracle 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine_oracle.py \
         -k "batch_of_different_lengths and fixed-decode"
 else
-    part prefill 90 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
-    # One untimed run per case first (Triton and FlashInfer compile into their disk caches), then one
-    # timed; 32 new tokens per prompt; transformers is left out to fit the call (engine_full has it).
+    # One untimed run per case first (Triton compiles into its disk cache), then one timed; 32 new
+    # tokens per prompt; transformers is left out to fit the call (engine_full has it).
     ENGINE=("$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --graphs on
-            --backends triton,triton+flashinfer --no-transformers --only throughput --repeat 1 --warm-runs 1
-            --num-prompts 64 --new-tokens 32)
-    part engine_gemma3 170 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
+            --backends "${GPU_ENGINE_BACKENDS:-triton}" --no-transformers --only throughput --repeat 1
+            --warm-runs 1 --num-prompts 64 --new-tokens 32)
+    part engine_gemma3 130 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
     part engine_jamba 140 "${ENGINE[@]}" --models jamba-1b-shape --out "$OUT/engine_jamba.json"
-    part profile 60 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
+    part profile 40 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
         --out "$OUT/profile.json"
+    part prefill 160 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
     # Tests in parallel where pytest-xdist is there (their Triton compiles are CPU work); the
     # real-size tests one at a time: each takes up to ~50 GB of the GPU.
     XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")

@@ -346,6 +346,18 @@ TABLES: dict[str, Table] = {
         "drafts kept": lambda r: f"{r['hybridkv+ngram']['accepted']}/{r['hybridkv+ngram']['drafts']}",
         "ngram / plain": lambda r: times(r["hybridkv+ngram"]["tokens_per_s"] / r["hybridkv"]["tokens_per_s"]),
         "same": lambda r: {True: "yes", False: "no", None: "-"}[r["identical"]["hybridkv"]]}),
+    "h100-decode-steps": Table(("h100-2026-11-26/profile_before.json", "h100-2026-11-26/profile.json"),
+                               lambda before, after: [dict(r, tree="before (8db694d)") for r in before["cases"]] +
+                               [dict(r, tree="one kernel per norm (5281801)") for r in after["cases"]], {
+        "tree": key("tree"), "batch": key("batch"),
+        "step ms": key("step_ms", lambda v: num(v, 2)), "kernels ms": key("kernel_ms", lambda v: num(v, 2)),
+        "launches per step": key("launches", lambda v: num(v)),
+        "of the weights-read bound": lambda r: f"{100 * r['bound_ms'] / r['step_ms']:.0f}%"}),
+    "h100-engine": Table("h100-2026-11-26/engine_gemma3.json", rows_of("throughput"), {
+        "model": key("model"), "batch": key("batch"),
+        "tok/s": lambda r: num(r["triton"]["tokens_per_s"], 1),
+        "TTFT mean s": lambda r: num(r["triton"]["ttft_mean"], 3),
+        "weights-read bound tok/s": key("weight_bound_tokens_per_s", lambda v: num(v))}),
     "h100-kernels": Table("h100-2026-11-25/kernels.json", kernel_rows, {
         "kernel (Gemma-3-27B heads, bf16, batch 64)": lambda r: f"{r['kernel']}, {r['kind'].replace('_', ' ')}, "
                                                                  f"{r['shape']}",

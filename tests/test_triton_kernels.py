@@ -656,6 +656,18 @@ compile(ops._ssm_step_kernel, dict(x_ptr="*bf16", dt_ptr="*fp32", a_ptr="*fp32",
         d_ptr="*fp32", gate_ptr="*fp32", y_ptr="*fp32", pool_ptr="*fp32", s_xr=I, s_xi=1, s_dtr=I, s_dti=1, s_ai=N,
         s_an=1, s_br=N, s_bn=1, s_cr=N, s_cn=1, s_gr=I, s_gi=1, s_yr=I, s_yi=1, **pages),
         dict(STATE=N, STATE_PAD=N, BLOCK_I=128, HAS_D=True, HAS_GATE=True))
+D, INTER = 256, 6912  # Gemma-3-1B: head_dim, MLP width
+compile(ops._norm_rotary_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
+        dim=D, s_xt=6 * D, s_xh=D, s_ot=4 * D, s_oh=D, s_ct=D, s_st=D, offset=1.0, eps=1e-6),
+        dict(BLOCK_D=D, HAS_WEIGHT=True, ROUND_BEFORE_SCALE=False, ROTATE=True))
+compile(ops._gated_activation_kernel, dict(in_ptr="*bf16", out_ptr="*bf16", inter=INTER, s_ir=2 * INTER, s_or=INTER),
+        dict(GELU_TANH=True, BLOCK=1024))
+L = 64
+compile(ops._selective_scan_kernel, dict(x_ptr="*bf16", dt_ptr="*bf16", a_ptr="*fp32", b_ptr="*bf16", c_ptr="*bf16",
+        h0_ptr="*fp32", len_ptr="*i64", y_ptr="*fp32", h_ptr="*fp32", channels=I, s_xr=L * I, s_xt=I, s_xi=1,
+        s_dr=L * I, s_dt=I, s_di=1, s_ai=N, s_an=1, s_br=L * N, s_bt=N, s_bn=1, s_cr=L * N, s_ct=N, s_cn=1,
+        s_h0r=I * N, s_h0i=N, s_h0n=1, s_yr=L * I, s_yt=I, s_yi=1, s_hr=I * N, s_hi=N, s_hn=1),
+        dict(STATE=N, STATE_PAD=N, BLOCK_I=32))
 print("compiled")
 """
 
