@@ -105,3 +105,40 @@ def test_state_pages_are_asked_by_group_not_by_layer_kind():
     assert sorted(states) == recurrent
     read, write = states[recurrent[0]]
     assert read is None and write and list(write) == kv.get_page_tables("a")[recurrent[0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 90), st.integers(0, 40), st.booleans()),
+                min_size=1, max_size=10), st.sampled_from([None, "tenant-a"]))
+def test_keys_taken_from_recent_chains_equal_freshly_hashed_ones(turns, salt):
+    # A prompt opening like a recent one (a chat's next turn, a shared
+    # system prompt, one that leaves it inside a block) takes the common
+    # blocks' keys from that request's chain (hashing.KnownChains): they
+    # must be the keys hashing it afresh gives, under its own salt.
+    from hybridkv.core.hashing import BlockHasher
+
+    bs = 4
+    layout = plan_layout({"a": FullAttentionSpec(1, 8, "float32"),
+                          "m": MambaSpec(shapes=((4, 3), (4, 8)), dtypes=("float32", "float32"))}, 1 << 20,
+                         block_size=bs)
+    kv = KVCacheManager(layout)
+    rng = random.Random(len(turns))
+    bases = [[rng.randrange(100) for _ in range(90)] for _ in range(3)]
+    history: list[int] = []
+    for i, (base, cut, answer, continue_chat) in enumerate(turns):
+        prompt = history + [7, i] if continue_chat and history else bases[base][:cut] + [200 + i]
+        rid = f"r{i}"
+        kv.add_request(rid, prompt, cache_salt=salt if i % 2 else None)
+        assert kv.allocate_slots(rid, len(prompt) - kv.get_computed_tokens(rid))
+        kv.mark_computed(rid, len(prompt) - kv.num_computed_tokens(rid))
+        for t in range(answer):  # decoding: the answer's blocks get keys too
+            kv.append_token_ids(rid, [300 + t])
+            assert kv.allocate_slots(rid, 1)
+            kv.mark_computed(rid, 1)
+        tokens = kv.token_ids(rid)
+        fresh: list = []
+        hasher = BlockHasher()
+        hasher.extend(fresh, hasher.root(salt if i % 2 else None), tokens, bs, len(tokens) // bs)
+        assert kv.block_keys(rid, 0, len(tokens)) == fresh
+        kv.free(rid)
+        history = tokens

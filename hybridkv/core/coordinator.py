@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .block_cache import BlockCache
 from .checkpoints import CheckpointPlanner, CheckpointPolicy
-from .hashing import BlockHasher
+from .hashing import BlockHasher, KnownChains, token_bytes
 from .layout import KVCacheLayout
 from .managers import make_manager
 from .page_allocator import NULL
@@ -45,6 +45,7 @@ class Coordinator:
         self.block_size = layout.block_size
         self.caching = caching
         self.hasher = hasher
+        self.known_chains = KnownChains(layout.block_size)
         self.block_cache = BlockCache(layout.num_pages, len(layout.groups))
         # Positions where recurrent groups save states, and so where a
         # prefill chunk must end (None: no group saves any).
@@ -132,8 +133,15 @@ class Coordinator:
         raise NotImplementedError
 
     def extend_keys(self, req: CacheRequest, num_blocks: int) -> None:
-        if len(req.keys) < num_blocks:
-            self.hasher.extend(req.keys, req.root, req.tokens, self.block_size, num_blocks, req.prompt_bytes)
+        keys = req.keys
+        if len(keys) < num_blocks:
+            first = not keys and req.prompt_bytes is not None
+            if first:  # the blocks a recent request shares with this prompt are hashed already
+                self.known_chains.seed(keys, req.root, req.prompt_bytes)
+            if len(keys) < num_blocks:
+                self.hasher.extend(keys, req.root, req.tokens, self.block_size, num_blocks, req.prompt_bytes)
+            if first:
+                self.known_chains.remember(req.root, req.prompt_bytes, keys)
 
     def fetch_from_tier(self, req: CacheRequest, hit: int) -> dict | None:
         """Before a first allocation: the content of every block the hit
@@ -298,6 +306,10 @@ class Coordinator:
     def free(self, req: CacheRequest) -> None:
         for manager in self.managers:
             manager.free(req)
+        if req.prompt_bytes is not None and len(req.keys) * self.block_size > req.num_prompt_tokens:
+            # Its keys now run past the prompt (the answer's blocks): a chat's next turn repeats them.
+            data = req.prompt_bytes + token_bytes(req.tokens[req.num_prompt_tokens:len(req.keys) * self.block_size])
+            self.known_chains.remember(req.root, data, req.keys)
 
     def fork(self, parent: CacheRequest, child: CacheRequest) -> None:
         child.inherit(parent)

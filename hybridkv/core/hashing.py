@@ -112,3 +112,76 @@ class BlockHasher:
                 parent_bytes = parent if isinstance(parent, bytes) else repr(parent).encode()
                 parent = self._custom(parent_bytes, token_bytes(tokens[pos:pos + block_size]))
                 keys.append(parent)
+
+
+class KnownChains:
+    """Recent requests' key chains, found by their first block, so that a
+    prompt opening like a recent one (a chat's next turn holds the last
+    turn's prompt and answer; requests share a system prompt) takes the
+    keys of the blocks they have in common instead of hashing them again.
+    A key depends only on the chain's root and the tokens up to its block,
+    so equal token bytes under one root give equal keys: reusing them
+    changes no key, only its cost (a few comparisons of bytes, where
+    hashing costs about a microsecond a block).
+
+    Bounded like checkpoints.PrefixSightings, by two generations of dicts:
+    the young one takes chains until they hold `budget` bytes of tokens or
+    `capacity` first blocks, then becomes the old one, whose chains are
+    forgotten (a chain's keys cost about 0.6 times its token bytes more).
+    A first block keeps its `per_start` most recent chains."""
+
+    def __init__(self, block_size: int, budget: int = 16 << 20, capacity: int = 4096, per_start: int = 4):
+        self.step = 8 * block_size  # bytes per block (int64 tokens)
+        self.budget = budget
+        self.capacity = capacity
+        self.per_start = per_start
+        self._young: dict = {}  # (root, first block's bytes) -> [(bytes, keys)], newest first
+        self._old: dict = {}
+        self._young_bytes = 0
+
+    def seed(self, keys: list, root, data: bytes) -> None:
+        """Fill the empty `keys` with the known keys of the longest recent
+        chain whose tokens `data` (canonical bytes) begins with."""
+        step = self.step
+        start = (root, data[:step])
+        chains = self._young.get(start) or self._old.get(start)
+        if not chains or len(data) < step:
+            return
+        best, best_keys = 0, None
+        for known, known_keys in chains:
+            blocks = min(len(known), len(data)) // step
+            blocks = min(blocks, len(known_keys))
+            if blocks <= best:
+                continue
+            if not data.startswith(memoryview(known)[:blocks * step]):
+                blocks = self._common_blocks(data, known, best, blocks)
+            if blocks > best:
+                best, best_keys = blocks, known_keys
+        if best_keys is not None:
+            keys.extend(best_keys[:best])
+
+    def _common_blocks(self, data: bytes, known: bytes, lo: int, hi: int) -> int:
+        """The most whole blocks (lo <= n < hi) at which data and known agree."""
+        view, step = memoryview(known), self.step
+        while lo < hi - 1:  # data agrees with known on lo blocks, not on hi
+            mid = (lo + hi) // 2
+            if data.startswith(view[:mid * step]):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def remember(self, root, data: bytes, keys: list) -> None:
+        """`keys` are the chain of `data`'s whole blocks (a prefix of them:
+        the list may grow later, never change)."""
+        if len(data) < self.step:
+            return
+        start = (root, data[:self.step])
+        young = self._young
+        chains = young.get(start)
+        if chains is None:
+            chains = young[start] = list(self._old.pop(start, ()))
+        chains[:] = [(data, keys)] + [c for c in chains if c[1] is not keys][:self.per_start - 1]
+        self._young_bytes += len(data)
+        if len(young) >= max(1, self.capacity // 2) or self._young_bytes >= self.budget:
+            self._old, self._young, self._young_bytes = young, {}, 0
