@@ -1,5 +1,6 @@
-"""docs/benchmarks.md's tables (and those of the README and
-docs/integrations.md), written from the result files they report.
+"""docs/benchmarks.md's tables (and those of the README and of
+docs/integrations.md, kernels.md and server.md), written from the result
+files they report.
 
 In a page a table is a marker, a caption naming its result file, date,
 machine and command (left out where the table above came from the same
@@ -36,7 +37,8 @@ from typing import Callable
 from benchmarks import harness
 
 PAGE = os.path.join(harness.ROOT, "docs", "benchmarks.md")
-PAGES = (PAGE, os.path.join(harness.ROOT, "README.md"), os.path.join(harness.ROOT, "docs", "integrations.md"))
+PAGES = (PAGE, os.path.join(harness.ROOT, "README.md"), os.path.join(harness.ROOT, "docs", "integrations.md"),
+         os.path.join(harness.ROOT, "docs", "kernels.md"), os.path.join(harness.ROOT, "docs", "server.md"))
 MARKER = re.compile(r"<!-- table (\S+) -->\n.*?<!-- end table -->", re.S)
 
 
@@ -102,10 +104,11 @@ def manager_rows(t: dict) -> list[dict]:
 
 
 def manager_trace_rows(t: dict) -> list[dict]:
-    """Per model and trace: hybridkv's row with vLLM's beside it."""
+    """Per model and trace but the mixed one (the manager table's): hybridkv's
+    row with vLLM's beside it."""
     theirs = {(row["model"], row["trace"]): row for row in t.get("vllm", []) if "trace" in row}
     return [{**row, "vllm": theirs[row["model"], row["trace"]]} for row in t["models"]
-            if (row["model"], row.get("trace")) in theirs]
+            if (row["model"], row.get("trace")) in theirs and row.get("trace") != "mixed"]
 
 
 def routing_rows(t: dict) -> list[dict]:
