@@ -39,3 +39,14 @@ def engine_device(request):
 @pytest.fixture(scope="session")
 def engine_dtype(request):
     return request.config.getoption("--dtype")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    # A tensor-parallel test that fails before closing its engine leaves this
+    # process's torch.distributed group up, and every later one would fail
+    # to start its own: end it here, so one failure stays one failure.
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
