@@ -50,3 +50,31 @@ def no_process_group_left_behind():
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# Cases that duplicate what a faster case of the same test covers, moved to
+# the soak run (`pytest -m soak`) to keep the main suite near 10 minutes on
+# 2 cores: each keeps a sibling in the main suite (named after the #).
+SOAK_CASES = (
+    # the triton backend under the interpreter with drafts: jamba's rollback stays
+    "test_speculative_engine.py::test_hybrid_speculative_triton_backend_matches_transformers[gemma3]",
+    "test_speculative_engine.py::test_hybrid_speculative_triton_backend_matches_transformers[gpt_oss]",
+    # triton+flashinfer engines on the fake FlashInfer: jamba stays
+    "test_flashinfer_attention.py::test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate[gemma3]",
+    "test_flashinfer_attention.py::test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate[gpt_oss]",
+    # the triton backend at fixed shapes: the exact-decode cases stay
+    "test_engine_oracle.py::test_hybrid_triton_backend_matches_transformers[fixed-decode-",
+    # the real model on two ranks: the tiny families' TP tests and the TP benchmark's quick run stay
+    "test_tensor_parallel.py::test_the_real_gemma3_270m_on_two_ranks",
+    # replicas with TP: replicas with tiers, and TP alone, stay
+    "test_ray_replicas.py::test_replicas_with_tensor_parallelism_equal_one_plain_engine",
+    # the real model's drafts and disk restart: the tiny models' speculative and disk-tier tests stay
+    "test_real_gemma3.py::test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens",
+    "test_real_gemma3.py::test_hybrid_real_gemma3_disk_tier_hit_after_a_restart_matches_transformers",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(case in item.nodeid for case in SOAK_CASES):
+            item.add_marker(pytest.mark.soak)

@@ -480,6 +480,19 @@ def _conv_step_kernel(x_ptr, y_ptr, w_ptr, bias_ptr, pool_ptr, read_ptr, write_p
 
 
 @triton.jit
+def _state_tile(channels, STATE: tl.constexpr, STATE_PAD: tl.constexpr, BLOCK_I: tl.constexpr):
+    """A (request, channel tile) program's place in a Mamba-1 state [channels,
+    STATE]: its request r, channels i, state columns n, their masks and the
+    tile's."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    n = tl.arange(0, STATE_PAD)
+    i_ok = i < channels
+    n_ok = n < STATE
+    return r, i, n, i_ok, n_ok, i_ok[:, None] & n_ok[None, :]
+
+
+@triton.jit
 def _ssm_step_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, gate_ptr, y_ptr,
                      pool_ptr, read_ptr, write_ptr, zero_ptr, base, page_elems, channels,
                      s_xr, s_xi, s_dtr, s_dti, s_ai, s_an, s_br, s_bn, s_cr, s_cn, s_gr, s_gi, s_yr, s_yi,
@@ -490,12 +503,7 @@ def _ssm_step_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, gate_ptr, y_ptr,
     h = exp(dt A) h + dt x B;  y = C . h (+ D x) (* silu(gate)).
     The state h [channels, STATE] is read from the read pages and written to
     the write pages (the same pages when the update is in place)."""
-    r = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    n = tl.arange(0, STATE_PAD)
-    i_ok = i < channels
-    n_ok = n < STATE
-    tile = i_ok[:, None] & n_ok[None, :]
+    r, i, n, i_ok, n_ok, tile = _state_tile(channels, STATE, STATE_PAD, BLOCK_I)
     stored = channels * (1 - tl.load(zero_ptr + r).to(tl.int32))  # 0: no state yet, start from zeros
     e = i[:, None] * STATE + n[None, :]
     h_mask = (i < stored)[:, None] & n_ok[None, :]
@@ -690,12 +698,7 @@ def _selective_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, h0_ptr, len_ptr, 
     """One program per (chunk, tile of channels), its state tile [BLOCK_I,
     STATE] in registers through the chunk's tokens:
     h = exp(dt A) h + dt x B;  y_t = C_t . h."""
-    r = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    n = tl.arange(0, STATE_PAD)
-    i_ok = i < channels
-    n_ok = n < STATE
-    tile = i_ok[:, None] & n_ok[None, :]
+    r, i, n, i_ok, n_ok, tile = _state_tile(channels, STATE, STATE_PAD, BLOCK_I)
     A = tl.load(a_ptr + i[:, None] * s_ai + n[None, :] * s_an, mask=tile, other=0.0).to(tl.float32)
     h = tl.load(h0_ptr + r * s_h0r + i[:, None] * s_h0i + n[None, :] * s_h0n, mask=tile, other=0.0).to(tl.float32)
     length = tl.load(len_ptr + r)
