@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ssd_ops import segment_sums
 
 CHUNK = 64  # tokens per chunk of the prefill scan
 
@@ -56,6 +55,17 @@ def gated_delta_step(q, k, v, g, beta, state):
     u = beta.float()[..., None] * (v.float() - torch.einsum("rhkv,rhk->rhv", decayed, k))
     s = decayed + k[..., None] * u[..., None, :]
     return torch.einsum("rhkv,rhk->rhv", s, q), s
+
+
+def chunk_decays(g: torch.Tensor) -> torch.Tensor:
+    """g [..., Q] (a chunk's log decays) -> G [..., Q(t), Q(s)] = exp(g_{s+1} + ...
+    + g_t) for s <= t, 0 above the diagonal: ssd_ops.segment_sums's masked
+    cumulative sum (the terms summed, not a difference of running sums), laid
+    out with the tokens last, as the products and the solve read it."""
+    q = g.shape[-1]
+    below = torch.ones(q, q, dtype=torch.bool, device=g.device).tril(-1)
+    sums = torch.where(below, g[..., :, None], 0.0).cumsum(-2)  # [t, s]: the sum over (s, t]
+    return torch.exp(sums) * below.logical_or(torch.eye(q, dtype=torch.bool, device=g.device))
 
 
 def gated_delta_scan(q, k, v, g, beta, state, lengths, per_token: bool = False, chunk: int = CHUNK):
@@ -88,14 +98,16 @@ def gated_delta_scan(q, k, v, g, beta, state, lengths, per_token: bool = False, 
     # [R, chunks, heads, Q, ...]: the heads before the tokens, for the batched products and solves.
     q, k, v = (t.view(requests, n, chunk, heads, -1).transpose(2, 3) for t in (q, k, v))
     g, beta = (t.view(requests, n, chunk, heads).transpose(2, 3) for t in (g, beta))
-    decays = torch.exp(segment_sums(g.transpose(2, 3))).permute(0, 1, 4, 2, 3)  # [R, n, H, Q(t), Q(s)]: G[t, s]
+    decays = chunk_decays(g)  # [R, n, H, Q(t), Q(s)]: G[t, s]
     from_start = torch.exp(g.cumsum(-1))  # [R, n, H, Q]: G0[t]
     # The unit lower-triangular system of each chunk: the solve reads only below the diagonal
-    # (decays is 0 above it), the 1s on it are implied.
+    # (decays is 0 above it), the 1s on it are implied. One solve for both right-hand sides:
+    # the part of u from the chunk's own values, and what times S_0 gives the part from the
+    # carried state.
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * decays
-    solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
-    u_inputs = solve(beta[..., None] * v)  # the part of u from the chunk's own values
-    u_state = solve((beta * from_start)[..., None] * k)  # times S_0 gives the part from the carried state
+    both = torch.linalg.solve_triangular(system, torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k],
+                                                           -1), upper=False, unitriangular=True)
+    u_inputs, u_state = both.split([v.shape[-1], k.shape[-1]], -1)
     reads = (q @ k.transpose(-1, -2)) * decays  # G[t, s] (q_t . k_s), s <= t (decays is 0 above)
     to_end = decays[..., -1, :, None] * k  # G[Q, s] k_s
     s = state.float()
