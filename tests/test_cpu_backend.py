@@ -22,8 +22,9 @@ from hybridkv.layers import backends
 from hybridkv.layers.backends import cpu
 from hybridkv.layers.backends.cpu import build, check, decoder, library
 from hybridkv.layers.backends.cpu.attention import CpuAttention, CpuMetadata
-from hybridkv.layers.backends.cpu.modules import CpuGatedMLP, CpuRMSNorm, twin
+from hybridkv.layers.backends.cpu.modules import CpuGatedMLP, CpuRMSNorm
 from hybridkv.layers.backends.reference import attention as reference
+from hybridkv.layers.backends.swap import twin
 from hybridkv.layers.step import StepInputs, attention_step
 from oracle import model_dir
 

@@ -63,9 +63,9 @@ def chunk_decays(g: torch.Tensor) -> torch.Tensor:
     cumulative sum (the terms summed, not a difference of running sums), laid
     out with the tokens last, as the products and the solve read it."""
     q = g.shape[-1]
-    below = torch.ones(q, q, dtype=torch.bool, device=g.device).tril(-1)
-    sums = torch.where(below, g[..., :, None], 0.0).cumsum(-2)  # [t, s]: the sum over (s, t]
-    return torch.exp(sums) * below.logical_or(torch.eye(q, dtype=torch.bool, device=g.device))
+    on_or_below = torch.ones(q, q, dtype=torch.bool, device=g.device).tril()
+    sums = torch.where(on_or_below.tril(-1), g[..., :, None], 0.0).cumsum(-2)  # [t, s]: the sum over (s, t]
+    return torch.exp(sums) * on_or_below
 
 
 def gated_delta_scan(q, k, v, g, beta, state, lengths, per_token: bool = False, chunk: int = CHUNK):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..mlp import GatedMLP
+from ..norm import RMSNorm
+
 
 def twin(cls, module: nn.Module, **extra) -> nn.Module:
     """A `cls` (a subclass of `module`'s class) holding `module`'s
@@ -31,3 +34,13 @@ def replace(model: nn.Module, kind: type, make) -> int:
                     setattr(parent, name, new)
                     count += 1
     return count
+
+
+def swap_norms_and_mlps(model: nn.Module, norm_twin: type, mlp_twin: type, activations, **extra) -> tuple[int, int]:
+    """(norms, MLPs) of `model` swapped for a backend's twins (`extra`: what
+    the twins run with). An MLP whose gate and up are not fused, or whose
+    activation is not in `activations`, keeps torch's."""
+    norms = replace(model, RMSNorm, lambda m: twin(norm_twin, m, **extra))
+    mlps = replace(model, GatedMLP, lambda m: twin(mlp_twin, m, **extra)
+                   if m.gate_up_proj is not None and m.kind in activations else None)
+    return norms, mlps

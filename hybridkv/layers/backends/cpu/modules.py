@@ -19,7 +19,7 @@ from torch import nn
 
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
-from ..swap import replace, twin
+from .. import swap
 
 # GatedMLP activations the C side computes: SiLU, and GELU's tanh form.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -84,10 +84,5 @@ class CpuGatedMLP(GatedMLP):
 
 
 def swap_norms_and_mlps(model: nn.Module, lib) -> tuple[int, int]:
-    """(norms, MLPs) swapped for their C-backed twins. An MLP whose gate
-    and up are not fused, or whose activation the C side lacks, keeps
-    torch's."""
-    norms = replace(model, RMSNorm, lambda m: twin(CpuRMSNorm, m, lib=lib))
-    mlps = replace(model, GatedMLP, lambda m: twin(CpuGatedMLP, m, lib=lib)
-                   if m.gate_up_proj is not None and m.kind in ACTIVATIONS else None)
-    return norms, mlps
+    """(norms, MLPs) swapped for their C-backed twins (swap.py's rule)."""
+    return swap.swap_norms_and_mlps(model, CpuRMSNorm, CpuGatedMLP, ACTIVATIONS, lib=lib)

@@ -1,8 +1,9 @@
 """hybridkv's Triton kernels (ops.py): stores, paged decode and prefill
 attention, the Mamba decode step and prefill scan, reading and writing the
-pool in place, and the norms' and gated MLPs' elementwise work (modules.py). On CUDA devices, compiled; on CPU tensors under triton's
-interpreter (`TRITON_INTERPRET=1` set before ops.py is imported), which is
-how the tests run them without a GPU.
+pool in place, and the norms' and gated MLPs' elementwise work (modules.py).
+On CUDA devices, compiled; on CPU tensors under triton's interpreter
+(`TRITON_INTERPRET=1` set before ops.py is imported), which is how the
+tests run them without a GPU.
 
 ops.py is imported only when the backend is built, because triton reads
 TRITON_INTERPRET when it decorates the kernels. Before "auto" trusts the

@@ -20,7 +20,7 @@ from torch import nn
 
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
-from ..swap import replace, twin
+from .. import swap
 
 
 class TritonRMSNorm(RMSNorm):
@@ -60,9 +60,5 @@ class TritonGatedMLP(GatedMLP):
 
 
 def swap_norms_and_mlps(model: nn.Module, ops) -> tuple[int, int]:
-    """(norms, MLPs) swapped for their Triton twins. An MLP whose gate and
-    up are not fused, or whose activation the kernel lacks, keeps torch's."""
-    norms = replace(model, RMSNorm, lambda m: twin(TritonRMSNorm, m, ops=ops))
-    mlps = replace(model, GatedMLP, lambda m: twin(TritonGatedMLP, m, ops=ops)
-                   if m.gate_up_proj is not None and m.kind in ops.GATED_ACTIVATIONS else None)
-    return norms, mlps
+    """(norms, MLPs) swapped for their Triton twins (swap.py's rule)."""
+    return swap.swap_norms_and_mlps(model, TritonRMSNorm, TritonGatedMLP, ops.GATED_ACTIVATIONS, ops=ops)
