@@ -113,7 +113,7 @@ def run(args) -> dict:
     engine = Engine(real_gemma3.gguf_path(), kv_cache_memory=real_gemma3.kv_budget(work[batches[-1]], new_tokens),
                     max_num_seqs=max(batches), progress=False)
     engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-    model = engine.runner.model
+    model = engine.worker.model
     head, packed_head = model.lm_head, getattr(model.lm_head, "packed", None)
     native = engine.backend.name == "cpu"
     shipped_usable = modules.usable

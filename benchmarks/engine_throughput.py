@@ -141,7 +141,7 @@ def run_hybridkv(args) -> dict:
     return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "ttft_mean": statistics.mean(ttfts),
             "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))], "steps": engine.num_steps,
             "hit_rate": engine.stats["prefix_hit_rate"], "preemptions": engine.stats["preemptions"],
-            "backend": engine.backend.name, "cuda_graphs": len(engine.runner.graphs)}
+            "backend": engine.backend.name, "cuda_graphs": len(engine.worker.graphs)}
 
 
 def run_transformers(args) -> dict:

@@ -85,7 +85,7 @@ def profile_case(path: str, device: str, dry: bool, batch: int, mode: str, steps
         sync(device)
     kernel_us, launches, rows = kernel_rows(prof, steps, device)
     return dict(batch=batch, mode=mode, step_ms=1e3 * statistics.median(times), kernel_ms=kernel_us / 1e3,
-                launches=launches, graphs=len(engine.runner.graphs), top=rows[:15])
+                launches=launches, graphs=len(engine.worker.graphs), top=rows[:15])
 
 
 def arguments(parser) -> None:

@@ -5,15 +5,17 @@ has its own prefix) are read once, then revisited in random order, each
 with a new question. The pool holds a few of them; the rest are evicted and,
 with a tier, kept there. Four engines run side by side on the same model,
 requests interleaved (each revisit goes to every engine in turn, the order
-rotating): no tier, host tier, disk tier, host + disk. Reports TTFT (mean,
-p90) of the revisits, the prompt tokens served from the cache, where they
-came from, and throughput; then a restart: a new engine over the disk tier's
+rotating): no tier, host tier, disk tier, host + disk (with
+--tensor-parallel-size above 1 one after another: a process holds one
+tensor-parallel group). Reports TTFT (mean, p90) of the revisits, the
+prompt tokens served from the cache, where they came from, and throughput; then a restart: a new engine over the disk tier's
 directory against a cold one, first request's TTFT.
 
     python -m benchmarks.kv_tiers                   # real Gemma-3 270M (the gemma extra)
     python -m benchmarks.kv_tiers --tiny            # a tiny random Gemma-3 (seconds)
     python -m benchmarks.kv_tiers --quick           # the same, fewer and shorter documents (CI)
     python -m benchmarks.kv_tiers --model tiny-jamba --tiny   # Mamba checkpoints
+    python -m benchmarks.kv_tiers --tensor-parallel-size 2    # every engine on two ranks, each rank's own tiers
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ def arguments(parser) -> None:
     parser.add_argument("--pool-documents", type=float, default=4, help="documents the device pool holds")
     parser.add_argument("--revisits", type=int, default=48)
     parser.add_argument("--restart-length", type=int, default=1024, help="tokens of the prompt asked after a restart")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine measured")
 
 
 def result_name(args) -> str:
-    return f"kv_tiers_{args.model or 'tiny-gemma3'}.json" if args.tiny else "kv_tiers.json"
+    ranks = f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    return f"kv_tiers_{args.model or 'tiny-gemma3'}{ranks}.json" if args.tiny else f"kv_tiers{ranks}.json"
 
 
 def run(args) -> dict:
@@ -100,29 +104,46 @@ def run(args) -> dict:
         "host+disk": {"kv_host_cache_memory": working_set // 4, "kv_disk_cache": os.path.join(tmp, "both"),
                       "kv_disk_cache_memory": 2 * working_set},
     }
-    engines = {name: Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **options)
-               for name, options in configs.items()}
+    tp = args.tensor_parallel_size
+
+    def start_engine(**options):
+        return Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, tensor_parallel_size=tp,
+                      **options)
+
     print(f"pool {pool_bytes / 2**20:.1f} MiB ({args.pool_documents:g} documents); working set "
           f"{working_set / 2**20:.1f} MiB ({working_set / pool_bytes:.1f}x the pool); {args.documents} documents "
           f"of {args.length} tokens, {args.revisits} revisits")
-    for doc in docs:  # first reads (not timed)
-        for engine in engines.values():
-            ttft(engine, doc)
-    rng = random.Random(1)
-    names = list(engines)
+    names = list(configs)
     times = {name: [] for name in names}
     cached = {name: 0 for name in names}
-    prompt_tokens = 0
-    for r in range(args.revisits):
-        prompt = rng.choice(docs) + [5 + r % 50, 6]
-        prompt_tokens += len(prompt)
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            seconds, hit = ttft(engines[name], prompt)
-            times[name].append(seconds)
-            cached[name] += hit
+    stats = {}
+    rng = random.Random(1)
+    revisits = [rng.choice(docs) + [5 + r % 50, 6] for r in range(args.revisits)]
+    prompt_tokens = sum(map(len, revisits))
+
+    def serve(engines: dict) -> None:
+        """First reads (not timed), then the revisits, each to every engine
+        in turn, the order rotating."""
+        for doc in docs:
+            for each in engines.values():
+                ttft(each, doc)
+        turn = list(engines)
+        for r, prompt in enumerate(revisits):
+            for name in turn[r % len(turn):] + turn[:r % len(turn)]:
+                seconds, hit = ttft(engines[name], prompt)
+                times[name].append(seconds)
+                cached[name] += hit
+        for name, each in engines.items():
+            stats[name] = each.stats
+            each.close()
+
+    if tp == 1:
+        serve({name: start_engine(**options) for name, options in configs.items()})
+    else:  # a process holds one tensor-parallel group: the engines one after another
+        for name, options in configs.items():
+            serve({name: start_engine(**options)})
     model = (args.model or "tiny-gemma3") if args.tiny else "gemma-3-270m"
-    tables = {"workload": [{"model": model, "pool_bytes": pool_bytes, "working_set_bytes": working_set,
+    tables = {"workload": [{"model": model, "ranks": tp, "pool_bytes": pool_bytes, "working_set_bytes": working_set,
                             "documents": args.documents, "length": args.length, "revisits": args.revisits,
                             "groups": [g.kind for g in layout.groups]}],
               "tiers": []}
@@ -133,13 +154,12 @@ def run(args) -> dict:
     for name in names:
         t = sorted(times[name])
         mean, p90 = statistics.mean(t), t[int(0.9 * (len(t) - 1))]
-        stats = engines[name].stats
-        loads = stats.get("kv_tier_loads_by_group", {})
-        row = {"tier": name, "mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
+        loads = stats[name].get("kv_tier_loads_by_group", {})
+        row = {"tier": name, "ranks": tp, "mean_ttft_s": mean, "p90_ttft_s": p90, "speedup": base / mean,
                "cached_fraction": cached[name] / prompt_tokens, "prompt_tok_per_s": prompt_tokens / sum(t),
                "loads_by_group": loads}
         if name != "none":
-            row["stored_bytes_by_group"] = stats["kv_tier_store_bytes_by_group"]
+            row["stored_bytes_by_group"] = stats[name]["kv_tier_store_bytes_by_group"]
             # What a tier that keeps every block of every group would have
             # stored for the same evictions: a block of each group at every
             # position the attention groups spilled.
@@ -163,13 +183,11 @@ def run(args) -> dict:
     # new ones start over the same directory; each one's first request
     # against a cold engine's first request (three pairs, the order
     # alternating: a fresh engine's first step also pays its warm-up).
-    engines["disk"].close()
-    del engines
     # The restarted server's prompt: a long system prompt (--restart-length
     # tokens) served once before the stop, then asked again.
     prompt = documents(Engine(path, kv_cache_memory="64MiB", progress=False), 1, args.restart_length)[0]
     pool_bytes = max(pool_bytes, (layout.pages_per_request(len(prompt) + 16, chunk=1024) + 2) * layout.page_size_bytes)
-    before = Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **configs["disk"])
+    before = start_engine(**configs["disk"])
     ttft(before, prompt)
     before.close()
     del before
@@ -178,12 +196,13 @@ def run(args) -> dict:
     for pair in range(3):
         for kind in (("warm", "cold") if pair % 2 == 0 else ("cold", "warm")):
             options = configs["disk"] if kind == "warm" else {}
-            engine = Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, **options)
-            seconds, hit = ttft(engine, prompt)
+            fresh = start_engine(**options)
+            seconds, hit = ttft(fresh, prompt)
+            fresh.close()
             (warm if kind == "warm" else cold).append(seconds)
             if kind == "warm":
                 hits.append(hit)
-            del engine
+            del fresh
     warm_t, cold_t = statistics.median(warm), statistics.median(cold)
     tables["restart"] = [{"prompt_tokens": len(prompt), "first_ttft_s": warm_t, "cold_ttft_s": cold_t,
                           "cached_tokens": min(hits), "speedup": cold_t / warm_t}]

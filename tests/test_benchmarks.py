@@ -248,9 +248,11 @@ def test_replica_routing_quick(tmp_path):
 
 def test_tensor_parallel_quick(tmp_path):
     text, data = run("tensor_parallel", tmp_path)
-    assert "all-reduces/step" in text
+    assert "all-reduces" in text and "host ms" in text
     assert {row["tp"] for row in data["steps"]} == {1, 2} and all(row["same_tokens"] for row in data["steps"])
-    assert all(row["all_reduces_per_step"] > 0 for row in data["steps"] if row["tp"] == 2)
+    assert all(row["host_ms_per_step"] > 0 for row in data["steps"])
+    assert all(row["all_reduces_per_step"] > 0 and row["plan_us_per_step"] > 0
+               for row in data["steps"] if row["tp"] == 2)
 
 
 def test_step_times_quick(tmp_path):

@@ -164,7 +164,7 @@ def test_engine_tokens_match_the_reference_backend(tmp_path_factory, family):
         engine = Engine(path, kv_cache_memory="96KiB", block_size=4, max_num_batched_tokens=16, progress=False,
                         backend=name)
         assert engine.backend.name == name
-        swapped = [m for m in engine.runner.model.modules() if isinstance(m, (CpuRMSNorm, CpuGatedMLP))]
+        swapped = [m for m in engine.worker.model.modules() if isinstance(m, (CpuRMSNorm, CpuGatedMLP))]
         assert bool(swapped) == (name == "cpu")  # the backend swapped in its modules when it prepared the model
         outs = engine.generate(prompts, params, use_tqdm=False)
         assert engine.kv.num_free_pages == engine.kv.num_total_pages
@@ -190,9 +190,9 @@ def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, 
     path = model_dir(tmp_path_factory, family)
     engine = Engine(path, kv_cache_memory="96KiB", block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                     progress=False, backend="cpu")
-    model = engine.runner.model
+    model = engine.worker.model
     assert all(isinstance(layer, decoder.CpuDecoderLayer) for layer in model.model.layers)
-    pool = engine.runner.buffers.pool
+    pool = engine.worker.buffers.pool
     pool.fill_(255)
     forward, rows_compared = model.forward, []
 
@@ -234,11 +234,11 @@ def test_decoder_layers_are_wrapped_only_with_room_for_their_dense_weights(tmp_p
     wrapped = Engine(path, kv_cache_memory="96KiB", block_size=4, progress=False, backend="cpu")
     monkeypatch.setattr(linear, "spare_memory", lambda: 0)
     unwrapped = Engine(path, kv_cache_memory="96KiB", block_size=4, progress=False, backend="cpu")
-    assert all(isinstance(layer, decoder.CpuDecoderLayer) for layer in wrapped.runner.model.model.layers)
-    assert not any(isinstance(layer, decoder.CpuDecoderLayer) for layer in unwrapped.runner.model.model.layers)
+    assert all(isinstance(layer, decoder.CpuDecoderLayer) for layer in wrapped.worker.model.model.layers)
+    assert not any(isinstance(layer, decoder.CpuDecoderLayer) for layer in unwrapped.worker.model.model.layers)
     assert any("one-call decoder layers" in d for d in unwrapped.stats["backend"]["declined"])
     # The Linear layers read packed copies either way.
-    assert all(m.weight.numel() == 0 for m in unwrapped.runner.model.model.layers[0].mlp.modules()
+    assert all(m.weight.numel() == 0 for m in unwrapped.worker.model.model.layers[0].mlp.modules()
                if getattr(m, "packed", None) is not None)
     assert [o.outputs[0].token_ids for o in wrapped.generate(prompts, params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in unwrapped.generate(prompts, params, use_tqdm=False)]

@@ -101,7 +101,7 @@ def _checkpoint_states(engine, prompt):
     hit = kv.get_computed_tokens("probe")
     assert kv.allocate_slots("probe", len(prompt) - hit)
     states = {}
-    buffers = engine.runner.buffers
+    buffers = engine.worker.buffers
     for g, (read, _write) in kv.get_state_pages("probe").items():
         flat = buffers.pool[torch.tensor(read)].reshape(1, -1)
         for name in engine.layout.groups[g].layer_names:

@@ -153,13 +153,12 @@ def generate(engine, prompts, params=GREEDY):
 
 
 def record_rows(engine) -> list:
-    """Spy on the runner: (sequence id, position, the step's tokens up to
-    that position, logits row) for every row sampled or verified."""
+    """Spy on the engine's steps: (sequence id, position, the step's tokens
+    up to that position, logits row) for every row sampled or verified."""
     records = []
-    execute = engine.runner.execute
+    apply = engine._apply
 
-    def spying(steps):
-        logits = execute(steps)
+    def spying(steps, logits):
         row = 0
         for s in steps:
             if s.drafts:
@@ -170,9 +169,9 @@ def record_rows(engine) -> list:
             elif s.completes:
                 records.append((s.seq.seq_id, s.start + s.count - 1, [], logits[row].clone()))
                 row += 1
-        return logits
+        return apply(steps, logits)
 
-    engine.runner.execute = spying
+    engine._apply = spying
     return records
 
 

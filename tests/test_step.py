@@ -30,17 +30,17 @@ def decode_ready_engine(name: str, **kw) -> tuple[Engine, int]:
         engine.step()
     steps = engine.scheduler.schedule()
     assert len(steps) == 3 and all(s.count == 1 for s in steps)
-    runner = engine.runner
-    rows = [runner.tables.row(s.seq.seq_id) for s in steps]
-    runner.tables.flush()
-    size = runner.bucket(len(steps))
+    worker = engine.worker
+    rows = [engine.tables.row(s.seq.seq_id) for s in steps]
+    worker.tables.apply(engine.tables.changes())
+    size = worker.bucket(len(steps))
     assert size == 4  # one padded row
-    runner.decode_ids[:size] = 0
-    runner.decode_positions[:size] = 0
-    runner.decode_table_rows[:size] = runner.tables.pad_row
-    runner.decode_ids[:3] = torch.tensor([s.seq.token_ids[s.start] for s in steps])
-    runner.decode_positions[:3] = torch.tensor([s.start for s in steps])
-    runner.decode_table_rows[:3] = torch.tensor(rows)
+    worker.decode_ids[:size] = 0
+    worker.decode_positions[:size] = 0
+    worker.decode_table_rows[:size] = worker.tables.pad_row
+    worker.decode_ids[:3] = torch.tensor([s.seq.token_ids[s.start] for s in steps])
+    worker.decode_positions[:3] = torch.tensor([s.start for s in steps])
+    worker.decode_table_rows[:3] = torch.tensor(rows)
     return engine, size
 
 
@@ -59,18 +59,18 @@ def test_hybrid_fixed_shape_decode_step_traces_as_one_graph_and_matches_eager(na
     # aot_eager decomposes some of torch's own (F.linear into a transpose and
     # a product): the same writes to float32 rounding.
     engine, size = decode_ready_engine(name, backend=backend)
-    runner = engine.runner
-    pool = runner.buffers.pool
+    worker = engine.worker
+    pool = worker.buffers.pool
     before = pool.clone()
     with torch.inference_mode():
-        eager = runner.decode_forward(size).clone()
+        eager = worker.decode_forward(size).clone()
     after_eager = pool.clone()
     pool.copy_(before)
-    compiled = torch.compile(runner.decode_forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = torch.compile(worker.decode_forward, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch.inference_mode():
         traced = compiled(size)
     torch.testing.assert_close(traced[:3], eager[:3], atol=1e-5, rtol=1e-5)
-    pages = runner.layout.num_pages  # the pool's bytes, read as the float32 K/V and states they hold
+    pages = worker.layout.num_pages  # the pool's bytes, read as the float32 K/V and states they hold
     torch.testing.assert_close(pool[:pages].view(torch.float32), after_eager[:pages].view(torch.float32),
                                atol=1e-5, rtol=1e-5, equal_nan=True)
     assert not torch.equal(after_eager, before)  # the step did write K/V (and states)
@@ -93,10 +93,10 @@ def test_table_update_work_per_decode_step_does_not_grow_with_context(name):
         engine.step()  # the prefill
         for _ in range(4):
             engine.step()
-        start = engine.runner.tables.pages_written
+        start = engine.tables.pages_written
         for _ in range(48):
             engine.step()
-        return engine.runner.tables.pages_written - start
+        return engine.tables.pages_written - start
 
     short, long = written(1000), written(8000)
     # At most: per attention group, one block appended and one released at each

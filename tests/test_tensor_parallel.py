@@ -49,8 +49,20 @@ def test_two_ranks_give_the_one_process_tokens_and_transformers_argmax(gemma3):
     for prompt, tokens in zip(prompts(), two):
         check_tokens(reference, prompt, tokens)
     assert stats["prefix_hit_tokens"] > 0
-    assert engine.parallel.steps == engine.num_steps  # every step went to the worker as one plan
-    assert len(engine.parallel.workers) == 1 and engine.runner.kv is engine.kv  # one manager, the driver's
+    assert engine.executor.steps == engine.num_steps  # every step went to the worker as one plan
+    assert len(engine.executor.workers) == 1 and engine.tables.kv is engine.kv  # one manager, the driver's
+
+
+def test_two_ranks_run_decode_steps_on_the_fixed_shape_path_as_one_process_does(gemma3):
+    # Every rank's worker takes the same route from the same plan: the padded
+    # fixed-shape decode step (the path CUDA graphs capture) on both ranks, so
+    # their all-reduces agree in shape.
+    path, _ = gemma3
+    one, _, _ = generate(path, 1, fixed_shape_decode=True)
+    two, stats, engine = generate(path, 2, fixed_shape_decode=True)
+    assert two == one
+    routes = stats["backend"]["routes"]
+    assert sum(n for route, n in routes.items() if route.endswith(":fixed-shape")) >= GREEDY.max_tokens - 2
 
 
 def test_preemption_and_speculative_decoding_on_two_ranks(gemma3):
@@ -111,8 +123,8 @@ def test_jamba_splits_its_mamba_channels_and_experts_over_two_ranks(jamba, monke
     for tp in (1, 2):
         engine = Engine(path, progress=False, tensor_parallel_size=tp, speculative_method="ngram",
                         num_speculative_tokens=3)
-        seen, execute = [], engine.runner.execute
-        engine.runner.execute = lambda steps: seen.append(execute(steps)) or seen[-1]
+        seen, execute = [], engine.executor.execute
+        engine.executor.execute = lambda plan: seen.append(execute(plan)) or seen[-1]
         try:
             spec = [o.outputs[0].token_ids for o in engine.generate(prompts(), longer, use_tqdm=False)]
         finally:
@@ -131,7 +143,7 @@ def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(gemma3):
     engine = Engine(path, progress=False, tensor_parallel_size=2)
     try:
         engine.generate([list(range(5, 20))], SamplingParams(max_tokens=2), use_tqdm=False)
-        worker = engine.parallel.workers[0]
+        worker = engine.executor.workers[0]
         worker.kill()
         worker.join(10)
         with pytest.raises(RuntimeError, match="worker hybridkv-tp-1 exited"):
@@ -183,7 +195,7 @@ def test_the_server_serves_a_two_rank_engine_and_stops_its_worker(gemma3):
     texts = []
     for tp in (1, 2):
         engine = Engine(path, progress=False, tensor_parallel_size=tp)
-        workers = engine.parallel.workers if engine.parallel else []
+        workers = getattr(engine.executor, "workers", [])
         with running(build_app(engine, model_name="m")) as url:
             out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 14

@@ -1,6 +1,6 @@
 """The tiers below the pool decide inside the scheduler and copy on the
 worker (engine/kv_tiers.py): `put` and `load` only record copies, the
-runner makes them in the order decided before the forward pass, a block
+worker makes them in the order decided before the forward pass, a block
 evicted and hit again in one step is loaded from its store's snapshot, and
 the engine's outputs with tiers equal those without."""
 
@@ -115,7 +115,7 @@ def test_a_worker_replaying_the_drivers_tier_calls_makes_the_same_copies():
 
 class Vote:
     """Two ranks' disk-read votes in one process (tensor_parallel.py's
-    TensorParallel and Follower do it over torch.distributed): the driver's
+    TensorParallelExecutor and Follower do it over torch.distributed): the driver's
     `ask` starts the worker's read on a thread, and `all` waits for both."""
 
     def __init__(self, rank: int, flags: list, barrier: threading.Barrier, worker=None):

@@ -1,4 +1,4 @@
-"""The engine: requests, scheduler, runner, sampler and Engine (torch)."""
+"""The engine: requests, scheduler, step plans, executor and worker, sampler and Engine (torch)."""
 
 from .config import EngineConfig
 from .engine import Engine

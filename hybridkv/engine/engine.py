@@ -6,14 +6,17 @@ the paged hybrid KV cache.
 
 The parts (docs/engine.md): the options, validated once (config.py); the
 scheduler, which decides what runs each step and allocates its slots
-(scheduler.py); the runner, which turns the step into tensors and runs the
-model over the paged cache (runner.py; decode steps at fixed shapes,
-captured as CUDA graphs on a GPU; a tensor-parallel engine's workers run the
-same step from its plan). A step (`Engine.step`): schedule -> execute ->
-apply the outputs: mark the computed tokens in the KV cache manager (caches
-full blocks, releases what left a window), fork n > 1 children of a prompt
-just computed, sample (sampler.py), judge verified drafts (speculative.py),
-append the tokens, check stop conditions, free finished sequences.
+(scheduler.py); the step's plan, plain arrays (step_plan.py, the table rows
+from tables.py); the executor, which runs the plan on the workers
+(executor.py: one in process, or one per rank under tensor parallelism,
+tensor_parallel.py); the worker, which owns the model, the paged pool and
+the tier copies and runs the model over the cache (worker.py; decode steps
+at fixed shapes, captured as CUDA graphs on a GPU). A step
+(`Engine.step`): schedule -> plan -> execute -> apply the outputs: mark
+the computed tokens in the KV cache manager (caches full blocks, releases
+what left a window), fork n > 1 children of a prompt just computed, sample
+(sampler.py), judge verified drafts (speculative.py), append the tokens,
+check stop conditions, free finished sequences.
 """
 
 from __future__ import annotations
@@ -41,12 +44,15 @@ from .host_memory import keep_large_allocations
 from .kv_tiers import TieredStore, kv_identities
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
-from .runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
+from .executor import LocalExecutor
 from .scheduler import Scheduled, Scheduler
 from .seeding import engine_stream, request_stream
 from .speculative import PromptLookup, accept_drafts
+from .step_plan import StepPlan, plan_step
+from .tables import TableRows
+from .worker import Worker
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """A prompt must leave one token of the context to generate."""
@@ -62,8 +68,8 @@ class Engine:
         (EngineConfig); a bad one is a ValueError before anything loads.
         The parts, built in order: the model (loaded, split over
         `tensor_parallel_size` processes when above 1), the layout and the
-        KV cache manager, the backend and the runner, the tiers below the
-        pool, the scheduler."""
+        KV cache manager, the backend, the executor and its workers, the
+        tiers below the pool, the scheduler."""
         config = EngineConfig.build(model_dir, **options)
         self.engine_config = config
         self.speculative = config.speculative
@@ -77,27 +83,18 @@ class Engine:
         self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
-        self.parallel = None
         tiers = self._tier_options(config) if config.tiers else None
-        if config.tensor_parallel_size > 1:
-            from .tensor_parallel import TensorParallel
-
-            self.parallel = TensorParallel(config.tensor_parallel_size, self.model_dir, dict(
-                device=str(self.device), dtype=config.dtype, layout=self.layout, backend=self.backend.name,
-                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                threads=torch.get_num_threads(), tiers=tiers), self.device)
-        self.runner = ModelRunner(self.model, self.layout, self.kv, self.device, self.backend, config.max_num_seqs,
-                                  self.max_model_len, enforce_eager=config.enforce_eager,
-                                  fixed_shape_decode=config.fixed_shape_decode, parallel=self.parallel)
+        self._start_workers(config, tiers)
+        self.tables = TableRows(self.layout, self.kv, config.max_num_seqs, self.max_model_len)
         if self.device.type == "cpu":
             # host_memory.py: no page faults on each step's big tensors; set
-            # once loading is done and the runner has packed the weights,
+            # once loading is done and the worker has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
         self.tiers = self._attach_tiers(tiers) if tiers is not None else None
-        self.runner.tiers = self.tiers
+        self.worker.tiers = self.tiers
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   on_release=self.runner.release,
+                                   on_release=self.tables.release,
                                    propose=self._drafts if self.speculative else None)
         self.random = engine_stream(config.seed)  # unseeded requests' draws (seeding.py)
         self.eos_token_ids = self._eos_ids(self.model_dir)
@@ -109,6 +106,26 @@ class Engine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified
         self.num_accepted_tokens = 0  # and those the model agreed with
         self.last_step_tier_load_seconds = 0.0  # the last step's wait for tier hits
+
+    def _start_workers(self, config: EngineConfig, tiers: dict | None) -> None:
+        """This process's worker (rank 0's) and its executor; with
+        tensor_parallel_size > 1 the other ranks' processes first, each to
+        build the same worker on its shard."""
+        world = config.tensor_parallel_size
+        options = dict(max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                       enforce_eager=config.enforce_eager, fixed_shape_decode=config.fixed_shape_decode, world=world)
+        if world > 1:
+            from .tensor_parallel import TensorParallelExecutor
+
+            executor = TensorParallelExecutor(world, self.model_dir, dict(
+                worker=options, device=str(self.device), dtype=config.dtype, layout=self.layout,
+                backend=self.backend.name, threads=torch.get_num_threads(), tiers=tiers), self.device)
+        self.worker = Worker(self.model, self.layout, self.device, self.backend, **options)
+        if world > 1:
+            executor.worker = self.worker
+            self.executor = executor
+        else:
+            self.executor = LocalExecutor(self.worker)
 
     def _load_model(self, config: EngineConfig) -> None:
         """The weights (this rank's slices under tensor parallelism), the
@@ -135,13 +152,13 @@ class Engine:
                                              config.tensor_parallel_size))
 
     def _attach_tiers(self, options: dict) -> TieredStore:
-        tiers = TieredStore(self.runner.buffers.pool, self.layout, host_bytes=options["host_bytes"],
+        tiers = TieredStore(self.worker.buffers.pool, self.layout, host_bytes=options["host_bytes"],
                             disk_dir=options["disk_dir"], disk_bytes=options["disk_bytes"],
                             identity=options["identities"][0])
         self.kv.attach_tier(tiers)
-        if self.parallel is not None:
-            tiers.log = []  # the workers' tiers replay its calls (kv_tiers.py)
-            tiers.agreement = self.parallel  # a disk read counts only if every rank's did
+        if self.executor.world > 1:
+            tiers.log = []  # the other ranks' tiers replay its calls (kv_tiers.py)
+            tiers.agreement = self.executor  # a disk read counts only if every rank's did
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)
@@ -155,11 +172,10 @@ class Engine:
         try:
             if self.tiers is not None:
                 self.tiers.flush(self.kv)
-                if self.parallel is not None:  # the workers write their slices of the same blocks
-                    self.parallel.send_tier_calls(self.tiers.take_log())
+                if self.tiers.log is not None:  # the other ranks write their slices of the same blocks
+                    self.executor.copy_tiers(self.tiers.take_log())
         finally:
-            if self.parallel is not None:
-                self.parallel.close()
+            self.executor.close()
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":
@@ -292,19 +308,18 @@ class Engine:
     # -- the step loop -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule it (the scheduler decides what runs and
-        allocates its slots), execute it (the runner), apply its outputs
-        (`_apply`). Returns the outputs of the requests it advanced."""
+        allocates its slots), plan it, execute it (the executor, on every
+        worker), apply its outputs (`_apply`). Returns the outputs of the
+        requests it advanced."""
         tiers = self.tiers
         loading = tiers.load_seconds if tiers is not None else 0.0
         steps = self._schedule()
         if steps:
-            # The runner makes the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
-            logits = self.runner.execute(steps)
+            # The workers make the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
+            logits = self.executor.execute(self._plan(steps))
             self.num_steps += 1
-        elif tiers is not None:
-            tiers.copy(tiers.take_copies())  # stores decided by a step that schedules nothing
-            if self.parallel is not None:  # ... and on the workers now, so the ranks' tiers move alike
-                self.parallel.send_tier_calls(tiers.take_log())
+        elif tiers is not None:  # stores decided by a step that schedules nothing: made now, on every rank
+            self.executor.copy_tiers(tiers.take_log() if tiers.log is not None else [])
         if tiers is not None:
             self.last_step_tier_load_seconds = tiers.load_seconds - loading
         return self._apply(steps, logits) if steps else []
@@ -317,6 +332,16 @@ class Engine:
                 s.seq.request.metrics.first_scheduled_time = now
         return steps
 
+    def _plan(self, steps: list[Scheduled]) -> StepPlan:
+        """The step for the workers: its arrays, and what comes first (page
+        copies of forks, table changes, the tiers' calls for other ranks)."""
+        plan = plan_step(steps, [self.tables.row(s.seq.seq_id) for s in steps])
+        plan.copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
+        plan.table_changes = self.tables.changes()
+        if self.tiers is not None and self.tiers.log is not None:
+            plan.tier_log = self.tiers.take_log()
+        return plan
+
     def _apply(self, steps: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
         """After the forward pass: the computed tokens join the cache, a
         prompt with n > 1 forks its children, every sequence that reached
@@ -328,7 +353,7 @@ class Engine:
         touched: dict[str, Request] = {}
         self._sample(sampling, logits, touched)
         if verifying:
-            self._verify_drafts(verifying, logits, touched)
+            self._verify_drafts(verifying, logits, touched, steps)
         return self._outputs(touched)
 
     def _mark_computed(self, steps: list[Scheduled]) -> None:
@@ -350,7 +375,7 @@ class Engine:
 
     @staticmethod
     def _logits_rows(steps: list[Scheduled], children: dict[str, list[Sequence]]):
-        """Who reads which logits row (the runner returns one row per step
+        """Who reads which logits row (the workers return one row per step
         that completes its known tokens, in order, and one per token of a
         step that verifies drafts): (sequence, row) pairs that sample one
         token, forked children at their parent's row; (step, first row)
@@ -426,7 +451,7 @@ class Engine:
         return seq.drafter.propose(tokens, k)
 
     def _verify_drafts(self, verified: list[tuple[Scheduled, int]], logits: torch.Tensor,
-                       touched: dict[str, Request]) -> None:
+                       touched: dict[str, Request], steps: list[Scheduled]) -> None:
         """Judge each verified step's drafts (its logits rows from `row`),
         append what it emits up to a stop, leave the Mamba states after the
         last kept token, then mark the kept tokens computed: the manager drops
@@ -456,7 +481,8 @@ class Engine:
             self.num_generated_tokens += emitted
             kept[seq.seq_id] = min(emitted, len(tokens) - 1)  # the last emitted token is not computed yet
             ends.append((seq, reason))
-        self.runner.keep_accepted(kept)
+        place = {s.seq.seq_id: i for i, s in enumerate(steps)}  # the workers know sequences by it
+        self.executor.keep_accepted({place[seq_id]: n for seq_id, n in kept.items()})
         for seq, reason in ends:
             kv.mark_computed(seq.seq_id, 1 + kept[seq.seq_id])
             if reason:
@@ -589,7 +615,7 @@ class Engine:
             "steps": self.num_steps,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
-            "backend": {**self.runner.prepare_report.as_dict(), "routes": dict(self.runner.routes)},
+            "backend": {**self.worker.prepare_report.as_dict(), "routes": dict(self.worker.routes)},
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,
             "prefix_hit_rate": cache.hit_rate,

@@ -12,7 +12,7 @@ order decided; `fetch` reads a disk or host hit's content then, so a block
 the tier lost (a missing, short or corrupt file) is a miss the manager
 recomputes. The worker copies: `take_copies()` hands the step's list over
 with its plan and `copy(copies)` carries it out, in order, before the
-forward pass (runner.py): each block the pool is about to reuse is read
+forward pass (worker.py): each block the pool is about to reuse is read
 out before any page is written, each hit is written into its fresh pages
 before the step reads them. A block evicted and hit again in one step is
 loaded from the copy its store made.

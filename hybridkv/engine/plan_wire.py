@@ -1,4 +1,4 @@
-"""A step plan (runner.StepPlan) as one int64 array: what the driver of a
+"""A step plan (step_plan.StepPlan) as one int64 array: what the driver of a
 tensor-parallel engine broadcasts to its workers each step, as a tensor,
 with no pickling.
 
@@ -6,13 +6,13 @@ The array, in order (every part int64):
 
     header   T tokens, S sequences, K sampled rows, C page copies,
              V (1: a verifying mask follows), A accepted entries (-1: none),
-             N table changes, L tier calls
+             N table changes, L tier calls, D (1: a decode step)
     ids[T] first_positions[S] counts[S] rows[S] verifying[S if V] sampled[K]
     copies[2C]   (source page, destination page) pairs
     accepted[2A] (sequence index in the previous plan, drafts kept) pairs
-    N table changes, each: g, row, then
-        attention group: n, columns[n], pages[width * n] (plane by plane)
-        recurrent group: read[width], write[width], zero
+    N table changes (one per group that changed), each: g, m, rows[m], then
+        attention group: columns[m], pages[width * m] (plane by plane)
+        recurrent group: read[m * width], write[m * width], zero[m]
     L tier calls (kv_tiers.TieredStore.log: the workers replay them), each:
         put 1, group, key, n, pages[n] | fetch 2, group, key, tier, found |
         load 3, the fetch's place in the calls, n, pages[n] | clear 4 |
@@ -24,9 +24,8 @@ Besides plans, two smaller messages use the same words: tier calls alone
 runs nothing decided) and one block (`encode_block`: group, key; a disk
 read every rank makes before the driver's manager may count it as a hit).
 
-Sequences travel by their index in the plan, not their id: a worker's
-`seq_ids` are 0..S-1 and `accepted` is keyed by those indexes (the driver
-converts: runner.keep_accepted). Widths and group kinds come from the
+Sequences travel by their index in the plan, not their id, as in every
+plan: `accepted` is keyed by those indexes. Widths and group kinds come from the
 layout, which every rank holds.
 """
 
@@ -35,16 +34,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.layout import KVCacheLayout
+from .step_plan import StepPlan
 
-HEADER = 8
+HEADER = 9
 TIERS = ("host", "disk")
 
 
-def encode(plan, layout: KVCacheLayout) -> np.ndarray:
+def encode(plan: StepPlan) -> np.ndarray:
     accepted = plan.accepted
     parts = [np.array([len(plan.ids), len(plan.counts), len(plan.sampled), len(plan.copies),
                        plan.verifying is not None, -1 if accepted is None else len(accepted),
-                       len(plan.table_changes), len(plan.tier_log)], dtype=np.int64),
+                       len(plan.table_changes), len(plan.tier_log), plan.decode], dtype=np.int64),
              plan.ids, plan.first_positions, plan.counts, plan.rows]
     if plan.verifying is not None:
         parts.append(plan.verifying)
@@ -55,14 +55,8 @@ def encode(plan, layout: KVCacheLayout) -> np.ndarray:
         parts.append(np.fromiter((x for pair in accepted.items() for x in pair), dtype=np.int64,
                                  count=2 * len(accepted)))
     for change in plan.table_changes:
-        g, row = change[0], change[1]
-        if layout.groups[g].recurrent:
-            parts.append(np.array([g, row], dtype=np.int64))
-            parts.extend((change[2], change[3], np.array([change[4]], dtype=np.int64)))
-        else:
-            columns, pages = change[2], change[3]
-            parts.append(np.array([g, row, len(columns)], dtype=np.int64))
-            parts.extend((columns, pages.reshape(-1)))
+        parts.append((change[0], len(change[1])))
+        parts.extend(change[1:])
     for call in plan.tier_log:
         parts.append(_tier_call(call))
     return np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
@@ -148,9 +142,9 @@ class _Reader:
                              f"format")
 
 
-def decode(data: np.ndarray, layout: KVCacheLayout, plan_type):
-    """The plan `encode` wrote, as a `plan_type` (runner.StepPlan)."""
-    t, s, k, c, v, a, n, calls = (int(x) for x in data[:HEADER])
+def decode(data: np.ndarray, layout: KVCacheLayout) -> StepPlan:
+    """The plan `encode` wrote."""
+    t, s, k, c, v, a, n, calls, is_decode = (int(x) for x in data[:HEADER])
     reader = _Reader(data)
     reader.take(HEADER)
     take = reader.take
@@ -161,17 +155,16 @@ def decode(data: np.ndarray, layout: KVCacheLayout, plan_type):
     accepted = None if a < 0 else dict(take(2 * a).reshape(a, 2).tolist())
     changes = []
     for _ in range(n):
-        g, row = (int(x) for x in take(2))
+        g, m = (int(x) for x in take(2))
         group = layout.groups[g]
         width = group.pages_per_block
+        changed = take(m).copy()
         if group.recurrent:
-            read, write = take(width).copy(), take(width).copy()
-            changes.append((g, row, read, write, bool(take(1)[0])))
+            read, write = take(m * width).reshape(m, width).copy(), take(m * width).reshape(m, width).copy()
+            changes.append((g, changed, read, write, take(m).astype(bool)))
         else:
-            m = int(take(1)[0])
-            columns = take(m).copy()
-            changes.append((g, row, columns, take(width * m).reshape(width, m).copy()))
+            changes.append((g, changed, take(m).copy(), take(width * m).reshape(width, m).copy()))
     tier_log = reader.tier_calls(calls)
     reader.end()
-    return plan_type(ids, first_positions, counts, rows, verifying, sampled, list(range(s)), copies, changes,
-                     accepted, tier_log)
+    return StepPlan(ids, first_positions, counts, rows, verifying, sampled, bool(is_decode), copies, changes,
+                    accepted, tier_log)

@@ -57,7 +57,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.on_release = on_release  # a sequence left the running set (the runner frees its table row)
+        self.on_release = on_release  # a sequence left the running set (its table row is freed)
         self.propose = propose  # speculative decoding: draft tokens for a decoding sequence
         self._pages_per_step = sum(g.pages_per_block for g in kv.layout.groups)  # one new block of every group
         self.waiting: deque[Sequence] = deque()

@@ -1,7 +1,13 @@
-"""Persistent page tables on the device: one row per running sequence,
-kept from step to step and updated only where the manager changed
-them.
+"""Page tables, one row per running sequence, kept from step to step and
+updated only where the manager changed them. Two halves:
 
+* `TableRows`, the driver's (beside the manager): which row each sequence
+  holds, and a host copy of every row; a step's `changes()` are the
+  entries that differ from what the workers hold, and go with its plan;
+* `DeviceTables`, each worker's (beside its pool): the tables on the
+  device, which `apply(changes)` updates.
+
+Per group:
 * attention group g: `attention[g]` `[width, rows + 1, max_blocks]`, page
   ids of each block from key position 0 (one plane per page column of a
   multi-page block);
@@ -11,12 +17,12 @@ them.
 
 The last row is the padding row of fixed-shape decode steps: it writes to
 the KV buffers' sink pages, where no real table reads (and reads the zero
-state from the null page).
+state from the null page). Only the workers' tables have it.
 
 A sequence's row is refreshed when the manager's `table_version` of its
-sequence changed: the new table is compared with a host copy of the row and
-only the entries that differ are written to the device (`pages_written`
-counts them: a decode step at 8K tokens writes what one at 1K writes).
+sequence changed: the new table is compared with the host copy of the row
+and only the entries that differ are sent (`pages_written` counts them: a
+decode step at 8K tokens sends what one at 1K sends).
 """
 
 from __future__ import annotations
@@ -28,50 +34,42 @@ from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
 
 
-class DeviceTables:
-    def __init__(self, layout: KVCacheLayout, kv: KVCacheManager, max_rows: int, max_model_len: int,
-                 device: torch.device, sink_page):
+def table_rows(max_rows: int) -> int:
+    """Rows of the tables: one per sequence, and the padding row."""
+    return max_rows + 1
+
+
+def max_blocks(layout: KVCacheLayout, max_model_len: int) -> int:
+    return -(-max_model_len // layout.block_size) + 1
+
+
+class TableRows:
+    """The driver's half: rows, host copies, and the changes to send."""
+
+    def __init__(self, layout: KVCacheLayout, kv: KVCacheManager, max_rows: int, max_model_len: int):
         self.layout = layout
         self.kv = kv
-        self.device = torch.device(device)
-        self.pad_row = max_rows
-        rows = max_rows + 1
-        self.max_blocks = -(-max_model_len // layout.block_size) + 1
-        # Host copies in the device tensors' layout. On the CPU they are the
-        # same memory (a refresh writes once); on a GPU the changed entries are
-        # copied over in one batch per group (`flush`).
+        self.max_blocks = max_blocks(layout, max_model_len)
         self._host: dict[int, np.ndarray] = {}
         self._host_read: dict[int, np.ndarray] = {}
         self._host_write: dict[int, np.ndarray] = {}
         self._host_zero: dict[int, np.ndarray] = {}
         for g in layout.groups:
-            sinks = [sink_page(c) for c in range(g.pages_per_block)]
             if g.recurrent:
-                self._host_read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
-                self._host_write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
-                self._host_zero[g.index] = np.ones(rows, dtype=np.bool_)
-                self._host_write[g.index][self.pad_row] = sinks  # padding reads the zero state (the null page)
+                self._host_read[g.index] = np.zeros((max_rows, g.pages_per_block), dtype=np.int64)
+                self._host_write[g.index] = np.zeros((max_rows, g.pages_per_block), dtype=np.int64)
+                self._host_zero[g.index] = np.ones(max_rows, dtype=np.bool_)
             else:
-                host = np.zeros((g.pages_per_block, rows, self.max_blocks), dtype=np.int64)
-                host[:, self.pad_row] = np.asarray(sinks)[:, None]
-                self._host[g.index] = host
-        self.attention = {g: self._device(a) for g, a in self._host.items()}
-        self.read = {g: self._device(a) for g, a in self._host_read.items()}
-        self.write = {g: self._device(a) for g, a in self._host_write.items()}
-        self.zero = {g: self._device(a) for g, a in self._host_zero.items()}
-        self._pending: dict[int, list] = {}  # group -> [(row, columns, values)] not yet on the device
+                self._host[g.index] = np.zeros((g.pages_per_block, max_rows, self.max_blocks), dtype=np.int64)
+        self._pending: dict[int, list] = {}  # group -> rows (recurrent) or (row, columns) not yet sent
         self._row: dict[str, int] = {}
-        self._version = [0] * rows
+        self._version = [0] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))
-        self.pages_written = 0  # table entries written, ever
-
-    def _device(self, host: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(host)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        self.pages_written = 0  # table entries sent, ever
 
     def row(self, seq_id: str) -> int:
         """The sequence's row, assigned on first use and refreshed if its
-        tables changed since the last step (`flush` sends the changes)."""
+        tables changed since the last step (`changes` hands them over)."""
         row = self._row.get(seq_id)
         if row is None:
             if not self._free:
@@ -122,49 +120,76 @@ class DeviceTables:
                 self.pages_written += diff.size * width
 
     def changes(self) -> list:
-        """The entries refreshed since the last flush, with their values, for
-        another rank's mirror of these tables (`apply`): per attention group
-        (g, row, columns, pages [width, columns]); per Mamba group (g, row,
-        read, write, zero)."""
+        """The entries refreshed since the last call, with their values, for
+        the workers' tables (`DeviceTables.apply`), one entry per group
+        that changed: an attention group's (g, rows [m], columns [m], pages
+        [width, m]); a Mamba group's (g, rows [m], read [m, width], write
+        [m, width], zero [m])."""
         out = []
         for g, pending in self._pending.items():
             if g in self._host:
-                out.extend((g, row, cols, self._host[g][:, row, cols].copy()) for row, cols in pending)
+                rows = np.concatenate([np.full(len(cols), row, dtype=np.int64) for row, cols in pending])
+                cols = np.concatenate([cols for _, cols in pending])
+                out.append((g, rows, cols, self._host[g][:, rows, cols]))
             else:
-                out.extend((g, row, self._host_read[g][row].copy(), self._host_write[g][row].copy(),
-                            bool(self._host_zero[g][row])) for row in pending)
+                rows = np.asarray(pending, dtype=np.int64)
+                out.append((g, rows, self._host_read[g][rows], self._host_write[g][rows], self._host_zero[g][rows]))
+        self._pending.clear()
         return out
 
+
+class DeviceTables:
+    """A worker's half: the tables on its device, and the padding row."""
+
+    def __init__(self, layout: KVCacheLayout, max_rows: int, max_model_len: int, device: torch.device,
+                 sink_page):
+        self.device = torch.device(device)
+        self.pad_row = max_rows
+        rows = table_rows(max_rows)
+        width = max_blocks(layout, max_model_len)
+        # Host copies in the device tensors' layout. On the CPU they are the
+        # same memory (an update writes once); on a GPU the changed entries are
+        # copied over in one batch per group.
+        self._host: dict[int, np.ndarray] = {}
+        self._host_read: dict[int, np.ndarray] = {}
+        self._host_write: dict[int, np.ndarray] = {}
+        self._host_zero: dict[int, np.ndarray] = {}
+        for g in layout.groups:
+            sinks = [sink_page(c) for c in range(g.pages_per_block)]
+            if g.recurrent:
+                self._host_read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+                self._host_write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+                self._host_zero[g.index] = np.ones(rows, dtype=np.bool_)
+                self._host_write[g.index][self.pad_row] = sinks  # padding reads the zero state (the null page)
+            else:
+                host = np.zeros((g.pages_per_block, rows, width), dtype=np.int64)
+                host[:, self.pad_row] = np.asarray(sinks)[:, None]
+                self._host[g.index] = host
+        self.attention = {g: self._device(a) for g, a in self._host.items()}
+        self.read = {g: self._device(a) for g, a in self._host_read.items()}
+        self.write = {g: self._device(a) for g, a in self._host_write.items()}
+        self.zero = {g: self._device(a) for g, a in self._host_zero.items()}
+
+    def _device(self, host: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(host)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
     def apply(self, changes: list) -> None:
-        """Make these tables another rank's copy: write `changes` (from that
-        rank's `changes()`) and flush them."""
+        """Write the driver's `TableRows.changes()`: one write per group and
+        table (on the CPU the device tensors are the host arrays)."""
+        on_host = self.device.type == "cpu"
         for change in changes:
-            g, row = change[0], change[1]
+            g, rows = change[0], change[1]
             if g in self._host:
                 cols, pages = change[2], change[3]
-                self._host[g][:, row, cols] = pages
-                self._pending.setdefault(g, []).append((row, cols))
-            else:
-                self._host_read[g][row], self._host_write[g][row], self._host_zero[g][row] = change[2:]
-                self._pending.setdefault(g, []).append(row)
-        self.flush()
-
-    def flush(self) -> None:
-        """Send the refreshed entries to the device: one write per group."""
-        if self.device.type == "cpu":  # the device tensors are the host arrays
-            self._pending.clear()
-            return
-        for g, changes in self._pending.items():
-            if g in self._host:
-                rows = np.concatenate([np.full(len(cols), row) for row, cols in changes])
-                cols = np.concatenate([cols for _, cols in changes])
-                values = self._host[g][:, rows, cols]
-                self.attention[g][:, torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)] = \
-                    torch.from_numpy(values).to(self.device)
-            else:
-                rows = np.asarray(changes, dtype=np.int64)
+                self._host[g][:, rows, cols] = pages
+                if not on_host:
+                    self.attention[g][:, torch.from_numpy(rows).to(self.device),
+                                      torch.from_numpy(cols).to(self.device)] = torch.from_numpy(pages).to(self.device)
+                continue
+            self._host_read[g][rows], self._host_write[g][rows], self._host_zero[g][rows] = change[2:]
+            if not on_host:
                 index = torch.from_numpy(rows).to(self.device)
                 self.read[g][index] = torch.from_numpy(self._host_read[g][rows]).to(self.device)
                 self.write[g][index] = torch.from_numpy(self._host_write[g][rows]).to(self.device)
                 self.zero[g][index] = torch.from_numpy(self._host_zero[g][rows]).to(self.device)
-        self._pending.clear()

@@ -1,5 +1,7 @@
 """Tensor parallelism: one model split over N processes (torch.distributed:
-gloo on the CPU, NCCL on CUDA), one scheduler and one KVCacheManager.
+gloo on the CPU, NCCL on CUDA), one scheduler and one KVCacheManager; the
+executor (executor.py's contract) that runs each step on every rank's
+worker (worker.py: the same class on every rank, by the same route).
 
 How the model is split: each rank builds the whole model's structure,
 knowing its rank and the world size (layers/parallel.py), and the layers
@@ -7,16 +9,15 @@ where the split applies hold only their part (Megatron's scheme;
 docs/engine.md has the table): attention by heads, the MLP and every
 expert by width, Mamba layers by channels, the LM head by vocabulary rows.
 A row-parallel layer all-reduces its partial sums in its forward and the
-LM head gathers the logits on the driver, so the runner and the backend
-run the same step, by the same route, on every rank.
+LM head gathers the logits on the driver, so every rank's worker and
+backend run the same step, by the same route.
 
 So a layer costs two all-reduces of [tokens, hidden], and a step one
-broadcast of its plan (engine/runner.py `StepPlan`: token ids, positions,
-table rows, the block-table entries that changed, page copies) and one
-gather of the sampled rows' logits. The plan travels as one int64 tensor
-(plan_wire.py), never pickled: a fixed head of `HEAD_VALUES` values holds
-its length, its kind and its start, and only a longer plan (a prefill of
-many tokens) takes a second broadcast for the rest.
+message of its plan (step_plan.py: token ids, positions, table rows, the
+block-table entries that changed, page copies) and one gather of the
+sampled rows' logits. The plan travels as one int64 array (plan_wire.py),
+never pickled, written into a pipe to each worker (`PlanWire`: the
+ranks share a host; a collective would cost the driver ~200 us a step).
 
 Tiers: each rank has its own host and disk tiers, holding its slices of
 the blocks, and replays the driver's tier calls, which go with the plans
@@ -30,8 +31,8 @@ the hit, as a lost file is in one process.
 The KV cache: every rank has a pool for its own KV heads, planned from the
 per-rank specs by the same layout (same pages, same page size), so the
 driver's manager, the only one, hands out block ids valid on every rank.
-Ranks other than the driver keep a mirror of its block tables, fed by the
-plans, and never allocate.
+Every rank's worker holds the device tables, fed by the plans' table
+changes (tables.py), and none allocates.
 
 Ranks: the driver (rank 0) is the Engine's process; ranks 1..N-1 are
 worker processes it starts (`_worker`), each loading only its slices of the
@@ -48,6 +49,7 @@ import datetime
 import logging
 import os
 import socket
+import struct
 import time
 import traceback
 
@@ -61,7 +63,6 @@ from . import plan_wire
 log = logging.getLogger("hybridkv.tensor_parallel")
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HYBRIDKV_TP_TIMEOUT", "600")))
-HEAD_VALUES = 1024  # the first broadcast of a message: its length, its kind, then its start (a decode step of 64+ fits)
 PLAN, TIER_CALLS, DISK_READ = 0, 1, 2  # the kinds of message the driver sends
 
 
@@ -71,11 +72,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallel:
-    """The driver's side: starts the workers, sends each step's plan, and
-    counts what crosses between ranks."""
+class TensorParallelExecutor:
+    """The driver's side: starts the workers, sends each step's plan, runs
+    rank 0's worker (this process's: `worker`, set once the group is up),
+    and counts what crosses between ranks."""
 
-    def __init__(self, world: int, model_dir: str, engine_options: dict, device: torch.device):
+    def __init__(self, world: int, model_dir: str, worker_options: dict, device: torch.device):
         import torch.multiprocessing as mp
 
         self.world = world
@@ -83,9 +85,10 @@ class TensorParallel:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         context = mp.get_context("spawn")
+        pipes = [context.Pipe(duplex=False) for _ in range(1, world)]  # (the worker's end, the driver's)
         self.workers = [context.Process(target=_worker, name=f"hybridkv-tp-{rank}", daemon=True,
                                         args=(rank, world, self.init_method, self.backend, model_dir,
-                                              engine_options))
+                                              worker_options, pipes[rank - 1][0]))
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
@@ -93,12 +96,14 @@ class TensorParallel:
             torch.cuda.set_device(device.index or 0)  # rank 0's device; rank r uses cuda:r
         dist.init_process_group(self.backend, init_method=self.init_method, world_size=world, rank=0,
                                 timeout=TIMEOUT)
-        self.layout = engine_options["layout"]
-        wire_device = torch.device("cuda", device.index or 0) if self.backend == "nccl" else torch.device("cpu")
-        self.wire = PlanWire(wire_device)
+        self.wire = PlanWire([driver_end for _, driver_end in pipes])
+        for worker_end, _ in pipes:
+            worker_end.close()  # the workers hold theirs
+        self.worker = None  # rank 0's Worker (engine.py builds it once the group is up)
+        self._accepted: dict | None = None  # kept drafts the other ranks apply with the next plan
         self.steps = 0
-        self.bytes_sent = 0  # plans broadcast (their encoded values; the head's padding not counted)
-        self.plan_seconds = 0.0  # the driver's time encoding and broadcasting plans
+        self.bytes_sent = 0  # plans sent (their encoded values, to each worker)
+        self.plan_seconds = 0.0  # the driver's time encoding and sending plans
         self.closed = False
         self.leads = True  # for the tiers' disk reads (kv_tiers.TieredStore.agreement): the driver asks
 
@@ -108,22 +113,37 @@ class TensorParallel:
                 raise RuntimeError(f"tensor-parallel worker {worker.name} exited (code {worker.exitcode}); "
                                    f"its error is in its log above")
 
-    def send_plan(self, plan) -> None:
+    def execute(self, plan) -> torch.Tensor:
+        """Send the plan, then run rank 0's part of it (the others run
+        theirs meanwhile; the layers' all-reduces keep them in step)."""
         self.check_workers()
+        plan.accepted, self._accepted = self._accepted, None
+        self._send(plan)
+        plan.accepted = None  # rank 0 applied its kept drafts when they were judged
+        return self.worker.execute(plan)
+
+    def _send(self, plan) -> None:
         started = time.perf_counter()
-        data = plan_wire.encode(plan, self.layout)
+        data = plan_wire.encode(plan)
         self.wire.send(data)
         self.plan_seconds += time.perf_counter() - started
         self.steps += 1
         self.bytes_sent += data.nbytes
 
-    def send_tier_calls(self, calls: list) -> None:
+    def keep_accepted(self, accepted: dict[int, int]) -> None:
+        """Rank 0 keeps the drafts now; the other ranks before the next plan
+        (they run it before anything reads the states)."""
+        self.worker.keep_accepted(accepted)
+        self._accepted = accepted
+
+    def copy_tiers(self, tier_log: list) -> None:
         """Tier calls decided outside a step (a flush, stores of a step that
-        runs nothing): the workers replay them and make their copies now,
-        so that every rank's tiers move in the same order."""
-        if calls and not self.closed:
+        runs nothing): every rank makes its copies now, so that the ranks'
+        tiers move in the same order."""
+        self.worker.copy_tiers(tier_log)
+        if tier_log and not self.closed:
             self.check_workers()
-            self.wire.send(plan_wire.encode_tier_calls(calls), TIER_CALLS)
+            self.wire.send(plan_wire.encode_tier_calls(tier_log), TIER_CALLS)
 
     def ask(self, item: tuple) -> None:
         """Every worker is to read disk block `item` (group, key) and vote
@@ -151,46 +171,41 @@ class TensorParallel:
 
 
 class PlanWire:
-    """Messages as int64 tensors from the driver to every worker: a head of
-    HEAD_VALUES values (the message's length, -1 to stop; its kind; then
-    its start) and, for a longer one, a second broadcast of the rest. On
-    NCCL the tensors go through the rank's device."""
+    """Messages from the driver to every worker, as int64 arrays over one
+    pipe per worker (the ranks share a host): a length (-1: stop), a kind,
+    then the values. Writing a step's plan into a pipe costs the driver a
+    few microseconds, where a gloo broadcast cost it ~200 (one thread
+    handing the message to another, then waiting for the socket); the
+    worker, blocked on its read, wakes to it and runs the step, its first
+    all-reduce waiting for the driver's."""
 
-    ROOM = HEAD_VALUES - 2  # the values of a message the head holds
+    HEAD = struct.Struct("<qq")  # length, kind
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.head = torch.zeros(HEAD_VALUES, dtype=torch.int64, device=device)
+    def __init__(self, connections: list):
+        self.connections = connections  # the driver's ends; a worker holds its one
 
     def send(self, data: np.ndarray | None, kind: int = PLAN) -> None:
         n = -1 if data is None else len(data)
-        first = np.empty(HEAD_VALUES, dtype=np.int64)
-        first[:2] = n, kind
-        if n > 0:
-            start = data[:self.ROOM]
-            first[2:2 + len(start)] = start
-        self.head.copy_(torch.from_numpy(first))
-        dist.broadcast(self.head, src=0)
-        if n > self.ROOM:
-            dist.broadcast(torch.from_numpy(data[self.ROOM:]).to(self.device), src=0)
+        message = self.HEAD.pack(n, kind) + (b"" if data is None else data.astype(np.int64, copy=False).tobytes())
+        for connection in self.connections:
+            connection.send_bytes(message)
 
     def receive(self) -> tuple[int, np.ndarray] | None:
-        """(kind, message), or None: stop."""
-        dist.broadcast(self.head, src=0)
-        head = self.head.cpu().numpy()
-        n, kind = int(head[0]), int(head[1])
+        """(kind, message), or None: stop (or the driver is gone)."""
+        try:
+            message = self.connections[0].recv_bytes()
+        except EOFError:
+            return None
+        n, kind = self.HEAD.unpack_from(message)
         if n < 0:
             return None
-        if n <= self.ROOM:
-            return kind, head[2:2 + n].copy()
-        rest = torch.empty(n - self.ROOM, dtype=torch.int64, device=self.device)
-        dist.broadcast(rest, src=0)
-        return kind, np.concatenate([head[2:], rest.cpu().numpy()])
+        return kind, np.frombuffer(message, dtype=np.int64, offset=self.HEAD.size).copy()
 
 
-def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: str, options: dict) -> None:
+def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: str, options: dict,
+            connection) -> None:
     """A rank other than the driver: load this rank's shard, then act on
-    every message the driver broadcasts (a plan to run, tier calls to
+    every message the driver sends (a plan to run, tier calls to
     replay, a disk read to make and vote on) until it sends None."""
     try:
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
@@ -199,7 +214,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
         from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
-        from .runner import ModelRunner, StepPlan
+        from .worker import Worker
 
         device = torch.device(options["device"])
         if device.type == "cuda":  # one device per rank
@@ -208,18 +223,17 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         model, _ = load_model(model_dir, dtype=options["dtype"], device=device, progress=False,
                               tensor_parallel=(rank, world))
         layout = options["layout"]
-        wire = PlanWire(device if backend == "nccl" else torch.device("cpu"))
-        follower = Follower()
-        runner = ModelRunner(model, layout, None, device, choose_backend(options["backend"], device),
-                             options["max_num_seqs"], options["max_model_len"], parallel=follower)
+        wire = PlanWire([connection])
+        worker = Worker(model, layout, device, choose_backend(options["backend"], device), **options["worker"])
         tiers = options["tiers"]
         if tiers is not None:  # this rank's tiers: the driver's decisions, its own bytes and files
             from .kv_tiers import TieredStore
 
-            runner.tiers = TieredStore(runner.buffers.pool, layout, host_bytes=tiers["host_bytes"],
+            worker.tiers = TieredStore(worker.buffers.pool, layout, host_bytes=tiers["host_bytes"],
                                        disk_dir=tiers["disk_dir"], disk_bytes=tiers["disk_bytes"],
                                        identity=tiers["identities"][rank])
-            runner.tiers.agreement = follower
+            worker.tiers.agreement = Follower()
+            worker.replays_tiers = True
         with torch.inference_mode():
             while True:
                 message = wire.receive()
@@ -227,12 +241,11 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
                     break
                 kind, data = message
                 if kind == DISK_READ:
-                    runner.tiers.read_agreed(plan_wire.decode_block(data))
+                    worker.tiers.read_agreed(plan_wire.decode_block(data))
                 elif kind == TIER_CALLS:
-                    runner.tiers.replay(plan_wire.decode_tier_calls(data))
-                    runner.tiers.copy(runner.tiers.take_copies())
+                    worker.copy_tiers(plan_wire.decode_tier_calls(data))
                 else:
-                    runner.run_plan(plan_wire.decode(data, layout, StepPlan))  # its LM head sends its logits
+                    worker.execute(plan_wire.decode(data, layout))  # its LM head sends its logits
     except Exception:
         traceback.print_exc()
         os._exit(1)

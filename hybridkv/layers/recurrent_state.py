@@ -14,7 +14,7 @@ recurrent state where the kind has one (Mamba-1 [I, N], Mamba-2 [H, P, N]).
 
 Per request the manager gives a read block (None: the zero state, read as
 the null page, which stays zero) and a write block (the same block when the
-update is in place); the runner keeps them per running sequence in
+update is in place); the worker keeps them per running sequence in
 persistent tables (`read`, `write` `[table rows, pages per block]`, and
 `zero` `[table rows]` for the kernels, which skip the read). The step's split
 into decodes and chunks comes built (`StepInputs`, step.py); a fixed-shape

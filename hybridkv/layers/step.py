@@ -1,6 +1,6 @@
 """What one forward pass carries besides the weights.
 
-`StepInputs` are the facts of a step, as device tensors the runner fills
+`StepInputs` are the facts of a step, as device tensors the worker fills
 (from its preallocated buffers for a decode step): the tokens, their
 positions, each scheduled sequence's row in the persistent block tables, and
 the step's split, made once here for every backend and group: the sequences
@@ -144,7 +144,7 @@ class StepBatch:
     buffers: object  # the KV buffers (kv_buffers.KVBuffers): the pool the layers' caches view
     attention: dict[int, object] = field(default_factory=dict)  # group -> the backend's attention metadata
     recurrent: dict[int, object] = field(default_factory=dict)  # group -> the backend's recurrent (Mamba) metadata
-    route: str = ""  # how the step runs (Backend.route), counted by the runner
+    route: str = ""  # how the step runs (Backend.route), counted by the worker
     route_state: object = None  # what that route reads, where it needs more than the metadata
 
     @property

@@ -10,7 +10,7 @@ from ..layers.step import StepBatch
 
 class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
-    layer). The runner binds it to its KV cache group and its place in the
+    layer). The worker binds it to its KV cache group and its place in the
     pool: `group`, and for attention `column` (which page of a block holds
     this layer); the step's `buffers` give its view of the pool by
     `layer_name`. The backend binds `ops`, the side of it (attention or

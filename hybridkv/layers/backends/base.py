@@ -32,7 +32,7 @@ it did and what it declined, and why. Model files and the shared layers
 call the ops they are bound to and never ask which backend runs them.
 
 `Backend.route(batch)` names how one step runs (e.g. "cpu:decoder-layers"
-or "cpu:modules"); the runner asks once per step and counts the answers
+or "cpu:modules"); the worker asks once per step and counts the answers
 (`engine.stats["backend"]["routes"]`).
 """
 
@@ -261,7 +261,7 @@ class Backend:
 
     def prepare(self, model: torch.nn.Module, layout, device: torch.device) -> PrepareReport:
         """Adapt a loaded model once (its cache layers already bound to
-        their groups by the runner): bind the ops to its cache layers, swap
+        their groups by the worker): bind the ops to its cache layers, swap
         what this backend runs its own way. The base binds only."""
         report = PrepareReport(self.name)
         self.bind_ops(model, layout, report)
@@ -284,7 +284,7 @@ class Backend:
                                    f"are gathered and stepped by the reference's ops")
 
     def route(self, batch) -> str:
-        """How this step runs, named; the runner counts it. Backends that
+        """How this step runs, named; the worker counts it. Backends that
         run some steps another way (the cpu backend's one-call decoder
         layers) decide it here, once per step, and leave what that way
         reads in `batch.route_state`."""

@@ -138,7 +138,7 @@ class CpuDecoderLayer(nn.Module):
         self.layer = layer
         self.lib = lib
         attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
-        # Where the layer's K/V lives (bound by the runner before prepare).
+        # Where the layer's K/V lives (bound by the worker before prepare).
         self.layer_name, self.group, self.column = attn.layer_name, attn.group, attn.column
         self.ranks = attn.ranks  # the tensor-parallel ranks its partial sums are added up over
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj

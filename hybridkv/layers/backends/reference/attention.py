@@ -5,7 +5,7 @@ purpose: it is the oracle of every other backend's attention.
 A layer's cache is a view `[pages, 2, block_size, kv_heads, head_dim]` (K
 then V) of the shared pool (layers/kv_buffers.py). A block of a group may span
 several pages; the layer reads the column of the block table that holds its
-pages (`column`). Block tables are the runner's persistent ones: `[width,
+pages (`column`). Block tables are the worker's persistent ones: `[width,
 table rows, max_blocks]`, one row per running sequence, from key position 0.
 What every backend shares (where the new K/V goes, each query's first key,
 the split into decodes and chunks) comes built in `AttentionStep` (layers/step.py);

@@ -1,0 +1,41 @@
+"""The executor: how the engine's steps reach its workers. The engine
+builds each step's plan (step_plan.py) and hands it to its executor, which
+runs it on every worker and returns the driver's logits.
+
+* `LocalExecutor`: one worker, in this process;
+* `tensor_parallel.TensorParallelExecutor`: N workers on torch.distributed,
+  this process's worker being rank 0's; the others receive each plan as a
+  tensor.
+
+Both run the same `Worker`, by the same route: an engine knows its
+executor only by these methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .step_plan import StepPlan
+from .worker import Worker
+
+
+class LocalExecutor:
+    world = 1
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        return self.worker.execute(plan)
+
+    def keep_accepted(self, accepted: dict[int, int]) -> None:
+        """The drafts each sequence of the last plan kept (by its index)."""
+        self.worker.keep_accepted(accepted)
+
+    def copy_tiers(self, tier_log: list) -> None:
+        """Tier copies decided outside a step (a step that ran nothing, a
+        flush): made now."""
+        self.worker.copy_tiers(tier_log)
+
+    def close(self) -> None:
+        pass

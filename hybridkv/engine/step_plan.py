@@ -1,0 +1,57 @@
+"""A step as plain arrays (`StepPlan`): what the driver hands its workers,
+all a worker needs to run the step, in process or on another rank
+(plan_wire.py sends it as one int64 tensor).
+
+The driver builds it (`plan_step`) from the scheduler's steps and each
+sequence's table row; the engine adds what must happen before the forward
+pass: page copies (forks' copy-on-write), table changes, the drafts the
+last step kept, the tiers' decisions for other ranks to replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .scheduler import Scheduled
+
+
+@dataclass
+class StepPlan:
+    ids: np.ndarray  # [T] token ids, sequence after sequence
+    first_positions: np.ndarray  # [S]
+    counts: np.ndarray  # [S] tokens of each sequence in this step
+    rows: np.ndarray  # [S] each sequence's table row
+    verifying: np.ndarray | None  # [S] bool, or None: no sequence verifies drafts
+    sampled: np.ndarray  # token rows whose logits are sampled
+    decode: bool = False  # one token per sequence, each sampled: the worker may take its fixed-shape path
+    copies: list = field(default_factory=list)  # (source page, destination page) to copy first
+    table_changes: list = field(default_factory=list)  # tables.TableRows.changes()
+    accepted: dict | None = None  # the previous plan's kept drafts by sequence index (Worker.keep_accepted)
+    tier_log: list = field(default_factory=list)  # the driver's tier calls, replayed by other ranks' tiers
+
+
+def plan_step(steps: list[Scheduled], rows: list[int]) -> StepPlan:
+    """The scheduled steps' tokens, positions and sampled rows."""
+    n = len(steps)
+    counts = np.fromiter((s.count for s in steps), dtype=np.int64, count=n)
+    first_positions = np.fromiter((s.start for s in steps), dtype=np.int64, count=n)
+    table_rows = np.asarray(rows, dtype=np.int64)
+    if all(s.count == 1 and s.completes for s in steps):  # decodes: one token, one sampled row each
+        ids = np.fromiter((s.seq.token_ids[s.start] for s in steps), dtype=np.int64, count=n)
+        return StepPlan(ids, first_positions, counts, table_rows, None, np.arange(n, dtype=np.int64), decode=True)
+    ids = np.fromiter((t for s in steps for t in (s.seq.token_ids[s.start:s.start + s.count - len(s.drafts)]
+                                                  + s.drafts)),
+                      dtype=np.int64, count=int(counts.sum()))
+    verifying = np.fromiter((bool(s.drafts) for s in steps), dtype=bool, count=n)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    sampled = []
+    for i, s in enumerate(steps):
+        if s.drafts:  # every token of a verified step gives a row: what follows it
+            sampled.extend(range(int(starts[i]), int(starts[i] + counts[i])))
+        elif s.completes:
+            sampled.append(int(starts[i] + counts[i] - 1))
+    return StepPlan(ids, first_positions, counts, table_rows, verifying if verifying.any() else None,
+                    np.asarray(sampled, dtype=np.int64))
