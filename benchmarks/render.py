@@ -38,7 +38,8 @@ from benchmarks import harness
 
 PAGE = os.path.join(harness.ROOT, "docs", "benchmarks.md")
 PAGES = (PAGE, os.path.join(harness.ROOT, "README.md"), os.path.join(harness.ROOT, "docs", "integrations.md"),
-         os.path.join(harness.ROOT, "docs", "kernels.md"), os.path.join(harness.ROOT, "docs", "server.md"))
+         os.path.join(harness.ROOT, "docs", "kernels.md"), os.path.join(harness.ROOT, "docs", "server.md"),
+         os.path.join(harness.ROOT, "docs", "engine.md"))
 MARKER = re.compile(r"<!-- table (\S+) -->\n.*?<!-- end table -->", re.S)
 
 
@@ -237,8 +238,8 @@ TABLES: dict[str, Table] = {
         "prompt end": lambda r: pct(r["prompt_end"]["hit_rate"]), "hybridkv": lambda r: pct(r["hybridkv"]["hit_rate"]),
         "hybridkv / every block": key("ratio_vs_every_block", lambda v: times(v, 1)),
         "prefill tokens not recomputed": lambda r: num(r["hybridkv"]["hit_tokens"])}),
-    "tiers": Table("kv_tiers.json", rows_of("tiers"), {
-        "tier": key("tier"), "mean TTFT": key("mean_ttft_s", seconds), "p90": key("p90_ttft_s", seconds),
+    "tiers": Table(("kv_tiers.json", "kv_tiers_tp2.json"), rows_of("tiers"), {
+        "ranks": lambda r: str(r.get("ranks", 1)), "tier": key("tier"), "mean TTFT": key("mean_ttft_s", seconds), "p90": key("p90_ttft_s", seconds),
         "vs none": key("speedup", times), "prompt tokens from cache": key("cached_fraction", lambda v: pct(v, 0)),
         "prefill tok/s": key("prompt_tok_per_s", num)}),
     "tiers-restart": Table("kv_tiers.json", rows_of("restart"), {
@@ -280,12 +281,15 @@ TABLES: dict[str, Table] = {
         "hit rate": key("hit_rate", pct), "TTFT mean": key("ttft_mean_ms", lambda v: f"{v:.0f} ms"),
         "p50": key("ttft_p50_ms", lambda v: f"{v:.0f} ms"), "p90": key("ttft_p90_ms", lambda v: f"{v:.0f} ms")}),
     "tensor-parallel": Table("tensor_parallel.json", rows_of("steps"), {
+        "code": lambda r: r.get("code", "this tree"),
         "batch": key("batch"), "ranks": key("tp"), "ms / decode step": key("ms_per_decode_step", lambda v: num(v, 1)),
+        "host ms / step": lambda r: num(r["host_ms_per_step"], 2) if "host_ms_per_step" in r else "-",
         "tok/s": key("tokens_per_s", lambda v: num(v, 1)),
         "all-reduces / step": lambda r: num(r["all_reduces_per_step"]) if "all_reduces_per_step" in r else "-",
         "all-reduced / step": lambda r: (f"{r['all_reduce_bytes_per_step'] / 2**10:,.0f} KiB"
                                          if "all_reduce_bytes_per_step" in r else "-"),
         "plan / step": lambda r: f"{r['plan_bytes_per_step']:,.0f} B" if "plan_bytes_per_step" in r else "-",
+        "plan µs / step": lambda r: num(r["plan_us_per_step"]) if "plan_us_per_step" in r else "-",
         "same tokens": lambda r: "yes" if r["same_tokens"] else "no"}),
     "engine": Table("engine_throughput.json", rows_of("throughput"), {
         "model": key("model"), "transformers tok/s": lambda r: num(r["transformers"]["tokens_per_s"]),

@@ -120,21 +120,23 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
 
 
 # A fresh process per measurement, importing hybridkv from the tree measured
-# and this module from this tree.
+# (first on the path, which the workers it spawns inherit) and `measure`
+# from this file.
 _CHILD = """
-import json, sys
+import importlib.util, json, os, sys
 tree, here, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sys.path.insert(0, tree)
-import hybridkv  # from the tree measured
-sys.path[0] = here
-from benchmarks.tensor_parallel import measure
-print("RESULT " + json.dumps(measure(*args)))
+sys.path.append(os.path.dirname(os.path.dirname(here)))  # this tree's benchmarks.harness, if the tree has none
+spec = importlib.util.spec_from_file_location("tensor_parallel_measure", here)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("RESULT " + json.dumps(module.measure(*args)))
 """
 
 
 def measure_in(tree: str, threads: int, *args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, tree, harness.ROOT, json.dumps(args)],
+    proc = subprocess.run([sys.executable, "-c", _CHILD, tree, os.path.abspath(__file__), json.dumps(args)],
                           capture_output=True, text=True, env=env, cwd=tree, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
