@@ -19,7 +19,7 @@ from torch import nn
 
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
-from .. import swap
+from ..swap import swap_norms_and_mlps as swap_for_twins
 
 # GatedMLP activations the C side computes: SiLU, and GELU's tanh form.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -85,4 +85,4 @@ class CpuGatedMLP(GatedMLP):
 
 def swap_norms_and_mlps(model: nn.Module, lib) -> tuple[int, int]:
     """(norms, MLPs) swapped for their C-backed twins (swap.py's rule)."""
-    return swap.swap_norms_and_mlps(model, CpuRMSNorm, CpuGatedMLP, ACTIVATIONS, lib=lib)
+    return swap_for_twins(model, CpuRMSNorm, CpuGatedMLP, ACTIVATIONS, lib=lib)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
-from .. import swap
+from ..swap import swap_norms_and_mlps as swap_for_twins
 
 
 class TritonRMSNorm(RMSNorm):
@@ -61,4 +61,4 @@ class TritonGatedMLP(GatedMLP):
 
 def swap_norms_and_mlps(model: nn.Module, ops) -> tuple[int, int]:
     """(norms, MLPs) swapped for their Triton twins (swap.py's rule)."""
-    return swap.swap_norms_and_mlps(model, TritonRMSNorm, TritonGatedMLP, ops.GATED_ACTIVATIONS, ops=ops)
+    return swap_for_twins(model, TritonRMSNorm, TritonGatedMLP, ops.GATED_ACTIVATIONS, ops=ops)
