@@ -34,13 +34,23 @@ from ..core import KVCacheManager
 from ..core.layout import KVCacheLayout
 
 
-def table_rows(max_rows: int) -> int:
-    """Rows of the tables: one per sequence, and the padding row."""
-    return max_rows + 1
-
-
 def max_blocks(layout: KVCacheLayout, max_model_len: int) -> int:
     return -(-max_model_len // layout.block_size) + 1
+
+
+def host_tables(layout: KVCacheLayout, rows: int, width: int) -> tuple[dict, dict, dict, dict]:
+    """Empty tables of `rows` rows on the host, per group: attention
+    [pages per block, rows, width]; recurrent read and write [rows, pages
+    per block] and zero [rows] (no state yet)."""
+    attention, read, write, zero = {}, {}, {}, {}
+    for g in layout.groups:
+        if g.recurrent:
+            read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+            write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
+            zero[g.index] = np.ones(rows, dtype=np.bool_)
+        else:
+            attention[g.index] = np.zeros((g.pages_per_block, rows, width), dtype=np.int64)
+    return attention, read, write, zero
 
 
 class TableRows:
@@ -50,17 +60,8 @@ class TableRows:
         self.layout = layout
         self.kv = kv
         self.max_blocks = max_blocks(layout, max_model_len)
-        self._host: dict[int, np.ndarray] = {}
-        self._host_read: dict[int, np.ndarray] = {}
-        self._host_write: dict[int, np.ndarray] = {}
-        self._host_zero: dict[int, np.ndarray] = {}
-        for g in layout.groups:
-            if g.recurrent:
-                self._host_read[g.index] = np.zeros((max_rows, g.pages_per_block), dtype=np.int64)
-                self._host_write[g.index] = np.zeros((max_rows, g.pages_per_block), dtype=np.int64)
-                self._host_zero[g.index] = np.ones(max_rows, dtype=np.bool_)
-            else:
-                self._host[g.index] = np.zeros((g.pages_per_block, max_rows, self.max_blocks), dtype=np.int64)
+        self._host, self._host_read, self._host_write, self._host_zero = host_tables(layout, max_rows,
+                                                                                      self.max_blocks)
         self._pending: dict[int, list] = {}  # group -> rows (recurrent) or (row, columns) not yet sent
         self._row: dict[str, int] = {}
         self._version = [0] * max_rows
@@ -145,26 +146,17 @@ class DeviceTables:
                  sink_page):
         self.device = torch.device(device)
         self.pad_row = max_rows
-        rows = table_rows(max_rows)
-        width = max_blocks(layout, max_model_len)
         # Host copies in the device tensors' layout. On the CPU they are the
         # same memory (an update writes once); on a GPU the changed entries are
         # copied over in one batch per group.
-        self._host: dict[int, np.ndarray] = {}
-        self._host_read: dict[int, np.ndarray] = {}
-        self._host_write: dict[int, np.ndarray] = {}
-        self._host_zero: dict[int, np.ndarray] = {}
-        for g in layout.groups:
+        self._host, self._host_read, self._host_write, self._host_zero = host_tables(
+            layout, max_rows + 1, max_blocks(layout, max_model_len))
+        for g in layout.groups:  # the padding row: sink pages
             sinks = [sink_page(c) for c in range(g.pages_per_block)]
             if g.recurrent:
-                self._host_read[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
-                self._host_write[g.index] = np.zeros((rows, g.pages_per_block), dtype=np.int64)
-                self._host_zero[g.index] = np.ones(rows, dtype=np.bool_)
                 self._host_write[g.index][self.pad_row] = sinks  # padding reads the zero state (the null page)
             else:
-                host = np.zeros((g.pages_per_block, rows, width), dtype=np.int64)
-                host[:, self.pad_row] = np.asarray(sinks)[:, None]
-                self._host[g.index] = host
+                self._host[g.index][:, self.pad_row] = np.asarray(sinks)[:, None]
         self.attention = {g: self._device(a) for g, a in self._host.items()}
         self.read = {g: self._device(a) for g, a in self._host_read.items()}
         self.write = {g: self._device(a) for g, a in self._host_write.items()}

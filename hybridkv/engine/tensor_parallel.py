@@ -45,6 +45,7 @@ Which models split, and the sizes that must divide: modeling/tensor_split.py.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -58,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.parallel import every_rank
-from . import plan_wire
+from .plan_wire import decode, decode_block, decode_tier_calls, encode, encode_block, encode_tier_calls
 
 log = logging.getLogger("hybridkv.tensor_parallel")
 
@@ -117,14 +118,14 @@ class TensorParallelExecutor:
         """Send the plan, then run rank 0's part of it (the others run
         theirs meanwhile; the layers' all-reduces keep them in step)."""
         self.check_workers()
-        plan.accepted, self._accepted = self._accepted, None
-        self._send(plan)
-        plan.accepted = None  # rank 0 applied its kept drafts when they were judged
+        # The other ranks' copy carries the kept drafts rank 0 applied when they were judged.
+        self._send(dataclasses.replace(plan, accepted=self._accepted))
+        self._accepted = None
         return self.worker.execute(plan)
 
     def _send(self, plan) -> None:
         started = time.perf_counter()
-        data = plan_wire.encode(plan)
+        data = encode(plan)
         self.wire.send(data)
         self.plan_seconds += time.perf_counter() - started
         self.steps += 1
@@ -143,13 +144,13 @@ class TensorParallelExecutor:
         self.worker.copy_tiers(tier_log)
         if tier_log and not self.closed:
             self.check_workers()
-            self.wire.send(plan_wire.encode_tier_calls(tier_log), TIER_CALLS)
+            self.wire.send(encode_tier_calls(tier_log), TIER_CALLS)
 
     def ask(self, item: tuple) -> None:
         """Every worker is to read disk block `item` (group, key) and vote
         (`all`)."""
         self.check_workers()
-        self.wire.send(plan_wire.encode_block(*item), DISK_READ)
+        self.wire.send(encode_block(*item), DISK_READ)
 
     def all(self, ok: bool) -> bool:
         return every_rank(ok)
@@ -241,11 +242,11 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
                     break
                 kind, data = message
                 if kind == DISK_READ:
-                    worker.tiers.read_agreed(plan_wire.decode_block(data))
+                    worker.tiers.read_agreed(decode_block(data))
                 elif kind == TIER_CALLS:
-                    worker.copy_tiers(plan_wire.decode_tier_calls(data))
+                    worker.copy_tiers(decode_tier_calls(data))
                 else:
-                    worker.execute(plan_wire.decode(data, layout))  # its LM head sends its logits
+                    worker.execute(decode(data, layout))  # its LM head sends its logits
     except Exception:
         traceback.print_exc()
         os._exit(1)
