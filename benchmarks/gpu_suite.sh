@@ -9,14 +9,14 @@
 #                                                   # kernel_tests and oracle included
 #
 # It runs $PYTHON (default: python3). The default parts, in this order, each
-# under its own time limit (they add up to 510 s; FlashInfer's JIT, minutes on
-# a fresh machine, comes last so that it cannot starve the engine rows):
+# under its own time limit (they add up to 510 s; FlashInfer's JIT, two
+# modules of ~70 s each on a fresh machine, comes last so that it cannot
+# starve the engine rows):
 #
 #   env.txt             the device, driver, library versions
-#   install.txt         the wheels benchmarks/gpu_wheels.sh fetched, carried in gpu_wheels/part*/
-#                       (a device call carries 64 MiB: FlashInfer's wheel alone is part1, so a first,
-#                       short call carries it and installs it; the next carries part2 and runs the
-#                       suite), installed into $GPU_SITE (default .gpu_site, kept between calls)
+#   install.txt         the wheels benchmarks/gpu_wheels.sh fetched, unpacked into $GPU_SITE (default
+#                       .gpu_site): gpu_wheels/site.tar.xz (all of them unpacked and xz-packed, 34 MB:
+#                       one device call carries it beside the tree) or gpu_wheels/part*/*.whl
 #   engine_gemma3.txt/.json, engine_jamba.txt/.json
 #                       benchmarks/engine_throughput.py: the engine on Gemma-3-1B- and
 #                       ~1B-Jamba-shaped random models in bf16, batch 64 and 1, CUDA graphs on,
@@ -65,8 +65,13 @@ part() {  # part NAME SECONDS COMMAND...: run, log to OUT/NAME.txt, report
     [ $rc -eq 0 ] || failed=$((failed + 1))
 }
 
-install_wheels() {  # the carried wheel folders, each installed once; says what it did
+install_wheels() {  # the carried wheels (or their packed tree), each installed once; says what it did
     local found=0
+    if [ -f gpu_wheels/site.tar.xz ]; then  # every wheel unpacked and xz-packed: 34 MB, one call carries it
+        found=1
+        echo "unpacking gpu_wheels/site.tar.xz into $GPU_SITE"
+        mkdir -p "$GPU_SITE" && tar -C "$GPU_SITE" -xJf gpu_wheels/site.tar.xz || return 1
+    fi
     for dir in gpu_wheels/part*; do
         compgen -G "$dir/*.whl" >/dev/null || continue
         found=1
@@ -89,7 +94,7 @@ print('triton', triton.__version__, 'transformers', transformers.__version__)"
 
 export -f install_wheels
 export PYTHON GPU_SITE
-part install 40 bash -c install_wheels
+part install 30 bash -c install_wheels
 
 if [ "$DRY" = "--dry-run" ]; then
     # The same parts on the CPU: shrunk models, kernels under triton's interpreter.
@@ -110,11 +115,11 @@ else
     ENGINE=("$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 --graphs on
             --backends "${GPU_ENGINE_BACKENDS:-triton}" --no-transformers --only throughput --repeat 1
             --warm-runs 1 --num-prompts 64 --new-tokens 32)
-    part engine_gemma3 130 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
-    part engine_jamba 140 "${ENGINE[@]}" --models jamba-1b-shape --out "$OUT/engine_jamba.json"
-    part profile 40 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
+    part engine_gemma3 115 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
+    part engine_jamba 115 "${ENGINE[@]}" --models jamba-1b-shape --out "$OUT/engine_jamba.json"
+    part profile 30 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
         --out "$OUT/profile.json"
-    part prefill 160 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
+    part prefill 220 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
     # Tests in parallel where pytest-xdist is there (their Triton compiles are CPU work); the
     # real-size tests one at a time: each takes up to ~50 GB of the GPU.
     XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")

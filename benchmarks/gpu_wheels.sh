@@ -12,15 +12,14 @@
 #               (MAMBA_SKIP_CUDA_BUILD: its Triton kernels are what the
 #               "flashinfer" backend uses, layers/backends/flashinfer/mamba_ssm.py); and
 #               causal-conv1d's source, which the GPU machine can build
+#   DIR/site.tar.xz  every wheel of both parts unpacked, as one xz-packed tree
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: gpu_wheels (git ignores it)
 #
-# On the GPU machine, one device call per part (the machine keeps the
-# installed folder between calls while it stays warm):
-#   carry gpu_wheels/part1:  python3 -m pip install --no-index --no-deps --target .gpu_site gpu_wheels/part1/*.whl
-#   carry gpu_wheels/part2:  python3 -m pip install --no-index --no-deps --target .gpu_site gpu_wheels/part2/*.whl
-#                            (and, optionally, --no-build-isolation gpu_wheels/part2/causal_conv1d-*.tar.gz)
-#   then: PYTHONPATH=.gpu_site bash benchmarks/gpu_suite.sh OUT
+# On the GPU machine, one device call carrying gpu_wheels/site.tar.xz:
+#   bash benchmarks/gpu_suite.sh OUT     (its install part unpacks it into .gpu_site)
+# (or one call per part folder, the machine kept warm between them; causal-conv1d's
+# source, optionally: pip install --no-build-isolation gpu_wheels/part2/causal_conv1d-*.tar.gz)
 # The wheels are for the GPU machine's Python (3.12 by default; GPU_PYTHON to change).
 set -euo pipefail
 DIR=${1:-gpu_wheels}
@@ -44,4 +43,13 @@ MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$PYTHON" -m pip wheel --quiet
 # causal-conv1d: the source (reading its metadata runs its setup.py, which must not build here).
 CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE "$PYTHON" -m pip download --quiet --no-deps \
     --no-binary=:all: --no-build-isolation --dest "$DIR/part2" "causal-conv1d==1.7.0"
-du -sh "$DIR/part1" "$DIR/part2"
+# The wheels unpacked into one tree and xz-packed: 600 MB that pack to 34 MB
+# (zip's deflate left 100 MB), so one device call carries them beside the
+# repository and the suite unpacks them in seconds (a few minutes here).
+tmp=$(mktemp -d)
+for wheel in "$DIR"/part1/*.whl "$DIR"/part2/*.whl; do
+    "$PYTHON" -m zipfile -e "$wheel" "$tmp"
+done
+tar -C "$tmp" -cf - . | xz -9e -T0 >"$DIR/site.tar.xz"
+rm -rf "$tmp"
+du -sh "$DIR/part1" "$DIR/part2" "$DIR/site.tar.xz"

@@ -186,6 +186,25 @@ def kernel_rows(t: dict) -> list[dict]:
             ("64 x 8192", "2048 after 6144")]
 
 
+def prefill_sweep_rows(t: dict) -> list[dict]:
+    """The prefill kernel's sweep per layer kind: its four fastest configs
+    and the float32-tile default of before (32 x 64, 8 warps), each beside
+    FlashInfer's time on the same pool."""
+    out = []
+    for row in (r for r in t["kernels"] if r["kernel"] == "paged prefill attention"):
+        configs = []
+        for name, value in row["sweep_us"].items():
+            if isinstance(value, str):  # a config that did not compile
+                continue
+            cfg = dict(part.split("=") for part in name.split())
+            configs.append({"kind": row["kind"], "us": value, "flashinfer_us": row["flashinfer"]["seconds"] * 1e6,
+                            "tiles": f"{cfg['block_m']} x {cfg['block_n']}, {cfg['warps']}, {cfg['stages']}",
+                            "dots": "16-bit" if cfg["dot16"] == "1" else "float32 tiles"})
+        configs.sort(key=lambda c: c["us"])
+        out += configs[:4] + [c for c in configs[4:] if c["tiles"] == "32 x 64, 8, -" and c["dots"] != "16-bit"]
+    return out
+
+
 def us(value: float | None) -> str:
     return "-" if value is None else num(value * 1e6, 1)
 
@@ -354,18 +373,29 @@ TABLES: dict[str, Table] = {
         "drafts kept": lambda r: f"{r['hybridkv+ngram']['accepted']}/{r['hybridkv+ngram']['drafts']}",
         "ngram / plain": lambda r: times(r["hybridkv+ngram"]["tokens_per_s"] / r["hybridkv"]["tokens_per_s"]),
         "same": lambda r: {True: "yes", False: "no", None: "-"}[r["identical"]["hybridkv"]]}),
-    "h100-decode-steps": Table(("h100-2026-11-26/profile_before.json", "h100-2026-11-26/profile.json"),
-                               lambda before, after: [dict(r, tree="before (8db694d)") for r in before["cases"]] +
-                               [dict(r, tree="one kernel per norm (5281801)") for r in after["cases"]], {
+    "h100-decode-steps": Table(("h100-2026-11-26/profile_before.json", "h100-2026-11-26/profile.json",
+                                "h100-2026-11-27/profile.json"),
+                               lambda before, after, now: [dict(r, tree="before (8db694d)") for r in before["cases"]] +
+                               [dict(r, tree="one kernel per norm (5281801)") for r in after["cases"]] +
+                               [dict(r, tree="the plan and the worker (322b901)") for r in now["cases"]], {
         "tree": key("tree"), "batch": key("batch"),
         "step ms": key("step_ms", lambda v: num(v, 2)), "kernels ms": key("kernel_ms", lambda v: num(v, 2)),
         "launches per step": key("launches", lambda v: num(v)),
         "of the weights-read bound": lambda r: f"{100 * r['bound_ms'] / r['step_ms']:.0f}%"}),
-    "h100-engine": Table("h100-2026-11-26/engine_gemma3.json", rows_of("throughput"), {
-        "model": key("model"), "batch": key("batch"),
+    "h100-engine": Table(("h100-2026-11-27/engine_gemma3_before.json", "h100-2026-11-27/engine_gemma3.json",
+                          "h100-2026-11-27/engine_jamba.json"),
+                         lambda before, after, jamba: [dict(r, prefill="float32 tiles")
+                                                       for r in before["throughput"] + jamba["throughput"]]
+                         + [dict(r, prefill="16-bit dots") for r in after["throughput"]], {
+        "model": key("model"), "batch": key("batch"), "prefill kernel": key("prefill"),
         "tok/s": lambda r: num(r["triton"]["tokens_per_s"], 1),
         "TTFT mean s": lambda r: num(r["triton"]["ttft_mean"], 3),
         "weights-read bound tok/s": key("weight_bound_tokens_per_s", lambda v: num(v))}),
+    "h100-prefill": Table("h100-2026-11-27/prefill.json", prefill_sweep_rows, {
+        "layer": lambda r: r["kind"].replace("_", " "), "tiles (queries x keys), warps, stages": key("tiles"),
+        "dots": key("dots"), "µs": key("us", lambda v: num(v, 1)),
+        "FlashInfer µs": key("flashinfer_us", lambda v: num(v, 1)),
+        "ours / FlashInfer": lambda r: f"{r['us'] / r['flashinfer_us']:.2f}x"}),
     "h100-kernels": Table("h100-2026-11-25/kernels.json", kernel_rows, {
         "kernel (Gemma-3-27B heads, bf16, batch 64)": lambda r: f"{r['kernel']}, {r['kind'].replace('_', ' ')}, "
                                                                  f"{r['shape']}",

@@ -378,7 +378,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
                             softcap: float | None = None, sinks: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            dot_16bit: bool = False) -> None:
+                            dot_16bit: bool | None = None) -> None:
     """Attention of segments of consecutive query tokens (prefill chunks,
     also after cached tokens; a mixed batch's decodes are segments of one).
 
@@ -388,16 +388,27 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     `first_key[t]` .. `positions[t]`. `max_length` (a Python int, no device
     sync) sizes the grid. `sinks` as `paged_decode_attention`'s. block_m
     queries and block_n keys per tile (powers of two, at least 16). `dot_16bit` (16-bit caches, compiled kernels
-    only): the dots take Q, K, P and V in the cache's 16-bit type, float32
-    accumulation, instead of widening to float32 tiles first; not the
-    default until measured on a GPU (benchmarks/kernels.py sweeps it).
+    only; the default there): the dots take Q, K, P and V in the cache's
+    16-bit type, float32 accumulation, instead of widening to float32 tiles
+    first.
     """
+    if dot_16bit is None:
+        dot_16bit = cache.element_size() == 2 and not INTERPRETED
+    head_dim = cache.shape[-1]
     if cache.element_size() >= 4:
         # float32 dots run on FMA units ("ieee"): 32 x 64 tiles spill
         # registers on sm_90 (ptxas -v), 16 x 32 do not.
         block_m, block_n = block_m or 16, block_n or 32
+    elif dot_16bit and head_dim <= 128:
+        # H100, Gemma-3-27B heads, 2048 queries after 6144 keys
+        # (benchmarks/kernels.py's sweep, 2026-11-27): 64 x 64 tiles, 4 warps,
+        # 2 stages ran full attention in 1,345 us and the sliding window in
+        # 208, against 4,447 and 700 for 32 x 64 float32 tiles at 8 warps.
+        block_m, block_n = block_m or 64, block_n or 64
+        num_warps, num_stages = num_warps or 4, num_stages or 2
     else:
-        # 16-bit: 32 x 64 tiles fit 255 registers at 4 warps, 138 at 8.
+        # 16-bit, wider heads or float32 tiles: 32 x 64 tiles fit 255
+        # registers at 4 warps, 138 at 8 (head_dim 128).
         block_m, block_n, num_warps = block_m or 32, block_n or 64, num_warps or 8
     _check_tile(block_m)
     _check_tile(block_n)
