@@ -22,8 +22,9 @@
 #                       ~1B-Jamba-shaped random models in bf16, batch 64 and 1, CUDA graphs on,
 #                       backend triton ($GPU_ENGINE_BACKENDS: triton,triton+flashinfer adds
 #                       FlashInfer's, whose JIT needs minutes more), beside the weights-read bound
-#   profile.txt/.json   benchmarks/gpu_profile.py: decode steps at batch 1 and 64 (graphs on) under
-#                       torch.profiler: step, kernel and launch counts, top kernels
+#   profile.txt/.json   benchmarks/gpu_profile.py: decode steps at batch 1 and 64 (graphs on) and
+#                       2,048-token prefill steps under torch.profiler: step, kernel and launch
+#                       counts, top kernels
 #   prefill.txt/.json   benchmarks/kernels.py --only prefill: the paged prefill kernel at
 #                       Gemma-3-27B's heads, its tile sweep with float32 tiles and with 16-bit dots
 #                       (dot_16bit), beside FlashInfer's prefill on the same pool
@@ -117,9 +118,9 @@ else
             --warm-runs 1 --num-prompts 64 --new-tokens 32)
     part engine_gemma3 115 "${ENGINE[@]}" --models gemma3-1b-shape --out "$OUT/engine_gemma3.json"
     part engine_jamba 115 "${ENGINE[@]}" --models jamba-1b-shape --out "$OUT/engine_jamba.json"
-    part profile 30 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs --steps 5 \
+    part profile 45 "$PYTHON" -m benchmarks.gpu_profile --batches 1,64 --modes graphs,prefill --steps 5 \
         --out "$OUT/profile.json"
-    part prefill 220 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
+    part prefill 205 "$PYTHON" -m benchmarks.kernels --only prefill --out "$OUT/prefill.json"
     # Tests in parallel where pytest-xdist is there (their Triton compiles are CPU work); the
     # real-size tests one at a time: each takes up to ~50 GB of the GPU.
     XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")
