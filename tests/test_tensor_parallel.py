@@ -152,6 +152,42 @@ def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(gemma3):
         engine.close()
 
 
+STARTING = """
+import sys, time, torch
+from hybridkv.engine.tensor_parallel import TensorParallelExecutor
+start = time.monotonic()
+try:
+    executor = TensorParallelExecutor(2, sys.argv[1], eval(sys.argv[2]), torch.device("cpu"))
+    executor.wait_until_loaded()
+except RuntimeError as error:
+    print(f"ERROR after {time.monotonic() - start:.1f} s: {error}")
+else:
+    executor.close()
+    print("STARTED")
+"""
+
+
+@pytest.mark.parametrize("case,options,stage", [
+    # The worker fails before it joins the group (its first call refuses the option).
+    ("before joining", {"threads": "two"}, "joined"),
+    # It joins, then its shard does not load: the folder is not a model.
+    ("loading its shard", {"device": "cpu", "dtype": "float32"}, "loaded"),
+])
+def test_a_worker_that_dies_while_starting_fails_the_start_at_once(gemma3, tmp_path, case, options, stage):
+    import subprocess
+    import sys
+
+    # A process of its own, with the group's timeout at 60 s: were the driver
+    # to wait out the timeout, the message would say so and the test fail.
+    folder = str(tmp_path) if case == "loading its shard" else gemma3[0]
+    done = subprocess.run([sys.executable, "-c", STARTING, folder, repr(options)], capture_output=True, text=True,
+                          timeout=180, env={**__import__("os").environ, "HYBRIDKV_TP_TIMEOUT": "60"})
+    out = done.stdout.strip().splitlines()[-1]
+    assert out.startswith("ERROR"), done.stdout + done.stderr[-2000:]
+    assert f"worker hybridkv-tp-1 exited (code 1) while starting (before it had {stage})" in out
+    assert float(out.split()[2]) < 30, out
+
+
 def test_each_rank_reads_only_its_slices(gemma3):
     from hybridkv.modeling.loader import load_model
 

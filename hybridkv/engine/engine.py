@@ -123,6 +123,7 @@ class Engine:
         self.worker = Worker(self.model, self.layout, self.device, self.backend, **options)
         if world > 1:
             executor.worker = self.worker
+            executor.wait_until_loaded()
             self.executor = executor
         else:
             self.executor = LocalExecutor(self.worker)

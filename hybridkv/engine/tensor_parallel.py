@@ -38,7 +38,12 @@ Ranks: the driver (rank 0) is the Engine's process; ranks 1..N-1 are
 worker processes it starts (`_worker`), each loading only its slices of the
 weights (modeling/loader.py reads just their bytes). A worker that fails
 ends: the driver's next collective then fails instead of waiting (the
-collectives have a timeout too), and the engine reports it.
+collectives have a timeout too), and the engine reports it. Start-up is
+watched the same way: the ranks meet through a store the driver holds, and
+each worker says there when it has joined and when its shard is loaded;
+the driver waits for both while checking that every worker still runs, so a
+worker that dies while starting (an import that fails, a shard that does
+not load) fails the engine at once rather than after the group's timeout.
 
 Which models split, and the sizes that must divide: modeling/tensor_split.py.
 """
@@ -84,19 +89,27 @@ class TensorParallelExecutor:
         self.world = world
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The ranks' meeting point; the driver serves it and need not wait
+        # for the workers to connect (it watches them while they start).
+        port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=TIMEOUT,
+                                   wait_for_workers=False)
         context = mp.get_context("spawn")
         pipes = [context.Pipe(duplex=False) for _ in range(1, world)]  # (the worker's end, the driver's)
         self.workers = [context.Process(target=_worker, name=f"hybridkv-tp-{rank}", daemon=True,
-                                        args=(rank, world, self.init_method, self.backend, model_dir,
+                                        args=(rank, world, port, self.backend, model_dir,
                                               worker_options, pipes[rank - 1][0]))
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)  # rank 0's device; rank r uses cuda:r
-        dist.init_process_group(self.backend, init_method=self.init_method, world_size=world, rank=0,
-                                timeout=TIMEOUT)
+        try:
+            self._wait_for("joined")
+            dist.init_process_group(self.backend, store=self.store, world_size=world, rank=0, timeout=TIMEOUT)
+        except BaseException:
+            self._stop_workers()
+            raise
         self.wire = PlanWire([driver_end for _, driver_end in pipes])
         for worker_end, _ in pipes:
             worker_end.close()  # the workers hold theirs
@@ -108,11 +121,43 @@ class TensorParallelExecutor:
         self.closed = False
         self.leads = True  # for the tiers' disk reads (kv_tiers.TieredStore.agreement): the driver asks
 
-    def check_workers(self) -> None:
+    def check_workers(self, while_doing: str = "") -> None:
         for worker in self.workers:
             if not worker.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {worker.name} exited (code {worker.exitcode}); "
-                                   f"its error is in its log above")
+                raise RuntimeError(f"tensor-parallel worker {worker.name} exited (code {worker.exitcode})"
+                                   f"{while_doing}; its error is in its log above")
+
+    def _wait_for(self, stage: str) -> None:
+        """Until every worker has said `stage` in the store ("joined": it is
+        about to join the group; "loaded": its shard and worker are built),
+        checking meanwhile that each still runs."""
+        keys = [f"{stage}/{rank}" for rank in range(1, self.world)]
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while not self.store.check(keys):
+            self.check_workers(f" while starting (before it had {stage})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers not {stage} after {TIMEOUT.total_seconds():.0f} s "
+                                   f"(HYBRIDKV_TP_TIMEOUT)")
+            time.sleep(0.02)
+
+    def wait_until_loaded(self) -> None:
+        """Return once every worker has loaded its shard and built its
+        worker (the engine calls it after building rank 0's, so the ranks
+        load side by side); a worker that died on the way fails it at once."""
+        try:
+            self._wait_for("loaded")
+        except BaseException:
+            self.closed = True
+            self._stop_workers()  # (the others wait for a plan that will not come)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join(30)
 
     def execute(self, plan) -> torch.Tensor:
         """Send the plan, then run rank 0's part of it (the others run
@@ -169,6 +214,7 @@ class TensorParallelExecutor:
                     worker.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self.store = None
 
 
 class PlanWire:
@@ -203,7 +249,7 @@ class PlanWire:
         return kind, np.frombuffer(message, dtype=np.int64, offset=self.HEAD.size).copy()
 
 
-def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: str, options: dict,
+def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, options: dict,
             connection) -> None:
     """A rank other than the driver: load this rank's shard, then act on
     every message the driver sends (a plan to run, tier calls to
@@ -212,7 +258,9 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+        store.set(f"joined/{rank}", "1")
+        dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=TIMEOUT)
         from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
         from .worker import Worker
@@ -235,6 +283,7 @@ def _worker(rank: int, world: int, init_method: str, backend: str, model_dir: st
                                        identity=tiers["identities"][rank])
             worker.tiers.agreement = Follower()
             worker.replays_tiers = True
+        store.set(f"loaded/{rank}", "1")
         with torch.inference_mode():
             while True:
                 message = wire.receive()
