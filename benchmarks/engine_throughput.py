@@ -22,6 +22,7 @@ tables show medians, and a ratio is the median of the per-pair ratios.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -241,24 +242,22 @@ def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
     return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
 
 
-def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12, dry: bool = False) -> float:
-    """Decode tokens/s if each step only had to read the weights once."""
-    import torch
-
-    path = model_path(model, dry)
+def weight_elements(model: str, dry: bool = False, keep=lambda key: True) -> int:
+    """Elements of the model's saved weights (those whose name `keep` takes)."""
     from safetensors import safe_open
 
+    path = model_path(model, dry)
     total = 0
     for name in os.listdir(path):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(path, name), "pt") as f:
-                for key in f.keys():
-                    shape = f.get_slice(key).get_shape()
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    total += numel * torch.tensor([], dtype=torch.bfloat16).element_size()
-    return batch * bandwidth / total
+                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys() if keep(key))
+    return total
+
+
+def weight_bound(model: str, batch: int, bandwidth: float = 3.0e12, dry: bool = False) -> float:
+    """Decode tokens/s if each step only had to read the weights once (bf16)."""
+    return batch * bandwidth / (2 * weight_elements(model, dry))
 
 
 def arguments(parser) -> None:

@@ -23,8 +23,6 @@ every request decodes.
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import statistics
 import time
@@ -33,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
-from benchmarks.engine_throughput import model_path, sync, weight_bound
+from benchmarks.engine_throughput import model_path, sync, weight_bound, weight_elements
 from hybridkv import Engine, SamplingParams
 
 MODEL = "gemma3-1b-shape"
@@ -72,15 +70,7 @@ def prefilling_engine(path: str, device: str, dry: bool, tokens: int, requests: 
 def matmul_params(model: str, dry: bool) -> int:
     """Weights a prompt token multiplies by: all but the embedding table
     (a lookup; the tied LM head runs for the one sampled row only)."""
-    from safetensors import safe_open
-
-    path = model_path(model, dry)
-    total = 0
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys() if "embed" not in key)
-    return total
+    return weight_elements(model, dry, keep=lambda key: "embed" not in key)
 
 
 def kernel_rows(prof, steps: int, device: str) -> tuple[float, float, list[dict]]:
