@@ -142,3 +142,23 @@ def test_keys_taken_from_recent_chains_equal_freshly_hashed_ones(turns, salt):
         assert kv.block_keys(rid, 0, len(tokens)) == fresh
         kv.free(rid)
         history = tokens
+
+
+def test_a_recurrent_scan_answers_rfind_like_the_whole_mask():
+    # A recurrent group's scan looks its keys up lazily, backwards from the
+    # bound a search asks about (managers/mamba.py); every search must give
+    # what bytes.rfind gives over the mask of all positions.
+    from hybridkv.core.managers.mamba import _Checkpoints
+
+    rng = random.Random(0)
+    for _ in range(300):
+        limit = rng.randint(0, 90)
+        keys = [f"k{j}" for j in range(limit + 5)]
+        cached = {k: j + 1 for j, k in enumerate(keys) if rng.random() < rng.choice([0.02, 0.2, 0.7])}
+        mask = bytes(k in cached for k in keys[:limit])
+        scan = _Checkpoints(cached, keys, limit)
+        for _ in range(6):  # one scan answers several searches, as the fixed point asks
+            end = rng.randint(0, limit)
+            start = rng.randint(0, end)
+            assert scan.rfind(1, start, end) == mask.rfind(1, start, end)
+        assert all(scan[j] == cached.get(keys[j]) for j in range(limit))

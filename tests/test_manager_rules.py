@@ -409,3 +409,29 @@ def test_prefix_sightings_stay_bounded_and_prefix_closed():
         for chain in stems:
             known = [seen._holder(k) is not None for k in chain]
             assert known == sorted(known, reverse=True), "a chain's end outlived its prefix"
+
+
+def test_prefix_sightings_record_keeps_the_plain_rule():
+    # record() takes shortcuts (whole runs of keys at once, shared runs left
+    # as they are) that rest on each generation being prefix-closed; the
+    # maps it leaves must be exactly those of the plain per-key rule.
+    import random
+
+    from hybridkv.core.checkpoints import _SHARED, PrefixSightings
+
+    def plain(seen, keys, owner):
+        holders = [seen._holder(k) for k in keys]
+        seen._young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
+        if len(seen._young) >= max(1, seen.capacity // 2):
+            seen._old, seen._young = seen._young, {}
+
+    rng = random.Random(1)
+    for trial in range(150):
+        capacity = rng.choice([4, 8, 12, 40, 1 << 16])
+        fast, slow = PrefixSightings(capacity), PrefixSightings(capacity)
+        stems = [[(s, j) for j in range(10)] for s in range(rng.randint(1, 6))]
+        for step in range(150):
+            keys, owner = rng.choice(stems)[:rng.randint(1, 10)], f"r{rng.randrange(5)}"
+            fast.record(keys, owner)
+            plain(slow, keys, owner)
+            assert (fast._young, fast._old) == (slow._young, slow._old), (trial, step)

@@ -138,6 +138,11 @@ class BlockCache:
         request holds, the usual case for a shared prefix, only counts one
         more reference."""
         ref, free, widths = self.ref, self._free, self.allocator.widths
+        if len(table) > 1 and NULL not in table and 0 not in itemgetter(*table)(ref):
+            # All held already (checked in C): the loop only counts.
+            for block in table:
+                ref[block] += 1
+            return
         for block in table:
             if block:
                 if ref[block]:

@@ -105,6 +105,7 @@ class PrefixSightings:
         self.capacity = capacity
         self._young: dict = {}  # key -> the request that held it, or _SHARED
         self._old: dict = {}
+        self.version = 0  # bumped by every change (a plan made before one may differ)
 
     def _holder(self, key):
         holder = self._young.get(key)
@@ -127,18 +128,43 @@ class PrefixSightings:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
         (a preempted request added back) does not make its blocks shared."""
         young, old = self._young, self._old
-        # In C (a prompt has hundreds of keys): the young holder, else the old.
-        holders = list(map(young.get, keys, map(old.get, keys)) if old else map(young.get, keys))
-        if any(holders):
-            young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
-        else:
-            young.update(zip(keys, repeat(owner)))
+        # In C (a prompt has hundreds of keys), and with no comparison of a
+        # holder but by identity (a request id against _SHARED would go the
+        # slow way). Each generation's keys are prefix-closed (a record
+        # writes a whole prefix into the young one), so the young one holds
+        # a leading run of the keys; the old one is asked about the rest.
+        held = bytes(map(young.__contains__, keys))
+        fresh = held.find(0)
+        if fresh < 0:
+            fresh = len(keys)
+        young_shared = fresh and held.find(1, fresh) < 0 and \
+            list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh
+        if young_shared or not fresh:
+            # The usual case: the young one's run is shared already (or
+            # there is none); what follows is held by the old one or none.
+            rest = keys[fresh:]
+            holders = list(map(old.get, rest)) if old else [None] * len(rest)
+            seen = len(holders) - holders.count(None)
+            if not seen or (holders.index(None) == seen if seen < len(holders) else True) \
+                    and owner not in holders:
+                young.update(zip(rest[:seen], repeat(_SHARED)))
+                young.update(zip(rest[seen:], repeat(owner)))
+                self._turn_over()
+                return
+        holders = list(map(young.get, keys, map(old.get, keys)))  # the holder of every key, young first
+        young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
+        self._turn_over()
+
+    def _turn_over(self) -> None:
+        young = self._young
         if len(young) >= max(1, self.capacity // 2):
             self._old, self._young = young, {}
+        self.version += 1
 
     def clear(self) -> None:
         self._young.clear()
         self._old.clear()
+        self.version += 1
 
 
 class CheckpointPlanner:
@@ -163,7 +189,13 @@ class CheckpointPlanner:
             self.sightings.record(req.keys[:blocks], req.request_id)
 
     def plan(self, req, hit: int) -> None:
-        """Choose where the request saves states inside its prompt, past the hit."""
+        """Choose where the request saves states inside its prompt, past the
+        hit (once for a lookup: the scheduler's next_chunk and the first
+        allocation both ask, and nothing it depends on changes between)."""
+        made_from = (hit, len(req.tokens), self.sightings.version if self.sightings is not None else 0)
+        if req.planned_for == made_from:
+            return
+        req.planned_for = made_from
         bs = self.block_size
         shared = 0
         if self.sightings is not None:

@@ -100,7 +100,8 @@ class BlockHasher:
             empty = _SHA256  # copying a fresh hash object skips the constructor's argument parsing
             for off in range(0, len(data), step):
                 h = empty.copy()
-                h.update(parent + data[off:off + step])
+                h.update(parent)  # (two updates: joining the parent and the block first costs more)
+                h.update(data[off:off + step])
                 parent = h.digest()
                 keys.append(parent)
         elif self._custom is None:
@@ -153,8 +154,14 @@ class KnownChains:
             blocks = min(blocks, len(known_keys))
             if blocks <= best:
                 continue
+            # A chain that does not agree one block past the best so far
+            # cannot beat it (one comparison, not a binary search: chains
+            # under one first block mostly part where the best one does,
+            # at the end of a shared system prompt).
+            if best and not data.startswith(memoryview(known)[:(best + 1) * step]):
+                continue
             if not data.startswith(memoryview(known)[:blocks * step]):
-                blocks = self._common_blocks(data, known, best, blocks)
+                blocks = self._common_blocks(data, known, best + 1 if best else 0, blocks)
             if blocks > best:
                 best, best_keys = blocks, known_keys
         if best_keys is not None:
@@ -165,7 +172,7 @@ class KnownChains:
         view, step = memoryview(known), self.step
         while lo < hi - 1:  # data agrees with known on lo blocks, not on hi
             mid = (lo + hi) // 2
-            if data.startswith(view[:mid * step]):
+            if data.startswith(view[lo * step:mid * step], lo * step):  # (the first lo blocks agree)
                 lo = mid
             else:
                 hi = mid

@@ -91,6 +91,7 @@ class CacheRequest:
     # Mamba checkpoints (written by core/checkpoints.py and the Mamba manager):
     checkpoints: list[int] = field(default_factory=list)  # planned positions, ascending
     probation_at: int = -1  # the planned position whose state is released on probation
+    planned_for: tuple | None = None  # what the plan was made from (CheckpointPlanner.plan)
     rolling: list = None  # per Mamba group: (block, key) of its latest decode checkpoint
     probation: list[int] = None  # per Mamba group: the probation checkpoint's block once saved
     hit_memo: HitMemo | None = None
@@ -125,8 +126,9 @@ INHERITED = ("num_prompt_tokens", "num_computed", "num_allocated", "started", "k
 # it is made); tables (the managers share the blocks, counting references);
 # table_version (its own); lookahead (none between steps, where forks
 # happen); prompt_bytes (the keys are inherited); the lookup memos hit_memo
-# and scan (a started request looks nothing up); fast (the child's first
+# and scan (a started request looks nothing up), and planned_for (it
+# plans nothing more; its plan, checkpoints, is inherited); fast (the child's first
 # step takes the slow path, which copies a shared partly filled block);
 # rolling and probation (checkpoints this request saved: the child saved none).
 NOT_INHERITED = ("request_id", "tokens", "root", "tables", "table_version", "lookahead", "prompt_bytes",
-                 "hit_memo", "scan", "fast", "rolling", "probation")
+                 "hit_memo", "scan", "fast", "rolling", "probation", "planned_for")

@@ -23,6 +23,41 @@ from ..page_allocator import NULL
 from .base import NEVER, GroupManager
 
 
+class _Checkpoints:
+    """A recurrent group's scan, `found` and mask in one, looked up when
+    read: position j is the checkpoint after j + 1 blocks. Checkpoints are
+    few and a hit wants the latest one at or before a bound, so `rfind`
+    (the mask's one use: `longest_hit`) looks the keys up backwards from
+    the bound, a window at a time, each window in C; most lookups find one
+    within the first window rather than scanning the whole prompt. Valid
+    while the scan is (Coordinator.scan: no key changed since)."""
+
+    __slots__ = ("by_key", "keys", "low", "mask")
+
+    def __init__(self, by_key: dict, keys: list, limit: int):
+        self.by_key, self.keys = by_key, keys
+        self.low = limit  # positions [low, limit) are looked up, as `mask`
+        self.mask = b""
+
+    def __getitem__(self, j: int):
+        return self.by_key.get(self.keys[j])
+
+    def rfind(self, value: int, start: int, end: int) -> int:
+        """bytes.rfind(1, start, end) over the mask of the scan (`end` at
+        most its limit)."""
+        while True:
+            low = self.low
+            if end > low:
+                found = self.mask.rfind(value, max(start - low, 0), end - low)
+                if found >= 0:
+                    return found + low
+            if low <= start:
+                return -1
+            below = max(start, low - max(16, len(self.mask)))  # windows double
+            self.mask = bytes(map(self.by_key.__contains__, self.keys[below:low])) + self.mask
+            self.low = below
+
+
 class MambaManager(GroupManager):
     kind = "mamba"  # per group: the mixer's kind ("mamba2", "short_conv", ...)
     recurrent = True
@@ -48,6 +83,12 @@ class MambaManager(GroupManager):
         if not self.verify:
             return super().found(req, lo, hi)
         return [self._checkpoint(req, j + 1) for j in range(lo, hi)]
+
+    def scan(self, req, limit):
+        if self.verify or self.tier_index is not None:
+            return super().scan(req, limit)
+        scan = _Checkpoints(self.by_key, req.keys, limit)
+        return scan, scan
 
     def longest_hit(self, mask, limit):
         # The latest checkpoint at or before the limit.
