@@ -18,7 +18,7 @@ the per-step cost does not grow with the pool size or the context length.
     python -m benchmarks.manager_overhead --quick    # seconds, for CI
     python -m benchmarks.manager_overhead --against vllm --events
         # also vLLM's KVCacheManager on the same traces (run it with an interpreter that has
-        # vllm), and hybridkv with KV events on; the variants take turns each round
+        # vllm), and hybridkv with KV events on; the variants take turns admission by admission
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
     to the head of the queue when a decode step finds no page).
     `take_events`: the manager records KV events and they are taken after
     every admission and decode step (timed with it), as a server does."""
+    return harness.run_through(replay_steps(kv, trace, max_running, chunk, take_events))
+
+
+def replay_steps(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 30,
+                 take_events: bool = False):
+    """`replay`, yielding after every admission and decode step (untimed:
+    harness.lockstep runs variants side by side) and returning its row."""
     drain = kv.take_events if take_events else (lambda: None)
     waiting = Waiting(trace)
     running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far]
@@ -75,6 +82,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
             admissions += 1
             waiting.admitted()
             running[rid] = [outputs, samples, tokens]
+            yield
         peak_used = max(peak_used, kv.num_total_pages - kv.num_free_pages)
         t0 = perf()
         finished = []
@@ -109,6 +117,7 @@ def replay(kv: KVCacheManager, trace, max_running: int = 256, chunk: int = 1 << 
         decode_time += perf() - t0
         for rid in finished:  # the next turns of these chats arrive (untimed: the trace, not the manager)
             waiting.finished(rid)
+        yield
     stats = kv.stats
     return {
         "admissions": admissions,
@@ -221,7 +230,9 @@ def arguments(parser) -> None:
 
 def run(args) -> dict:
     """Each trace on each model, `--repeat` rounds, the variants (hybridkv,
-    with events, vLLM's) taking turns; each timing is the fastest round's."""
+    with events, vLLM's) side by side in each round, taking turns admission
+    by admission and step by step (harness.lockstep); each timing is the
+    fastest round's."""
     vllm_replay = None
     if args.against == "vllm":  # vLLM stays optional: imported only here, checked before the long run
         from benchmarks import vllm_replay
@@ -243,13 +254,13 @@ def run(args) -> dict:
         for label, file in CONFIGS.items():
             path = os.path.join(MODELS_DIR, file)
             layout = plan_layout(specs_from_config(load_config(path)), args.memory)
-            variants = {"hybridkv": lambda: replay(KVCacheManager(layout), trace)}
+            variants = {"hybridkv": lambda: replay_steps(KVCacheManager(layout), trace)}
             if args.events:
-                variants["events"] = lambda: replay(KVCacheManager(layout, enable_kv_events=True), trace,
-                                                    take_events=True)
+                variants["events"] = lambda: replay_steps(KVCacheManager(layout, enable_kv_events=True), trace,
+                                                          take_events=True)
             if vllm_replay is not None:
-                variants["vllm"] = lambda: vllm_replay.run(path, trace, args.memory)
-            rounds = {variant: fastest(runs) for variant, runs in harness.interleaved(variants, args.repeat).items()}
+                variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
+            rounds = {variant: fastest(runs) for variant, runs in harness.lockstep(variants, args.repeat).items()}
             row = {"model": label, "trace": name, "groups": len(layout.groups), **rounds["hybridkv"]}
             tables["models"].append(row)
             print(f"{label:<26} {name:<14} {row['groups']:>6} {row['us_per_admission']:>13.1f} "

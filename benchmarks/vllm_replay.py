@@ -264,6 +264,12 @@ def replay(kv, hasher, trace, max_running: int = 256, split=None) -> dict:
     """manager_overhead.replay's loop, against vLLM's KVCacheManager.
     `split`: the Scheduler's clip of a prefill chunk to the next position
     where a Mamba state must be cached ("align" mode), or None."""
+    return harness.run_through(replay_steps(kv, hasher, trace, max_running, split))
+
+
+def replay_steps(kv, hasher, trace, max_running: int = 256, split=None):
+    """`replay`, yielding after every admission and decode step, as
+    manager_overhead.replay_steps does."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -305,6 +311,7 @@ def replay(kv, hasher, trace, max_running: int = 256, split=None) -> dict:
             waiting.admitted()
             del pending[rid]
             running[rid] = [outputs, samples, tokens, req]
+            yield
         peak_used = max(peak_used, usable - pool.get_num_free_blocks())
         t0 = perf()
         finished = []
@@ -346,6 +353,7 @@ def replay(kv, hasher, trace, max_running: int = 256, split=None) -> dict:
         decode_time += perf() - t0
         for rid in finished:  # the next turns of these chats arrive (untimed: the trace, not the manager)
             waiting.finished(rid)
+        yield
     return {
         "admissions": admissions,
         "us_per_admission": 1e6 * admit_time / max(1, admissions),
@@ -393,6 +401,11 @@ def _prefill(kv, entry: list, split, has_scheduled_reqs: bool) -> bool:
 
 def run(config_path: str, trace, memory="40GiB", max_running: int = 256, freeze_gc: bool = True) -> dict:
     """Build vLLM's manager for the model and replay `trace` through it."""
+    return harness.run_through(run_steps(config_path, trace, memory, max_running, freeze_gc))
+
+
+def run_steps(config_path: str, trace, memory="40GiB", max_running: int = 256, freeze_gc: bool = True):
+    """`run`, yielding after every admission and decode step (harness.lockstep)."""
     kv, hasher, split, info = build_manager(config_path, memory)
     if freeze_gc:
         # EngineCore.__init__ ends with freeze_gc_heap(): the startup heap (the
@@ -400,7 +413,7 @@ def run(config_path: str, trace, memory="40GiB", max_running: int = 256, freeze_
         gc.collect()
         gc.freeze()
     try:
-        row = replay(kv, hasher, trace, max_running=max_running, split=split)
+        row = yield from replay_steps(kv, hasher, trace, max_running=max_running, split=split)
     finally:
         if freeze_gc:
             gc.unfreeze()

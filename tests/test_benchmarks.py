@@ -305,6 +305,22 @@ def test_interleaved_takes_turns_in_rotating_order():
     assert harness.ratios([2, 6], [1, 2])["median"] == 2.5
 
 
+def test_lockstep_advances_the_variants_one_step_each_in_turn():
+    order = []
+
+    def steps(name, count):
+        for i in range(count):
+            order.append(f"{name}{i}")
+            yield
+        return f"{name} done"
+
+    runs = harness.lockstep({"a": lambda: steps("a", 3), "b": lambda: steps("b", 1)}, 2)
+    # Round one: a, b, a, b (b ends), a; round two starts with b.
+    assert order == ["a0", "b0", "a1", "a2", "b0", "a0", "a1", "a2"]
+    assert runs == {"a": ["a done", "a done"], "b": ["b done", "b done"]}
+    assert harness.run_through(steps("c", 2)) == "c done"
+
+
 def test_the_environment_names_the_machine():
     env = harness.environment(threads=2)
     assert env["cpu"] and env["cores"] >= 1 and env["python"] and "torch" in env["packages"]
