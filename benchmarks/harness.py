@@ -142,12 +142,15 @@ def interleaved(variants: dict[str, Callable[[], T]], repeat: int) -> dict[str, 
     return runs
 
 
-def lockstep(variants: dict[str, Callable[[], Generator[None, None, T]]], repeat: int) -> dict[str, list[T]]:
+def lockstep(variants: dict[str, Callable[[], Generator[None, None, T]]], repeat: int,
+             turn: int = 1) -> dict[str, list[T]]:
     """Like `interleaved`, but finer: each variant is a generator that
     yields after every timed unit of work (an admission, a decode step) and
     returns its result, and within a round the variants advance in turn,
-    one unit each. A slow spell of the machine, which can last seconds here,
-    then falls on every variant alike, not on one run's rounds."""
+    `turn` units each. A slow spell of the machine, which can last seconds
+    here, then falls on every variant alike, not on one run's rounds. (A
+    turn of one unit also makes each variant run with the other's data in
+    the CPU caches; some dozens of units let each warm its own first.)"""
     names = list(variants)
     runs: dict[str, list[T]] = {n: [] for n in names}
     for r in range(repeat):
@@ -155,7 +158,8 @@ def lockstep(variants: dict[str, Callable[[], Generator[None, None, T]]], repeat
         while live:
             for n, steps in list(live.items()):
                 try:
-                    next(steps)
+                    for _ in range(turn):
+                        next(steps)
                 except StopIteration as done:
                     runs[n].append(done.value)
                     del live[n]

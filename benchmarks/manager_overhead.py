@@ -18,7 +18,7 @@ the per-step cost does not grow with the pool size or the context length.
     python -m benchmarks.manager_overhead --quick    # seconds, for CI
     python -m benchmarks.manager_overhead --against vllm --events
         # also vLLM's KVCacheManager on the same traces (run it with an interpreter that has
-        # vllm), and hybridkv with KV events on; the variants take turns admission by admission
+        # vllm), and hybridkv with KV events on; the variants take turns of 64 admissions or steps
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ from benchmarks import harness
 from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
 from hybridkv.core import KVCacheManager, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
+
+
+# Side by side, the variants take turns of this many admissions and decode
+# steps (harness.lockstep): tens of ms, so each runs with its own data in the
+# CPU caches, as whole runs taking turns did, while a slow spell of the
+# machine (seconds) falls on all of them.
+TURN = 64
 
 
 def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
@@ -230,8 +237,8 @@ def arguments(parser) -> None:
 
 def run(args) -> dict:
     """Each trace on each model, `--repeat` rounds, the variants (hybridkv,
-    with events, vLLM's) side by side in each round, taking turns admission
-    by admission and step by step (harness.lockstep); each timing is the
+    with events, vLLM's) side by side in each round, taking turns of TURN
+    admissions and decode steps (harness.lockstep); each timing is the
     fastest round's."""
     vllm_replay = None
     if args.against == "vllm":  # vLLM stays optional: imported only here, checked before the long run
@@ -260,7 +267,8 @@ def run(args) -> dict:
                                                           take_events=True)
             if vllm_replay is not None:
                 variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
-            rounds = {variant: fastest(runs) for variant, runs in harness.lockstep(variants, args.repeat).items()}
+            rounds = {variant: fastest(runs)
+                      for variant, runs in harness.lockstep(variants, args.repeat, turn=TURN).items()}
             row = {"model": label, "trace": name, "groups": len(layout.groups), **rounds["hybridkv"]}
             tables["models"].append(row)
             print(f"{label:<26} {name:<14} {row['groups']:>6} {row['us_per_admission']:>13.1f} "

@@ -319,6 +319,9 @@ def test_lockstep_advances_the_variants_one_step_each_in_turn():
     assert order == ["a0", "b0", "a1", "a2", "b0", "a0", "a1", "a2"]
     assert runs == {"a": ["a done", "a done"], "b": ["b done", "b done"]}
     assert harness.run_through(steps("c", 2)) == "c done"
+    order.clear()
+    harness.lockstep({"a": lambda: steps("a", 3), "b": lambda: steps("b", 3)}, 1, turn=2)
+    assert order == ["a0", "a1", "b0", "b1", "a2", "b2"]
 
 
 def test_the_environment_names_the_machine():

@@ -157,6 +157,19 @@ def test_mamba_branch_point_from_a_request_still_waiting():
     kv.check_invariants()
 
 
+def test_mamba_plan_is_made_again_when_a_request_arrives_between_lookup_and_allocation():
+    # The plan is remembered from the scheduler's next_chunk to the first
+    # allocation, but a request added in between may make a branch point.
+    kv = manager({"f": FULL, "m": MAMBA}, pages=400)
+    system = list(range(100, 112))  # 3 blocks
+    kv.add_request("a", system + [1, 2, 3, 4, 5, 6])
+    assert kv.next_chunk("a", 100) == 16  # only the prompt end yet
+    kv.add_request("b", system + [7, 8, 9, 10, 11])
+    assert kv.allocate_slots("a", 12)
+    assert kv._requests["a"].checkpoints == [12, 16]
+    kv.check_invariants()
+
+
 def test_mamba_a_request_added_back_is_not_its_own_branch_point():
     # Preemption frees a request and adds it again under the same id: its
     # own private prefix must not count as shared with another request.

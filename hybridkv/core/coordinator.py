@@ -23,6 +23,8 @@ A started request's steps mostly need nothing from the groups: the
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from .block_cache import BlockCache
 from .checkpoints import CheckpointPlanner, CheckpointPolicy
 from .hashing import BlockHasher, KnownChains, token_bytes
@@ -213,8 +215,12 @@ class Coordinator:
             count = manager.blocks_for_start(req, target, blocks) + (len(loads[g]) if loads else 0)
             counts.append((manager.width, count))
             pages += count * manager.width
+            # A hit block free in the queue uses free pages when taken. (The
+            # loop only when some is: a shared prefix is mostly held already.)
+            if len(blocks) > 1 and NULL not in blocks and 0 not in itemgetter(*blocks)(ref):
+                continue
             for block in blocks:
-                if block and not ref[block]:  # free in the queue: taking it uses free pages
+                if block and not ref[block]:
                     pages += widths[block]
         if pages > self.block_cache.num_free_pages:
             req.num_computed = 0
