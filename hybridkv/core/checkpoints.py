@@ -137,16 +137,16 @@ class PrefixSightings:
         fresh = held.find(0)
         if fresh < 0:
             fresh = len(keys)
-        young_shared = fresh and held.find(1, fresh) < 0 and \
-            list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh
+        young_shared = (fresh and held.find(1, fresh) < 0
+                        and list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh)
         if young_shared or not fresh:
             # The usual case: the young one's run is shared already (or
             # there is none); what follows is held by the old one or none.
             rest = keys[fresh:]
             holders = list(map(old.get, rest)) if old else [None] * len(rest)
-            seen = len(holders) - holders.count(None)
-            if not seen or (holders.index(None) == seen if seen < len(holders) else True) \
-                    and owner not in holders:
+            seen = len(holders) - holders.count(None)  # held by some request: a leading run
+            leading = seen == len(holders) or holders.index(None) == seen
+            if leading and owner not in holders:
                 young.update(zip(rest[:seen], repeat(_SHARED)))
                 young.update(zip(rest[seen:], repeat(owner)))
                 self._turn_over()
