@@ -162,3 +162,18 @@ def test_a_recurrent_scan_answers_rfind_like_the_whole_mask():
             start = rng.randint(0, end)
             assert scan.rfind(1, start, end) == mask.rfind(1, start, end)
         assert all(scan[j] == cached.get(keys[j]) for j in range(limit))
+
+
+def test_adjacent_blocks_taken_apart_make_one_run_for_a_wide_block():
+    # A request's blocks leave the free queue together, last first; taken
+    # apart for a wider block, adjacent ones join one spare run, so the wide
+    # block is one run of pages rather than a piece per freed block.
+    pages = PageAllocator(9)
+    narrow = pages.take([(1, 8)], lambda need: [])[0]
+    assert narrow == list(range(1, 9))
+    wide = pages.take([(8, 1)], lambda need: list(reversed(narrow)))[0][0]
+    assert pages.runs[wide] is None and list(pages.pages(wide)) == list(range(1, 9))
+    wide_again = PageAllocator(9)
+    blocks = wide_again.take([(1, 8)], lambda need: [])[0]
+    wide = wide_again.take([(8, 1)], lambda need: blocks)[0][0]  # freed first to last: joins too
+    assert wide_again.runs[wide] is None

@@ -78,7 +78,16 @@ class PageAllocator:
                     reused.setdefault(width, []).append(block)
                     continue
                 if runs[block] is None:
-                    spare.append(range(block, block + width))
+                    # Joined to the last spare run where adjacent (a request's
+                    # blocks leave the queue together, last first): a wide
+                    # block cut from the spare pages then has fewer pieces.
+                    last = spare[-1] if spare else None
+                    if last is not None and last.start == block + width:
+                        spare[-1] = range(block, last.stop)
+                    elif last is not None and last.stop == block:
+                        spare[-1] = range(last.start, block + width)
+                    else:
+                        spare.append(range(block, block + width))
                 else:
                     spare.extend(runs[block])
                     runs[block] = None
