@@ -138,8 +138,7 @@ class BlockCache:
         request holds, the usual case for a shared prefix, only counts one
         more reference."""
         ref, free, widths = self.ref, self._free, self.allocator.widths
-        if len(table) > 1 and NULL not in table and 0 not in itemgetter(*table)(ref):
-            # All held already (checked in C): the loop only counts.
+        if self._all_held(table):  # the loop only counts
             for block in table:
                 ref[block] += 1
             return
@@ -151,6 +150,19 @@ class BlockCache:
                     del free[block]
                     self._free_pages -= widths[block]
                     ref[block] = 1
+
+    def free_pages_in(self, table: Sequence[int]) -> int:
+        """Pages of the table's blocks that wait in the free queue: what
+        touching them all takes from `num_free_pages`."""
+        if self._all_held(table):
+            return 0
+        ref, widths = self.ref, self.allocator.widths
+        return sum(widths[block] for block in table if block and not ref[block])
+
+    def _all_held(self, table: Sequence[int]) -> bool:
+        """Is every entry a block some request holds? (In C: a shared
+        prefix, the usual hit, is held by the requests running on it.)"""
+        return len(table) > 1 and NULL not in table and 0 not in itemgetter(*table)(self.ref)
 
     def release(self, block: int, probation: bool = False) -> None:
         """One reference less. `probation`: the block stays cached but enters

@@ -23,8 +23,6 @@ A started request's steps mostly need nothing from the groups: the
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 from .block_cache import BlockCache
 from .checkpoints import CheckpointPlanner, CheckpointPolicy
 from .hashing import BlockHasher, KnownChains, token_bytes
@@ -209,19 +207,12 @@ class Coordinator:
         req.num_computed = hit  # as it will be once the hit is taken
         counts = []
         pages = 0
-        ref, widths = self.block_cache.ref, self.block_cache.allocator.widths
         for g, manager in enumerate(managers):
             blocks = found[g] if found else []
             count = manager.blocks_for_start(req, target, blocks) + (len(loads[g]) if loads else 0)
             counts.append((manager.width, count))
             pages += count * manager.width
-            # A hit block free in the queue uses free pages when taken. (The
-            # loop only when some is: a shared prefix is mostly held already.)
-            if len(blocks) > 1 and NULL not in blocks and 0 not in itemgetter(*blocks)(ref):
-                continue
-            for block in blocks:
-                if block and not ref[block]:
-                    pages += widths[block]
+            pages += self.block_cache.free_pages_in(blocks)  # hit blocks waiting in the free queue
         if pages > self.block_cache.num_free_pages:
             req.num_computed = 0
             return False
