@@ -1,7 +1,8 @@
-"""The one thing pyproject.toml cannot say: build the cpu backend's C
-kernels for this machine while installing (hybridkv/layers/backends/cpu/
-build.py). Where no compiler is found or the build fails, the install goes
-on and says so; `hybridkv build-kernels` builds them later."""
+"""The one thing pyproject.toml cannot say: build hybridkv's C libraries for
+this machine while installing (hybridkv/native.py: the cpu backend's
+kernels and the block-key chain). Where no compiler is found or a build
+fails, the install goes on and says so; `hybridkv build-kernels` builds
+them later."""
 
 import os
 import runpy
@@ -10,22 +11,21 @@ import sys
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridkv", "layers", "backends", "cpu", "build.py")
+NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridkv", "native.py")
 
 
 class BuildWithKernels(build_py):
     def run(self):
         super().run()
-        build = runpy.run_path(BUILD)
+        native = runpy.run_path(NATIVE)
         # An editable install imports the source tree; a regular one the build folder.
-        folder = build["PACKAGE_DIR"] if getattr(self, "editable_mode", False) else \
-            os.path.join(self.build_lib, "hybridkv", "layers", "backends", "cpu", "_built")
-        try:
-            path = build["build_into"](folder)
-            print(f"hybridkv: built the CPU kernels for this machine: {path}")
-        except (RuntimeError, OSError) as error:
-            print(f"hybridkv: the CPU kernels were not built ({error}); the cpu backend needs them: "
-                  f"run `hybridkv build-kernels` where a C compiler exists", file=sys.stderr)
+        root = None if getattr(self, "editable_mode", False) else os.path.join(self.build_lib, "hybridkv")
+        for library, built in native["build_all"](root):
+            if isinstance(built, Exception):
+                print(f"hybridkv: {library.source.name} was not built ({built}): run `hybridkv build-kernels` "
+                      f"where a C compiler exists", file=sys.stderr)
+            else:
+                print(f"hybridkv: built {library.source.name} for this machine: {built}")
 
 
 setup(cmdclass={"build_py": BuildWithKernels})

@@ -68,17 +68,21 @@ def _serve(args) -> int:
 
 
 def _build_kernels(args) -> int:
-    """Compile the cpu backend's C kernels for this machine (an install
-    where a compiler was found did it already)."""
-    from .layers.backends.cpu import build
+    """Compile hybridkv's C libraries for this machine (an install where a
+    compiler was found did it already): the cpu backend's kernels and the
+    block-key chain."""
+    from .native import LIBRARIES
 
-    try:
-        path = build.build_into(build.cache_dir()) if args.cache else build.build()
-    except (RuntimeError, OSError) as e:
-        print(f"hybridkv build-kernels: error: {e}", file=sys.stderr)
-        return 1
-    print(f"built {path}")
-    return 0
+    failed = 0
+    for library in LIBRARIES:
+        try:
+            path = library.build_into(library.cache_dir()) if args.cache else library.build()
+        except (RuntimeError, OSError) as e:
+            print(f"hybridkv build-kernels: error: {library.source.name}: {e}", file=sys.stderr)
+            failed = 1
+            continue
+        print(f"built {path}")
+    return failed
 
 
 def _limits(args) -> dict:
@@ -216,10 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)
 
-    kernels = sub.add_parser("build-kernels", help="compile the cpu backend's C kernels for this machine")
+    kernels = sub.add_parser("build-kernels", help="compile the cpu backend's C kernels and the block-key chain "
+                                                   "for this machine")
     kernels.add_argument("--cache", action="store_true",
-                         help="into the cache folder (~/.cache/hybridkv/cpu-kernels) even if the package folder is "
-                              "writable")
+                         help="into the cache folder (~/.cache/hybridkv/cpu-kernels, .../hash-chain) even if the "
+                              "package folder is writable")
     kernels.set_defaults(func=_build_kernels)
     return parser
 

@@ -17,13 +17,15 @@ except ImportError:
 
 
 def pytest_configure(config):
-    # The cpu backend's C kernels, built for this machine and the source as
-    # it is now (an install builds them; an edited kernels.c needs a new
-    # build, which the tests make here rather than skip or test a stale one).
-    from hybridkv.layers.backends.cpu import build
+    # hybridkv's C libraries (the cpu backend's kernels, the block-key
+    # chain), built for this machine and the sources as they are now (an
+    # install builds them; an edited source needs a new build, which the
+    # tests make here rather than skip or test a stale one).
+    from hybridkv.native import LIBRARIES, compiler
 
-    if build.built_library() is None and build.compiler() is not None:
-        print(f"hybridkv: built the CPU kernels for this source: {build.build()}")
+    for library in LIBRARIES:
+        if library.built_library() is None and compiler() is not None:
+            print(f"hybridkv: built {library.source.name} for this source: {library.build()}")
 
 
 def pytest_addoption(parser):

@@ -299,12 +299,16 @@ def test_a_kernel_failing_its_self_test_makes_auto_warn(monkeypatch):
 def test_the_cli_builds_them(nothing_built, capsys):
     from hybridkv.cli import main
 
+    from hybridkv.native import HASH_CHAIN
+
     if build.compiler() is None:
-        assert main(["build-kernels"]) == 1
+        assert main(["build-kernels", "--cache"]) == 1
         return
-    assert main(["build-kernels"]) == 0
-    assert build.library_name() in capsys.readouterr().out
-    assert build.built_library() is not None
+    assert main(["build-kernels", "--cache"]) == 0  # (into this test's cache folder)
+    out = capsys.readouterr().out
+    assert build.library_name() in out and HASH_CHAIN.library_name() in out
+    assert build.built_library() == build.cache_dir() / build.library_name()
+    assert (HASH_CHAIN.cache_dir() / HASH_CHAIN.library_name()).is_file()
 
 
 # -- the fused elementwise modules ----------------------------------------------------

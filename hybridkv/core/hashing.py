@@ -17,8 +17,11 @@ tenant; with it the manager also checks a hit's stored token ids (see
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
+import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 _DOMAIN = b"hybridkv/block-hash/v1\x00"
 _SWAP = sys.byteorder != "little"
 _SHA256 = hashlib.sha256()
+KEY_BYTES = 32  # a SHA-256 key
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -45,8 +49,107 @@ def _canonical_extra(cache_salt: str | None, extra_keys: Sequence | None) -> byt
     return json.dumps([cache_salt, list(extra_keys or ())], sort_keys=True, default=str).encode()
 
 
+def python_sha256_chain(parent: bytes, data: bytes, offset: int, block_bytes: int, count: int) -> list[bytes]:
+    """The SHA-256 keys of `count` blocks of `data` from `offset`, chained
+    from `parent`: one hashlib object per block."""
+    keys = []
+    view = memoryview(data)
+    empty = _SHA256  # copying a fresh hash object skips the constructor's argument parsing
+    for off in range(offset, offset + count * block_bytes, block_bytes):
+        h = empty.copy()
+        h.update(parent)  # (two updates: joining the parent and the block first costs more)
+        h.update(view[off:off + block_bytes])
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def _libcrypto() -> ctypes.CDLL:
+    """The libcrypto Python's hashlib runs on (the keys must be hashlib's),
+    else the system's."""
+    import _hashlib  # noqa: F401  (loads it)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "/libcrypto" in path:
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    name = ctypes.util.find_library("crypto")
+    if name is None:
+        raise OSError("no libcrypto found")
+    return ctypes.CDLL(name)
+
+
+class NativeSHA256Chain:
+    """core/hash_chain.c (built by hybridkv/native.py): a run of blocks'
+    keys in one C call over libcrypto's SHA-256, about a third of the time
+    per block of `python_sha256_chain`. Loading checks it against hashlib.
+    Called like python_sha256_chain; returns the keys as a tuple."""
+
+    def __init__(self, path):
+        crypto = _libcrypto()
+        functions = [ctypes.cast(getattr(crypto, name), ctypes.c_void_p)
+                     for name in ("SHA256_Init", "SHA256_Update", "SHA256_Final")]
+        chain = ctypes.CDLL(str(path)).hk_sha256_chain
+        chain.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_char_p, ctypes.c_char_p] + [ctypes.c_int64] * 3 + \
+            [ctypes.c_char_p]
+        chain.restype = ctypes.c_int64
+        self.path = path
+        self._functions = functions
+        self._chain = chain
+        self._unpackers: dict[int, Callable] = {}
+        probe = bytes(range(256)) * 3
+        if self(b"\x01" * KEY_BYTES, probe, 8, 96, 7) != tuple(python_sha256_chain(b"\x01" * KEY_BYTES, probe, 8, 96, 7)):
+            raise ImportError(f"{path}: its keys differ from hashlib's")
+
+    def __call__(self, parent: bytes, data: bytes, offset: int, block_bytes: int, count: int) -> tuple:
+        if len(parent) != KEY_BYTES or offset + count * block_bytes > len(data):
+            raise ValueError("hash chain: a parent key of 32 bytes and blocks inside the data expected")
+        out = ctypes.create_string_buffer(KEY_BYTES * count)
+        if self._chain(*self._functions, parent, data, offset, block_bytes, count, out):
+            raise RuntimeError("libcrypto's SHA-256 failed")
+        unpack = self._unpackers.get(count)
+        if unpack is None:
+            unpack = struct.Struct(f"{KEY_BYTES}s" * count).unpack
+            if len(self._unpackers) < 4096:
+                self._unpackers[count] = unpack
+        return unpack(out.raw)
+
+
+_native: list = []  # [NativeSHA256Chain or None, why not] once looked for
+
+
+def native_sha256_chain() -> NativeSHA256Chain | None:
+    """This machine's build of hash_chain.c, loaded and checked once per
+    process; None where it is not built or cannot run (then
+    `native_sha256_chain_missing()` says why)."""
+    if not _native:
+        from ..native import HASH_CHAIN
+
+        path = HASH_CHAIN.built_library()
+        if path is None:
+            _native[:] = [None, "not built for this machine (`hybridkv build-kernels` builds it)"]
+        else:
+            try:
+                _native[:] = [NativeSHA256Chain(path), None]
+            except (OSError, AttributeError, ImportError) as error:
+                _native[:] = [None, f"not usable: {error}"]
+    return _native[0]
+
+
+def native_sha256_chain_missing() -> str | None:
+    native_sha256_chain()
+    return _native[1]
+
+
 class BlockHasher:
-    """Computes chain roots and block keys for one hash function."""
+    """Computes chain roots and block keys for one hash function. SHA-256
+    keys of more than one block come from hash_chain.c where it is built
+    (`chain_implementation`), else from hashlib block by block: the same
+    keys either way."""
 
     FUNCTIONS = ("sha256", "builtin")
 
@@ -64,6 +167,10 @@ class BlockHasher:
         else:
             raise ValueError(f"unknown hash_function {hash_function!r}; expected one of {self.FUNCTIONS} or a callable")
         self._plain_root = None
+        native = native_sha256_chain() if self.name == "sha256" and self._custom is None else None
+        # (One block, a decode step's, goes the Python way: ctypes' call costs more.)
+        self._chain = native or python_sha256_chain
+        self.chain_implementation = "hash_chain.c" if native else "hashlib"
 
     def root(self, cache_salt: str | None = None, extra_keys: Sequence | None = None):
         if cache_salt is None and not extra_keys:
@@ -93,17 +200,11 @@ class BlockHasher:
         lo, hi = start * block_size, upto * block_size
         if self.name == "sha256" and self._custom is None:
             if encoded is not None and len(encoded) >= 8 * hi:
-                data = memoryview(encoded)[8 * lo:8 * hi]
+                data, offset = encoded, 8 * lo
             else:
-                data = memoryview(token_bytes(tokens[lo:hi]))
-            step = 8 * block_size
-            empty = _SHA256  # copying a fresh hash object skips the constructor's argument parsing
-            for off in range(0, len(data), step):
-                h = empty.copy()
-                h.update(parent)  # (two updates: joining the parent and the block first costs more)
-                h.update(data[off:off + step])
-                parent = h.digest()
-                keys.append(parent)
+                data, offset = token_bytes(tokens[lo:hi]), 0
+            chain = self._chain if upto - start > 1 else python_sha256_chain
+            keys.extend(chain(parent, data, offset, 8 * block_size, upto - start))
         elif self._custom is None:
             for pos in range(lo, hi, block_size):
                 parent = hash((parent, tuple(tokens[pos:pos + block_size])))
