@@ -1,5 +1,5 @@
 """The one thing pyproject.toml cannot say: build hybridkv's C libraries for
-this machine while installing (hybridkv/native.py: the cpu backend's
+this machine while installing (hybridkv/core/native.py: the cpu backend's
 kernels and the block-key chain). Where no compiler is found or a build
 fails, the install goes on and says so; `hybridkv build-kernels` builds
 them later."""
@@ -11,7 +11,7 @@ import sys
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridkv", "native.py")
+NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridkv", "core", "native.py")
 
 
 class BuildWithKernels(build_py):

@@ -71,7 +71,7 @@ def _build_kernels(args) -> int:
     """Compile hybridkv's C libraries for this machine (an install where a
     compiler was found did it already): the cpu backend's kernels and the
     block-key chain."""
-    from .native import LIBRARIES
+    from .core.native import LIBRARIES
 
     failed = 0
     for library in LIBRARIES:

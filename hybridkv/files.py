@@ -1,12 +1,13 @@
 """Where hybridkv keeps files it builds for the user: the built-in tiny
-models and the Hugging Face folders converted from GGUF checkpoints.
+models, the Hugging Face folders converted from GGUF checkpoints and the C
+libraries built after install.
 
-`HYBRIDKV_CACHE` overrides the default `~/.cache/hybridkv`."""
+`HYBRIDKV_CACHE` overrides the default `~/.cache/hybridkv`. The rule lives
+with the C builds (core/native.py), the lowest floor, which setup.py runs
+alone."""
 
 from __future__ import annotations
 
-import os
+from .core.native import cache_root
 
-
-def cache_root() -> str:
-    return os.environ.get("HYBRIDKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hybridkv"))
+__all__ = ["cache_root"]

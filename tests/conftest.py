@@ -21,7 +21,7 @@ def pytest_configure(config):
     # chain), built for this machine and the sources as they are now (an
     # install builds them; an edited source needs a new build, which the
     # tests make here rather than skip or test a stale one).
-    from hybridkv.native import LIBRARIES, compiler
+    from hybridkv.core.native import LIBRARIES, compiler
 
     for library in LIBRARIES:
         if library.built_library() is None and compiler() is not None:

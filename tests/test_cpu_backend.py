@@ -299,7 +299,7 @@ def test_a_kernel_failing_its_self_test_makes_auto_warn(monkeypatch):
 def test_the_cli_builds_them(nothing_built, capsys):
     from hybridkv.cli import main
 
-    from hybridkv.native import HASH_CHAIN
+    from hybridkv.core.native import HASH_CHAIN
 
     if build.compiler() is None:
         assert main(["build-kernels", "--cache"]) == 1

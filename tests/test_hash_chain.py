@@ -12,7 +12,7 @@ import pytest
 
 from hybridkv.core import hashing
 from hybridkv.core.hashing import BlockHasher, NativeSHA256Chain, python_sha256_chain
-from hybridkv.native import HASH_CHAIN, compiler
+from hybridkv.core.native import HASH_CHAIN, compiler
 
 
 @pytest.fixture(scope="module")

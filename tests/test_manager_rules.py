@@ -443,8 +443,9 @@ def test_prefix_sightings_record_keeps_the_plain_rule():
         capacity = rng.choice([4, 8, 12, 40, 1 << 16])
         fast, slow = PrefixSightings(capacity), PrefixSightings(capacity)
         stems = [[(s, j) for j in range(10)] for s in range(rng.randint(1, 6))]
+        owners = rng.choice([2, 5, 1000])  # few: records again by one owner (a preempted request); many: new ones
         for step in range(150):
-            keys, owner = rng.choice(stems)[:rng.randint(1, 10)], f"r{rng.randrange(5)}"
+            keys, owner = rng.choice(stems)[:rng.randint(1, 10)], f"r{rng.randrange(owners)}"
             fast.record(keys, owner)
             plain(slow, keys, owner)
             assert (fast._young, fast._old) == (slow._young, slow._old), (trial, step)

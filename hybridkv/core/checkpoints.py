@@ -105,6 +105,11 @@ class PrefixSightings:
         self.capacity = capacity
         self._young: dict = {}  # key -> the request that held it, or _SHARED
         self._old: dict = {}
+        # The requests recorded into each generation: a key can be held by
+        # a request only if the request is in one of them (a key moves
+        # between generations only by another record, which makes it shared).
+        self._young_owners: set = set()
+        self._old_owners: set = set()
         self.version = 0  # bumped by every change (a plan made before one may differ)
 
     def _holder(self, key):
@@ -137,33 +142,41 @@ class PrefixSightings:
         fresh = held.find(0)
         if fresh < 0:
             fresh = len(keys)
-        young_shared = (fresh and held.find(1, fresh) < 0
-                        and list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh)
-        if young_shared or not fresh:
-            # The usual case: the young one's run is shared already (or
-            # there is none); what follows is held by the old one or none.
+        if held.find(1, fresh) < 0:
+            # The usual case: the young one holds a leading run, the old one
+            # the next run (or none), then keys no one holds.
             rest = keys[fresh:]
             holders = list(map(old.get, rest)) if old else [None] * len(rest)
             seen = len(holders) - holders.count(None)  # held by some request: a leading run
-            leading = seen == len(holders) or holders.index(None) == seen
-            if leading and owner not in holders:
-                young.update(zip(rest[:seen], repeat(_SHARED)))
-                young.update(zip(rest[seen:], repeat(owner)))
-                self._turn_over()
-                return
+            if seen == len(holders) or holders.index(None) == seen:
+                shared = list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh
+                new_owner = owner not in self._young_owners and owner not in self._old_owners
+                if new_owner or (shared and (not seen or owner not in holders[:seen])):  # (past the run: None)
+                    # No key is held by the owner, so every held key is
+                    # shared from now on (a run shared already is left).
+                    if not shared:
+                        young.update(zip(keys[:fresh], repeat(_SHARED)))
+                    young.update(zip(rest[:seen], repeat(_SHARED)))
+                    young.update(zip(rest[seen:], repeat(owner)))
+                    self._turn_over(owner)
+                    return
         holders = list(map(young.get, keys, map(old.get, keys)))  # the holder of every key, young first
         young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
-        self._turn_over()
+        self._turn_over(owner)
 
-    def _turn_over(self) -> None:
+    def _turn_over(self, owner) -> None:
         young = self._young
+        self._young_owners.add(owner)
         if len(young) >= max(1, self.capacity // 2):
             self._old, self._young = young, {}
+            self._old_owners, self._young_owners = self._young_owners, set()
         self.version += 1
 
     def clear(self) -> None:
         self._young.clear()
         self._old.clear()
+        self._young_owners.clear()
+        self._old_owners.clear()
         self.version += 1
 
 

@@ -1,4 +1,4 @@
-"""Building the CPU kernels (kernels.c) for this machine: hybridkv/native.py
+"""Building the CPU kernels (kernels.c) for this machine: hybridkv/core/native.py
 builds them (at install time, or by `hybridkv build-kernels`; never inside
 an Engine). This module names that library's parts for the backend, read
 at each call (`FLAGS` and `PACKAGE_DIR` may be replaced, as the tests do).
@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from .... import native
-from ....native import compiler, cpu_flags  # noqa: F401  (the backend's messages ask for them here)
+from ....core import native
+from ....core.native import compiler, cpu_flags  # noqa: F401  (the backend's messages ask for them here)
 
 SOURCE = native.CPU_KERNELS.source
 PACKAGE_DIR = native.CPU_KERNELS.package_dir  # install-time builds

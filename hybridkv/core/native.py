@@ -1,8 +1,8 @@
 """Building hybridkv's C libraries for this machine: at install time (setup.py
 runs `build_all` where a compiler exists) or by `hybridkv build-kernels`;
 never while serving. Standard library only, and no import of the rest of
-the package at module level, so that setup.py can run this file alone
-before anything else is installed.
+the package, so that setup.py can run this file alone before anything else
+is installed.
 
 Why build on the machine rather than ship binaries: `-march=native` gives
 the CPU kernels the machine's own vector width, which the decode figures
@@ -30,7 +30,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).parent.parent  # the package
+
+
+def cache_root() -> str:
+    """Where hybridkv keeps what it builds for the user (hybridkv/files.py):
+    $HYBRIDKV_CACHE, else ~/.cache/hybridkv."""
+    return os.environ.get("HYBRIDKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hybridkv"))
 
 
 def compiler() -> str | None:
@@ -66,8 +72,6 @@ class NativeLibrary:
     def cache_dir(self) -> Path:
         """Builds made after install: `cache_name/` under hybridkv's cache
         root (~/.cache/hybridkv, or $HYBRIDKV_CACHE)."""
-        from .files import cache_root  # here, not above: setup.py runs this file alone
-
         return Path(cache_root()) / self.cache_name
 
     def machine_key(self) -> str:
