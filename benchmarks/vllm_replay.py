@@ -27,9 +27,9 @@ The manager is built the way vLLM's engine core builds it for the model:
   `freeze_gc_heap()` after start-up (`run(freeze_gc=False)` to skip it).
 
 `replay` mirrors `manager_overhead.replay`: FCFS admission (a Request carrying
-the block hasher, `get_computed_blocks`, one `allocate_slots` for the whole
-prompt with the hit, then `num_computed_tokens` advanced as the scheduler
-does), one decode token per running request per step (append the token,
+the block hasher, `get_computed_blocks`, `allocate_slots` for the first chunk
+with the hit and for each later chunk, `num_computed_tokens` advanced as the
+scheduler does), one decode token per running request per step (append the token,
 `allocate_slots(req, 1)`, advance), frees of finished requests, and recompute
 preemption of the newest running request when a decode step finds no block.
 Timed like the hybridkv replay: an admission includes building the vLLM
@@ -38,9 +38,10 @@ its admission too; `us_per_request_build` reports that part), and a decode
 request-step includes appending the token (which hashes a block it completes).
 Per step the manager calls the Scheduler makes (`new_step_starts`, draining
 boundary-state offloads, block copies and new block ids) count as decode time.
-The prompt is allocated in one call, as in the hybridkv loop; vLLM's scheduler
-would also end prefill chunks at Mamba checkpoint positions ("align" mode),
-which this loop does not do, so Mamba states are only cached at prompt ends.
+Prefill chunks end where the Scheduler's own `_mamba_block_aligned_split`
+ends them in "align" mode (where a Mamba state must be cached, unless the
+layer can save it inside the chunk, as vLLM's Mamba-2 layers report), as
+the hybridkv loop ends them at its checkpoints (`next_chunk`).
 """
 
 from __future__ import annotations
@@ -184,7 +185,12 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
                     page_size_padded=cache_config.mamba_page_size_padded,
                     mamba_type=mamba_type,
                     mamba_cache_mode=cache_config.mamba_cache_mode,
-                    num_speculative_blocks=0)
+                    num_speculative_blocks=0,
+                    # MambaMixer2.get_kv_cache_spec: a Mamba-2 layer saves the
+                    # block-boundary state from inside a prefill chunk, so the
+                    # Scheduler does not split the prefill there
+                    **({"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+                       if mamba_type.name == "MAMBA2" else {}))
             elif isinstance(spec, HKSliding):
                 # Attention.get_kv_cache_spec, sliding-window branch
                 probe = backend.customize_spec(SlidingWindowSpec(
