@@ -29,7 +29,7 @@ import time
 
 from benchmarks import harness
 from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
-from hybridkv.core import KVCacheManager, plan_layout
+from hybridkv.core import KVCacheManager, RecurrentSpec, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
 
 
@@ -221,6 +221,20 @@ def print_vllm(version: str, rows: list[dict], notes: list[str]) -> None:
     print("\n".join(notes))
 
 
+def print_wide(rows: list[dict]) -> None:
+    """The models with recurrent layers again, at wider blocks."""
+    print(f"\nhybridkv at {rows[0]['block_size']}-token blocks (models with recurrent layers; x: against vLLM's, "
+          "as above)")
+    print(f"{'model':<26} {'trace':<14} {'us/admission':>13} {'us/decode step':>15} {'hit tokens':>11} "
+          f"{'hit rate':>9} {'adm. x':>7} {'decode x':>9} {'hit x':>6}")
+    for row in rows:
+        them = row.get("vs_vllm")
+        ratios = (f"{them['admission_ratio']:>7.2f} {them['decode_ratio']:>9.2f} "
+                  f"{'-' if them['hit_ratio'] is None else format(them['hit_ratio'], '.2f'):>6}") if them else ""
+        print(f"{row['model']:<26} {row['trace']:<14} {row['us_per_admission']:>13.1f} "
+              f"{row['us_per_decode_step']:>15.2f} {row['hit_tokens']:>11,} {row['hit_rate']:>9.1%} {ratios}")
+
+
 def print_events(rows: list[dict]) -> None:
     print("\nKV events on (recorded, and taken after every admission and decode step) against off")
     print(f"{'model':<26} {'trace':<14} {'us/admission off':>17} {'on':>8} {'change':>7} {'us/decode step off':>19} "
@@ -241,6 +255,8 @@ def arguments(parser) -> None:
                         help="also replay the traces through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
     parser.add_argument("--events", action="store_true",
                         help="also replay with KV events on (recorded and taken every step)")
+    parser.add_argument("--wide-block", type=int, default=64,
+                        help="also replay the models with recurrent layers at this block size, tokens (0: not)")
 
 
 def run(args) -> dict:
@@ -264,7 +280,7 @@ def run(args) -> dict:
     tables: dict = {"models": [], "scaling": []}
     print(f"{'model':<26} {'trace':<14} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
           f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit tokens':>11} {'hit rate':>9}")
-    theirs, events, notes = [], [], []
+    theirs, events, notes, wide = [], [], [], []
     for name in names:
         trace = TRACES[name](num)
         for label, file in CONFIGS.items():
@@ -274,6 +290,9 @@ def run(args) -> dict:
             if args.events:
                 variants["events"] = lambda: replay_steps(KVCacheManager(layout, enable_kv_events=True), trace,
                                                           take_events=True)
+            if args.wide_block and any(isinstance(g.spec, RecurrentSpec) for g in layout.groups):
+                wide_layout = plan_layout(specs_from_config(load_config(path)), args.memory, args.wide_block)
+                variants["wide"] = lambda: replay_steps(KVCacheManager(wide_layout), trace)
             if vllm_replay is not None:
                 variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
             runs = harness.lockstep(variants, args.repeat, turn=TURN)
@@ -296,12 +315,24 @@ def run(args) -> dict:
                                "hit_ratio": row["hit_tokens"] / them["hit_tokens"] if them["hit_tokens"] else None})
                 if name == names[0]:
                     notes.append(f"  {label}: {vllm_replay.describe(them)}")
+            if "wide" in rounds:
+                row = {"model": label, "trace": name, "block_size": args.wide_block, **rounds["wide"]}
+                if "vllm" in rounds:
+                    them = rounds["vllm"]
+                    row["vs_vllm"] = {
+                        "admission_ratio": round_ratio(runs["vllm"], runs["wide"], "us_per_admission"),
+                        "decode_ratio": round_ratio(runs["vllm"], runs["wide"], "us_per_decode_step"),
+                        "hit_ratio": row["hit_tokens"] / them["hit_tokens"] if them["hit_tokens"] else None}
+                wide.append(row)
     if events:
         print_events(events)
         tables["events"] = events
     if theirs:
         print_vllm(vllm_version, theirs, notes)
         tables["vllm"] = theirs
+    if wide:
+        print_wide(wide)
+        tables["wide"] = wide
     print("\nper decode step vs pool size and context (8 requests x 256 steps, fastest round)")
     print(f"{'model':<26} {'pool pages':>11} {'context':>8} {'us/decode step':>15}")
     for label, file in CONFIGS.items():
