@@ -75,7 +75,7 @@ def test_bad_arguments_are_refused_before_any_read(native):
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
-def test_a_build_whose_keys_differ_is_refused(tmp_path):
+def test_a_build_whose_keys_differ_is_refused(tmp_path, monkeypatch):
     # Mutation: the parent left out of the hash. Loading checks the chain
     # against hashlib, so such a library is never used.
     source = tmp_path / "hash_chain.c"
@@ -88,3 +88,15 @@ def test_a_build_whose_keys_differ_is_refused(tmp_path):
     with pytest.raises(ImportError, match="differ from hashlib"):
         NativeSHA256Chain(path)
     assert isinstance(NativeSHA256Chain(HASH_CHAIN.built_library()), NativeSHA256Chain)
+    # Found as this machine's build: a warning, and the keys from hashlib.
+    import hybridkv.core.native
+
+    monkeypatch.setattr(hybridkv.core.native, "HASH_CHAIN", broken)
+    monkeypatch.setattr(hashing, "_native", [])
+    with pytest.warns(RuntimeWarning, match="differ from hashlib's; hashing with hashlib"):
+        hasher = BlockHasher()
+    assert hasher.chain_implementation == "hashlib"
+    keys: list = []
+    tokens = list(range(64))
+    hasher.extend(keys, hasher.root(), tokens, 16, 4, hashing.token_bytes(tokens))
+    assert keys == python_sha256_chain(hasher.root(), hashing.token_bytes(tokens), 0, 128, 4)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import struct
 import sys
+import warnings
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -102,8 +103,8 @@ class NativeSHA256Chain:
         self.path = path
         self._chain = chain
         self._unpackers: dict[int, Callable] = {}
-        probe = bytes(range(256)) * 3
-        if self(b"\x01" * KEY_BYTES, probe, 8, 96, 7) != tuple(python_sha256_chain(b"\x01" * KEY_BYTES, probe, 8, 96, 7)):
+        probe = (b"\x01" * KEY_BYTES, bytes(range(256)) * 3, 8, 96, 7)  # (parent, data, offset, block, count)
+        if self(*probe) != tuple(python_sha256_chain(*probe)):
             raise ImportError(f"{path}: its keys differ from hashlib's")
 
     def __call__(self, parent: bytes, data: bytes, offset: int, block_bytes: int, count: int) -> tuple:
@@ -141,7 +142,10 @@ def native_sha256_chain() -> NativeSHA256Chain | None:
             try:
                 _native[:] = [NativeSHA256Chain(path), None]
             except (OSError, AttributeError, ImportError) as error:
+                # Built but unusable: said once, as the same keys come (slower) from hashlib.
                 _native[:] = [None, f"not usable: {error}"]
+                warnings.warn(f"hybridkv: the block-key chain {path.name} is {_native[1]}; hashing with hashlib",
+                              RuntimeWarning, stacklevel=2)
     return _native[0]
 
 
@@ -152,9 +156,9 @@ def native_sha256_chain_missing() -> str | None:
 
 class BlockHasher:
     """Computes chain roots and block keys for one hash function. SHA-256
-    keys of more than one block come from hash_chain.c where it is built
-    (`chain_implementation`), else from hashlib block by block: the same
-    keys either way."""
+    keys of runs of _NATIVE_FROM blocks or more come from hash_chain.c where
+    it is built (`chain_implementation`), else from hashlib block by block:
+    the same keys either way."""
 
     FUNCTIONS = ("sha256", "builtin")
 
