@@ -204,6 +204,16 @@ def round_ratio(theirs: list[dict], ours: list[dict], key: str) -> float:
     return statistics.median(them[key] / us[key] for them, us in zip(theirs, ours))
 
 
+def against_vllm(runs: dict[str, list[dict]], variant: str) -> dict:
+    """A variant's ratios against vLLM's rounds: times per round
+    (round_ratio), and its hit tokens over vLLM's (None where vLLM hit none)."""
+    ours, theirs = runs[variant], runs["vllm"]
+    hits = theirs[0]["hit_tokens"]
+    return {"admission_ratio": round_ratio(theirs, ours, "us_per_admission"),
+            "decode_ratio": round_ratio(theirs, ours, "us_per_decode_step"),
+            "hit_ratio": ours[0]["hit_tokens"] / hits if hits else None}
+
+
 def print_vllm(version: str, rows: list[dict], notes: list[str]) -> None:
     """vLLM's rows beside ours, with vLLM time / hybridkv time."""
     print(f"\nvLLM {version} KVCacheManager, same traces (ratio = vLLM time / hybridkv time in the same round, "
@@ -285,13 +295,14 @@ def run(args) -> dict:
         trace = TRACES[name](num)
         for label, file in CONFIGS.items():
             path = os.path.join(MODELS_DIR, file)
-            layout = plan_layout(specs_from_config(load_config(path)), args.memory)
+            specs = specs_from_config(load_config(path))
+            layout = plan_layout(specs, args.memory)
             variants = {"hybridkv": lambda: replay_steps(KVCacheManager(layout), trace)}
             if args.events:
                 variants["events"] = lambda: replay_steps(KVCacheManager(layout, enable_kv_events=True), trace,
                                                           take_events=True)
             if args.wide_block and any(isinstance(g.spec, RecurrentSpec) for g in layout.groups):
-                wide_layout = plan_layout(specs_from_config(load_config(path)), args.memory, args.wide_block)
+                wide_layout = plan_layout(specs, args.memory, args.wide_block)
                 variants["wide"] = lambda: replay_steps(KVCacheManager(wide_layout), trace)
             if vllm_replay is not None:
                 variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
@@ -310,20 +321,12 @@ def run(args) -> dict:
             if "vllm" in rounds:
                 them = rounds["vllm"]
                 theirs.append({"model": label, "trace": name, **them, "version": vllm_version,
-                               "admission_ratio": round_ratio(runs["vllm"], runs["hybridkv"], "us_per_admission"),
-                               "decode_ratio": round_ratio(runs["vllm"], runs["hybridkv"], "us_per_decode_step"),
-                               "hit_ratio": row["hit_tokens"] / them["hit_tokens"] if them["hit_tokens"] else None})
+                               **against_vllm(runs, "hybridkv")})
                 if name == names[0]:
                     notes.append(f"  {label}: {vllm_replay.describe(them)}")
             if "wide" in rounds:
-                row = {"model": label, "trace": name, "block_size": args.wide_block, **rounds["wide"]}
-                if "vllm" in rounds:
-                    them = rounds["vllm"]
-                    row["vs_vllm"] = {
-                        "admission_ratio": round_ratio(runs["vllm"], runs["wide"], "us_per_admission"),
-                        "decode_ratio": round_ratio(runs["vllm"], runs["wide"], "us_per_decode_step"),
-                        "hit_ratio": row["hit_tokens"] / them["hit_tokens"] if them["hit_tokens"] else None}
-                wide.append(row)
+                wide.append({"model": label, "trace": name, "block_size": args.wide_block, **rounds["wide"],
+                             **({"vs_vllm": against_vllm(runs, "wide")} if "vllm" in runs else {})})
     if events:
         print_events(events)
         tables["events"] = events
