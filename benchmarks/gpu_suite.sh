@@ -34,6 +34,10 @@
 #   kernel_tests        tests/test_triton_kernels.py compiled on the GPU, real sizes included
 #   kernels             benchmarks/kernels.py whole: decode at 64 x 8K and 32K, prefill, store, Mamba
 #   oracle              the engine against transformers on CUDA in bf16 (loose bounds), graphs included
+#   families            tests/test_recurrent_families.py on CUDA in float32 with the CPU's bounds (Mamba-2,
+#                       short-conv and Gated DeltaNet hybrids; transformers on the CPU), with the transformers
+#                       release the tests build their models with (gpu_wheels/oracle: the machine's
+#                       5.17 predates some of these families' modeling files)
 #   engine_full         both engine models with transformers' generate beside them and graphs off too
 #
 # A part that fails or runs out of time is logged and the suite goes on (an
@@ -130,6 +134,10 @@ else
     part kernels 360 "$PYTHON" -m benchmarks.kernels --out "$OUT/kernels.json"
     part oracle 240 "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST tests/test_engine_oracle.py --device cuda \
         --dtype bfloat16 -k "batch_of_different_lengths or preemption or chunked_prefill or triton or flashinfer"
+    part families 420 bash -c "'$PYTHON' -m pip install --quiet --no-index --no-deps --upgrade \
+        --target '$GPU_SITE/oracle' gpu_wheels/oracle/*.whl || exit 1; export PYTHONPATH='$GPU_SITE/oracle':\$PYTHONPATH; \
+        '$PYTHON' -c 'import transformers; print(\"transformers\", transformers.__version__)'; \
+        '$PYTHON' -m pytest -q -p no:cacheprovider -rA --durations=10 tests/test_recurrent_families.py --device cuda"
     part engine_full 560 "$PYTHON" -m benchmarks.engine_throughput --device cuda --dtype bfloat16 \
         --graphs both --backends "${ENGINE_BACKENDS:-auto}" --only throughput --repeat 1 --num-prompts 64 \
         --new-tokens 64 --out "$OUT/engine_full.json"

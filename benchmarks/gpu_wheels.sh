@@ -13,6 +13,8 @@
 #               "flashinfer" backend uses, layers/backends/flashinfer/mamba_ssm.py); and
 #               causal-conv1d's source, which the GPU machine can build
 #   DIR/site.tar.xz  every wheel of both parts unpacked, as one xz-packed tree
+#   DIR/oracle  transformers 5.24 and what it imports (numpy aside), for the
+#               suite's "families" part: 29 MB, carried on its own
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: gpu_wheels (git ignores it)
 #
@@ -46,6 +48,10 @@ CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE "$PYTHON" -m p
 # The wheels unpacked into one tree and xz-packed: 600 MB that pack to 34 MB
 # (zip's deflate left 100 MB), so one device call carries them beside the
 # repository and the suite unpacks them in seconds (a few minutes here).
+"$PYTHON" -m pip download --quiet --only-binary=:all: --python-version "$PY" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any --dest "$DIR/oracle" "transformers==5.24.0"
+rm -f "$DIR"/oracle/numpy-*.whl  # the machine's numpy stays (torch's)
 tmp=$(mktemp -d)
 for wheel in "$DIR"/part1/*.whl "$DIR"/part2/*.whl; do
     "$PYTHON" -m zipfile -e "$wheel" "$tmp"

@@ -129,8 +129,16 @@ def family_model(request, tmp_path_factory):
     return request.param, path, load_reference(path)
 
 
+ENGINE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_options(engine_device):
+    ENGINE["device"] = engine_device  # --device cuda: the engines on a GPU, transformers on the CPU
+
+
 def make_engine(path, speculative, **kw):
-    options = dict(kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=512)
+    options = dict(kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=512, **ENGINE)
     if speculative:
         options.update(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
     options.update(kw)
@@ -164,10 +172,10 @@ def record_rows(engine) -> list:
             if s.drafts:
                 tokens = s.seq.token_ids[s.start:s.start + 1] + s.drafts
                 for j in range(s.count):
-                    records.append((s.seq.seq_id, s.start + j, tokens[:j + 1], logits[row + j].clone()))
+                    records.append((s.seq.seq_id, s.start + j, tokens[:j + 1], logits[row + j].float().cpu()))
                 row += s.count
             elif s.completes:
-                records.append((s.seq.seq_id, s.start + s.count - 1, [], logits[row].clone()))
+                records.append((s.seq.seq_id, s.start + s.count - 1, [], logits[row].float().cpu()))
                 row += 1
         return apply(steps, logits)
 

@@ -90,8 +90,9 @@ class Mamba2Mixer(CacheLayer, nn.Module):
         ops, name = self.ops, self.layer_name
         projected = self.in_proj(h)
         if self.in_scale is not None:
-            if self.in_scale.device != projected.device:  # moved once, not every step
-                self.in_scale = self.in_scale.to(projected.device)
+            if self.in_scale.device != projected.device or self.in_scale.dtype != projected.dtype:
+                # moved once, not every step; in the weights' dtype, as a buffer of transformers' is
+                self.in_scale = self.in_scale.to(projected.device, projected.dtype)
             projected = projected * self.in_scale
         z, xbc_all, dt_all = projected.split([self.inner, self.conv_dim, self.heads], dim=-1)
         weight, bias = self.conv1d.weight[:, 0, :], self.conv1d.bias
