@@ -70,6 +70,17 @@ SOAK_CASES = (
     "test_tensor_parallel.py::test_the_real_gemma3_270m_on_two_ranks",
     # replicas with TP: replicas with tiers, and TP alone, stay
     "test_ray_replicas.py::test_replicas_with_tensor_parallelism_equal_one_plain_engine",
+    # Gemma-3 on two ranks with preemption, then with drafts: Jamba's two ranks with rejected drafts and
+    # preemption in one run (test_tensor_parallel_combined.py) and Gemma-3's other two-rank tests stay
+    "test_tensor_parallel.py::test_preemption_and_speculative_decoding_on_two_ranks",
+    # two ranks' disk tier with a host tier above it: the disk tier alone stays
+    "test_tensor_parallel_combined.py::test_two_ranks_with_a_disk_tier_serve_hits_from_disk_after_a_restart_"
+    "with_the_one_process_tokens[64KiB]",
+    # two ranks through the C decoder layers: gemma3 and gemma2 stay
+    "test_tensor_parallel_layers.py::test_two_ranks_take_the_one_process_route_through_the_c_decoder_layers[mistral]",
+    # the Triton kernels' engine against the reference backend: jamba stays, and gemma3 on the triton
+    # backend against transformers (test_engine_oracle.py) stays
+    "test_triton_kernels.py::test_engine_with_triton_kernels_generates_the_reference_tokens[gemma3]",
     # the real model's drafts and disk restart: the tiny models' speculative and disk-tier tests stay
     "test_real_gemma3.py::test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens",
     "test_real_gemma3.py::test_hybrid_real_gemma3_disk_tier_hit_after_a_restart_matches_transformers",

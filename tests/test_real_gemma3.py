@@ -1,6 +1,7 @@
 """The real Gemma-3 270M (GGUF, Q4_K_M, from the `gemma` extra) served by
 hybridkv.Engine straight from its .gguf file, against transformers' own GGUF
-path on the same file, float32: greedy tokens identical for a batch with a
+path on the same file (what that path built is kept on disk,
+tests/real_model.py), float32: greedy tokens identical for a batch with a
 prompt longer than the 512-token window, after a prefix-cache hit longer
 than the window, under chunked prefill and under preemption.
 
@@ -10,14 +11,12 @@ missing model fails instead of skipping.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
 from hybridkv.demo_texts import HISTORY, LONG_QUESTIONS, QUESTIONS, SYSTEM, long_prompt, question_prompt, quoting_prompt
-from real_model import real_gguf_path
+from real_model import real_gguf_path, transformers_gguf_model
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -33,10 +32,7 @@ def gguf_path():
 def reference(gguf_path):
     """transformers' Gemma3ForCausalLM loaded by transformers from the same
     .gguf file, and its greedy continuations (memoised per prompt)."""
-    from transformers import Gemma3ForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    model = Gemma3ForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = transformers_gguf_model(gguf_path)
     memo: dict[tuple, list[int]] = {}
 
     def greedy(ids: list[int]) -> list[int]:
