@@ -28,7 +28,7 @@ import statistics
 import time
 
 from benchmarks import harness
-from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting, trace_named
 from hybridkv.core import KVCacheManager, RecurrentSpec, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
 
@@ -259,7 +259,8 @@ def print_events(rows: list[dict]) -> None:
 def arguments(parser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="per trace (--quick: 60)")
     parser.add_argument("--traces", default=",".join(TRACES),
-                        help=f"comma-separated, from {', '.join(TRACES)} (benchmarks/replay_trace.py)")
+                        help=f"comma-separated, from {', '.join(TRACES)}, or unique-L: prompts of L tokens that "
+                             "share nothing (benchmarks/replay_trace.py)")
     parser.add_argument("--memory", default="40GiB", help="KV budget per model")
     parser.add_argument("--against", choices=["vllm"], default=None,
                         help="also replay the traces through vLLM's own KVCacheManager (benchmarks/vllm_replay.py)")
@@ -284,15 +285,18 @@ def run(args) -> dict:
             raise SystemExit(str(e))
     num = 60 if args.quick else args.requests
     names = [name.strip() for name in args.traces.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(TRACES))
-    if unknown:
-        raise SystemExit(f"--traces: unknown {', '.join(unknown)}; expected some of {', '.join(TRACES)}")
+    traces = {}
+    for name in names:
+        try:
+            traces[name] = trace_named(name, num)
+        except ValueError as e:
+            raise SystemExit(f"--traces: {e}") from None
     tables: dict = {"models": [], "scaling": []}
     print(f"{'model':<26} {'trace':<14} {'groups':>6} {'us/admission':>13} {'us/decode step':>15} "
           f"{'us/failed adm.':>15} {'preempt':>8} {'peak pages':>11} {'hit tokens':>11} {'hit rate':>9}")
     theirs, events, notes, wide = [], [], [], []
     for name in names:
-        trace = TRACES[name](num)
+        trace = traces[name]
         for label, file in CONFIGS.items():
             path = os.path.join(MODELS_DIR, file)
             specs = specs_from_config(load_config(path))

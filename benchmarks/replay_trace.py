@@ -97,6 +97,19 @@ def make_shared_system(num_requests: int, seed: int = 0, systems=8, system=(800,
 TRACES = {"mixed": make_trace, "multi-turn": make_chats, "shared-system": make_shared_system}
 
 
+def trace_named(name: str, num_requests: int) -> list[TraceRequest]:
+    """One of TRACES, or "unique-L": `num_requests` independent prompts of
+    exactly L tokens sharing nothing, with 20 tokens out each (replayed at a
+    few lengths, it splits a manager's cost per admission into a part per
+    request and a part per block). ValueError for another name."""
+    if name in TRACES:
+        return TRACES[name](num_requests)
+    kind, _, length = name.partition("-")
+    if kind == "unique" and length.isdigit() and int(length) > 0:
+        return make_trace(num_requests, prompt=(int(length), int(length)), output=(20, 20), share=0.0)
+    raise ValueError(f"unknown trace {name!r}: expected one of {', '.join(TRACES)} or unique-L (L tokens)")
+
+
 class Waiting:
     """The FCFS waiting queue of a replay: `head()` is the next request to
     admit, `admitted()` removes it, `requeue()` puts a preempted request

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks import harness, manager_overhead, render
-from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting, generated, make_chats
+from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting, generated, make_chats, trace_named
 from hybridkv.core import KVCacheManager, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
 from real_model import real_gguf_path
@@ -39,6 +39,20 @@ def test_manager_overhead_quick(tmp_path):
     # every model, recurrent ones included, reuses the previous turn of a chat
     assert all(row["hit_tokens"] > 0 for row in data["models"] if row["trace"] == "multi-turn")
     assert data["scaling"]  # small pools hold no Gemma-3-27B rows in --quick
+
+
+def test_unique_prompt_traces_share_no_block_and_bad_names_are_refused(tmp_path):
+    trace = trace_named("unique-64", 30)
+    assert len(trace) == 30 and all(len(r.tokens) == 64 and r.outputs == 20 for r in trace)
+    assert len({tuple(r.tokens[:16]) for r in trace}) == 30  # not even a first block in common
+    assert trace_named("mixed", 5) == TRACES["mixed"](5)
+    for bad in ("unique-", "unique-0", "unique-x", "nope"):
+        with pytest.raises(ValueError, match="unknown trace"):
+            trace_named(bad, 5)
+    text, data = run("manager_overhead", tmp_path, "--traces", "unique-32,unique-128", "--wide-block", "0")
+    rows = {(row["model"], row["trace"]): row for row in data["models"]}
+    assert set(rows) == {(m, t) for m in CONFIGS for t in ("unique-32", "unique-128")}
+    assert all(row["hit_tokens"] == 0 and row["admissions"] == 60 for row in rows.values())
 
 
 def test_a_chat_turn_extends_the_previous_one_and_arrives_when_it_finished():
