@@ -476,6 +476,30 @@ def test_usage_reports_cached_prompt_tokens_streamed_or_not(server, client):
     assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // block * block
 
 
+@pytest.mark.parametrize("name", ["tiny-nemotron-h", "tiny-lfm2", "tiny-qwen3-next"])
+def test_the_recurrent_families_are_served_with_hits_from_their_checkpoints(name):
+    # `hybridkv serve` of a Mamba-2, a short-convolution and a Gated DeltaNet
+    # hybrid: greedy text equal to Engine.generate's, the same prompt again
+    # served from the recurrent checkpoint at its last whole block (and the
+    # attention blocks before it), every block free afterwards.
+    path = tiny_model_dir(name)
+    engine = Engine(path, kv_cache_memory="64MiB", progress=False)
+    prompt = "the archive of the city library keeps " * 6
+    expected = reference(Engine(path, kv_cache_memory="64MiB", progress=False), prompt, temperature=0,
+                         max_tokens=8, ignore_eos=True).outputs[0].text
+    app = build_app(engine, model_name=name, api_key=KEY)
+    with running(app) as url, openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0) as c:
+        args = dict(model=name, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        first, second = c.completions.create(**args), c.completions.create(**args)
+        assert first.choices[0].text == second.choices[0].text == expected
+        block = engine.kv.block_size
+        assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // block * block > 0
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert_every_block_free(SimpleNamespace(url=url))
+    kinds = {g.kind for g in engine.layout.groups}
+    assert kinds & {"mamba2", "short_conv", "gated_delta"}, kinds
+
+
 def test_metrics_break_hits_and_evictions_down_by_group(server, client):
     client.completions.create(model=MODEL, prompt="a metrics probe " * 8, max_tokens=2)
     m = metrics(server)
