@@ -45,13 +45,14 @@ MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$PYTHON" -m pip wheel --quiet
 # causal-conv1d: the source (reading its metadata runs its setup.py, which must not build here).
 CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE "$PYTHON" -m pip download --quiet --no-deps \
     --no-binary=:all: --no-build-isolation --dest "$DIR/part2" "causal-conv1d==1.7.0"
-# The wheels unpacked into one tree and xz-packed: 600 MB that pack to 34 MB
-# (zip's deflate left 100 MB), so one device call carries them beside the
-# repository and the suite unpacks them in seconds (a few minutes here).
+# transformers as the tests build their models with (the suite's "families" part).
 "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version "$PY" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any --dest "$DIR/oracle" "transformers==5.24.0"
 rm -f "$DIR"/oracle/numpy-*.whl  # the machine's numpy stays (torch's)
+# The wheels unpacked into one tree and xz-packed: 600 MB that pack to 34 MB
+# (zip's deflate left 100 MB), so one device call carries them beside the
+# repository and the suite unpacks them in seconds (a few minutes here).
 tmp=$(mktemp -d)
 for wheel in "$DIR"/part1/*.whl "$DIR"/part2/*.whl; do
     "$PYTHON" -m zipfile -e "$wheel" "$tmp"

@@ -10,8 +10,11 @@ decode at fixed shapes, prefix hits on recurrent checkpoints (the state
 read from the checkpoint equal to the one transformers reaches there),
 preemption, speculative decoding's rollback of the recurrent states, and
 the Triton backend (which gathers these kinds' states: it has kernels for
-Mamba-1 only). `--device cuda` runs the engine on a GPU (transformers stays
-on the CPU in float32); `--dtype bfloat16` loosens the bounds."""
+Mamba-1 only). `--device cuda` runs the engines on a GPU (transformers stays
+on the CPU). `--dtype` does not apply here: these random tiny models drift
+past any bfloat16 bound in transformers as much as in the engine, so the
+cases run in float32 and one of them holds the engine in bfloat16 to
+transformers in bfloat16."""
 
 from __future__ import annotations
 
@@ -19,25 +22,17 @@ import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
-from oracle import RECURRENT_FAMILIES, TOLERANCES, check_tokens, load_reference, model_dir, record_logits
+from oracle import RECURRENT_FAMILIES, check_tokens, load_reference, model_dir, record_logits
 from test_speculative_engine import assert_drafts_were_judged_both_ways, check_logits, quoting_prompts, record_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-LOGIT_TOL = TOLERANCES["float32"][0]
-# A checkpoint's state parts against transformers' cache: (atol, rtol).
-STATE_TOL = {"float32": (1e-5, 1e-4), "bfloat16": (2e-2, 2e-2), "float16": (5e-3, 5e-3)}
+LOGIT_TOL = 2e-4
 ENGINE = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine_options(engine_device, engine_dtype):
-    import oracle
-
-    global LOGIT_TOL
-    ENGINE.update(device=engine_device, dtype=engine_dtype)
-    LOGIT_TOL, oracle.TIE = TOLERANCES[engine_dtype]
-    yield
-    oracle.TIE = TOLERANCES["float32"][1]
+def engine_options(engine_device):
+    ENGINE["device"] = engine_device
 
 
 # Qwen3.5 differs from Qwen3-Next only in how its projections are stored
@@ -176,13 +171,12 @@ def test_hybrid_prefix_hit_serves_the_state_transformers_reaches(any_family_mode
     with torch.no_grad():
         cache = reference(torch.tensor([second[:hit]]), use_cache=True).cache
     assert states
-    atol, rtol = STATE_TOL[ENGINE["dtype"]]
     for name, parts in states.items():
         layer = _layer_index(name)
         conv = cache.get_conv_state(layer)[0]
-        torch.testing.assert_close(parts[0], conv[:, 1:].float(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(parts[0], conv[:, 1:].float(), atol=1e-5, rtol=1e-4)
         if len(parts) > 1:  # Mamba-2: [heads, head_dim, state]; Gated DeltaNet: [value heads, K, V]
-            torch.testing.assert_close(parts[1], cache.get_recurrent_state(layer)[0].float(), atol=atol, rtol=rtol)
+            torch.testing.assert_close(parts[1], cache.get_recurrent_state(layer)[0].float(), atol=1e-5, rtol=1e-4)
     out2 = engine.generate([second], GREEDY, use_tqdm=False)[0]
     assert out2.metrics.num_cached_tokens == hit
     for prompt, out in ((first, out1), (second, out2)):
