@@ -12,10 +12,6 @@ import torch
 # Tokens are judged by logit[token] >= max - TIE: random tiny models have
 # near-ties between their top two logits.
 TIE = 1e-4
-# (logit tolerance, TIE) per engine dtype. float32: the engine and
-# transformers differ only by operation order; the 16-bit ones (e.g. with
-# --device cuda --dtype bfloat16) get loose bounds.
-TOLERANCES = {"float32": (2e-4, 1e-4), "bfloat16": (0.15, 0.1), "float16": (0.05, 0.03)}
 
 
 def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=torch.float32,

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
-from oracle import TOLERANCES, build, check_tokens, load_reference, model_dir, record_logits, reference_logits
+from oracle import build, check_tokens, load_reference, model_dir, record_logits, reference_logits
 
 FAMILIES = ["gemma3", "jamba", "gpt_oss"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# float32 on the CPU: the engine and transformers differ only by operation
+# order. bfloat16 (e.g. --device cuda --dtype bfloat16) gets loose bounds.
+TOLERANCES = {"float32": (2e-4, 1e-4), "bfloat16": (0.15, 0.1), "float16": (0.05, 0.03)}
 ENGINE = {}
 
 
