@@ -7,6 +7,7 @@ context; and no module of hybridkv imports itself back."""
 from __future__ import annotations
 
 import ast
+import gc
 import os
 
 import pytest
@@ -74,6 +75,44 @@ def test_hybrid_fixed_shape_decode_step_traces_as_one_graph_and_matches_eager(na
     torch.testing.assert_close(pool[:pages].view(torch.float32), after_eager[:pages].view(torch.float32),
                                atol=1e-5, rtol=1e-5, equal_nan=True)
     assert not torch.equal(after_eager, before)  # the step did write K/V (and states)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_graph_only_the_collector_frees_cannot_break_a_later_capture(monkeypatch):
+    # An engine dropped while in a reference cycle keeps its CUDA graphs
+    # until the collector runs; freed during another engine's capture, a
+    # graph resets itself there, which CUDA forbids while a stream captures.
+    # The collection is forced inside the capture here (the collector's own
+    # runs come with allocations, now and then).
+    from hybridkv.engine.worker import Worker
+
+    kw = dict(kv_cache_memory="16MiB", progress=False, max_model_len=256, max_num_seqs=4, device="cuda")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    eager = Engine(tiny_model_dir("tiny-gemma3"), enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
+    collecting = gc.isenabled()
+    gc.disable()  # only the collections below, where this test puts them
+    try:
+        first = Engine(tiny_model_dir("tiny-gemma3"), **kw)
+        assert first.worker.graphs
+        cycle = [first]
+        cycle.append(cycle)
+        del first, cycle
+        capture_forward = Worker.decode_forward
+
+        def collect_while_capturing(self, size):
+            if torch.cuda.is_current_stream_capturing():
+                gc.collect()
+            return capture_forward(self, size)
+
+        monkeypatch.setattr(Worker, "decode_forward", collect_while_capturing)
+        second = Engine(tiny_model_dir("tiny-gemma3"), **kw)
+    finally:
+        if collecting:
+            gc.enable()
+    outputs = second.generate(prompts, params, use_tqdm=False)
+    assert any(route.endswith(":graph") for route in second.worker.routes)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager]
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-jamba"])

@@ -35,6 +35,7 @@ cheaper than a bound), unless `fixed_shape_decode` asks for the fixed path
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import Counter
 
@@ -186,8 +187,21 @@ class Worker:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self.decode_forward(size)
+        # The collector runs before the capture and not during it: a graph
+        # that only the collector can free (an earlier engine's, held in a
+        # reference cycle) resets itself when freed, which CUDA forbids while
+        # a stream captures, and this capture fails with "operation not
+        # permitted when stream is capturing". torch.cuda.graph no longer
+        # collects on entry (torch.compiler.config.force_cudagraph_gc).
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = self.decode_forward(size)
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[size] = (graph, logits)
 
     # -- any step, eagerly -------------------------------------------------------
