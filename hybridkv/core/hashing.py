@@ -98,7 +98,7 @@ class NativeSHA256Chain:
         library.hk_sha256_bind(*(ctypes.cast(getattr(crypto, name), ctypes.c_void_p)
                                  for name in ("SHA256_Init", "SHA256_Update", "SHA256_Final")))
         chain = library.hk_sha256_chain
-        chain.argtypes = [ctypes.c_char_p, ctypes.c_char_p] + [ctypes.c_int64] * 3 + [ctypes.c_char_p]
+        chain.argtypes = [ctypes.c_char_p, ctypes.c_char_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
         chain.restype = ctypes.c_int64
         self.path = path
         self._chain = chain
@@ -110,15 +110,22 @@ class NativeSHA256Chain:
     def __call__(self, parent: bytes, data: bytes, offset: int, block_bytes: int, count: int) -> tuple:
         if len(parent) != KEY_BYTES or offset + count * block_bytes > len(data):
             raise ValueError("hash chain: a parent key of 32 bytes and blocks inside the data expected")
-        out = ctypes.create_string_buffer(KEY_BYTES * count)
-        if self._chain(parent, data, offset, block_bytes, count, out):
+        if not count:
+            return ()
+        # The keys land in a bytearray, passed by address. Not
+        # create_string_buffer: its array type of this length lives only as
+        # long as a buffer of it does (ctypes caches such types weakly), so
+        # nearly every call made a new type, ~30 us, once the collector had
+        # freed the last one.
+        out = bytearray(KEY_BYTES * count)
+        if self._chain(parent, data, offset, block_bytes, count, ctypes.addressof(ctypes.c_char.from_buffer(out))):
             raise RuntimeError("libcrypto's SHA-256 failed")
         unpack = self._unpackers.get(count)
         if unpack is None:
             unpack = struct.Struct(f"{KEY_BYTES}s" * count).unpack
             if len(self._unpackers) < 4096:
                 self._unpackers[count] = unpack
-        return unpack(out.raw)
+        return unpack(out)
 
 
 _native: list = []  # [NativeSHA256Chain or None, why not] once looked for
