@@ -54,7 +54,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: str, family: str, tensor_type: str = "F32", truncate_to: int | None = None) -> str:
+def write_gguf(model, path: str, family: str, tensor_type: str = "F32", truncate_to: int | None = None,
+               add_bos: bool = True) -> str:
     """Write `model` as a GGUF file of `family` ("gemma3", "gemma2" or "llama");
     matrices stored as `tensor_type` (F32, F16, Q8_0, or a type the
     dequantizer lacks, to test the error), norms as F32."""
@@ -91,7 +92,7 @@ def write_gguf(model, path: str, family: str, tensor_type: str = "F32", truncate
     writer.add_eos_token_id(1)
     writer.add_unk_token_id(3)
     writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
+    writer.add_add_bos_token(add_bos)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):

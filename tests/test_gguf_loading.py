@@ -62,6 +62,33 @@ def test_engine_serves_a_gguf_file_like_transformers(tmp_path, cache, family, te
     assert os.path.isfile(cache / "gguf" / folder / "model.safetensors")
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+@pytest.mark.parametrize("reader", ["as transformers reads it", "read without its BOS"])
+def test_the_tokenizer_starts_a_text_with_bos_as_the_file_says(tmp_path, cache, monkeypatch, add_bos, reader):
+    # Some transformers releases (5.19) read a GGUF tokenizer without the
+    # BOS its file asks for ("read without its BOS" plays one): the
+    # converted folder must follow the file's tokenizer.ggml.add_bos_token.
+    if reader == "read without its BOS":
+        import transformers
+        from tokenizers import processors
+
+        tokenizer_class = transformers.GemmaTokenizer
+        read = tokenizer_class.from_pretrained.__func__
+
+        def without_bos(cls, *args, **kwargs):
+            tokenizer = read(cls, *args, **kwargs)
+            if kwargs.get("gguf_file"):
+                tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")
+            return tokenizer
+
+        monkeypatch.setattr(tokenizer_class, "from_pretrained", classmethod(without_bos))
+    path = gguf_file(tmp_path, "gemma3", add_bos=add_bos)
+    engine = Engine(path, kv_cache_memory="16MiB", block_size=4, progress=False)
+    ids = engine.tokenizer.encode("a b")
+    assert (ids[0] == engine.tokenizer.bos_token_id == 2) == add_bos
+    assert ids.count(2) == int(add_bos)
+
+
 def test_second_load_reads_the_converted_folder(tmp_path, cache, monkeypatch):
     path = gguf_file(tmp_path, "gemma3")
     first = Engine(path, kv_cache_memory="16MiB", block_size=4, progress=False)

@@ -46,7 +46,9 @@ _TOKENIZERS = {  # transformers config model_type -> its tokenizer class (the ar
 # list is what an error names.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-FORMAT_VERSION = 1  # bump when the converted folder's contents change
+# Bump when the converted folder's contents change. 2: the tokenizer keeps the
+# file's BOS rule whatever transformers release converted it.
+FORMAT_VERSION = 2
 MARKER = "hybridkv-gguf.json"
 
 
@@ -168,8 +170,51 @@ def _convert(path: str, gguf_architecture: str, digest: str, out: str, target: s
         config.dtype = torch.float32
         config.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        _keep_bos_rule(out, path, tokenizer.bos_token, tokenizer.bos_token_id)
         with open(os.path.join(out, MARKER), "w") as f:
             json.dump({"source": os.path.abspath(path), "sha256": digest, "architecture": gguf_architecture,
                        "format_version": FORMAT_VERSION, "transformers": transformers.__version__,
                        "seconds": round(time.perf_counter() - start, 1)}, f, indent=2)
         bar.update()
+
+
+def _keep_bos_rule(out: str, path: str, bos: str | None, bos_id: int | None) -> None:
+    """Make the saved tokenizer start a text with BOS exactly when the file
+    says so (`tokenizer.ggml.add_bos_token`), checked by loading it as the
+    engine does. Some transformers releases (5.19) read a GGUF tokenizer
+    without the file's BOS: a prompt then reaches the model without it,
+    and such a folder in a cache shared by two environments served every
+    later one that way."""
+    import transformers
+    from tokenizers import Tokenizer, processors
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(path)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    if add_bos and (bos is None or bos_id is None):
+        raise ValueError("the file asks for a BOS token but its tokenizer names none")
+
+    def starts_with_bos() -> bool:
+        ids = transformers.AutoTokenizer.from_pretrained(out).encode("a")
+        return bool(ids) and ids[0] == bos_id
+
+    if starts_with_bos() == add_bos:
+        return
+    file = os.path.join(out, "tokenizer.json")
+    fast = Tokenizer.from_file(file)
+    if add_bos:
+        fast.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    else:
+        fast.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")
+    fast.save(file)
+    config_file = os.path.join(out, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["add_bos_token"] = add_bos
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    if starts_with_bos() != add_bos:
+        raise ValueError(f"transformers {transformers.__version__} reads this file's tokenizer "
+                         f"{'without' if add_bos else 'with'} the BOS token the file asks "
+                         f"{'for' if add_bos else 'to leave out'}, and hybridkv could not correct it")
