@@ -35,6 +35,7 @@ cheaper than a bound), unless `fixed_shape_decode` asks for the fixed path
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections import Counter
@@ -59,6 +60,24 @@ def buckets(max_num_seqs: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_num_seqs]
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's collector run now and not inside: around CUDA graph
+    captures. A graph only the collector can free (an earlier engine's,
+    held in a reference cycle) resets itself when freed, which CUDA forbids
+    while a stream captures: the capture then fails with "operation not
+    permitted when stream is capturing". torch.cuda.graph no longer
+    collects on entry (torch.compiler.config.force_cudagraph_gc)."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class Worker:
@@ -107,7 +126,7 @@ class Worker:
     def capture_all(self) -> None:
         """Capture every bucket's decode step now, largest first (they share
         one memory pool), so that serving never pauses to capture."""
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             for size in reversed(self.buckets):
                 self._capture(size)
 
@@ -154,7 +173,8 @@ class Worker:
         host[2, n:] = self.tables.pad_row
         staged = torch.from_numpy(host).to(self.device)  # one copy for the three
         if self.use_graphs and size not in self.graphs:
-            self._capture(size)
+            with collector_paused():
+                self._capture(size)
         self.decode_ids[:size] = staged[0]
         self.decode_positions[:size] = staged[1]
         self.decode_table_rows[:size] = staged[2]
@@ -187,21 +207,8 @@ class Worker:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # The collector runs before the capture and not during it: a graph
-        # that only the collector can free (an earlier engine's, held in a
-        # reference cycle) resets itself when freed, which CUDA forbids while
-        # a stream captures, and this capture fails with "operation not
-        # permitted when stream is capturing". torch.cuda.graph no longer
-        # collects on entry (torch.compiler.config.force_cudagraph_gc).
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits = self.decode_forward(size)
-        finally:
-            if collecting:
-                gc.enable()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self.decode_forward(size)
         self.graphs[size] = (graph, logits)
 
     # -- any step, eagerly -------------------------------------------------------
