@@ -75,9 +75,9 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def read_architecture(path: str) -> str:
-    """The file's `general.architecture`, read from its header alone (no
-    tensor data), after checking that hybridkv serves it."""
+def read_metadata(path: str) -> dict:
+    """The file's metadata, read from its header alone (no tensor data),
+    after checking that hybridkv serves its `general.architecture`."""
     try:
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError as e:
@@ -90,13 +90,15 @@ def read_architecture(path: str) -> str:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path!r}: GGUF architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return architecture
+    return metadata
 
 
 def gguf_model_dir(path: str, progress: bool = True) -> str:
     """The converted Hugging Face folder of GGUF file `path`, converting it
     on first use."""
-    architecture = read_architecture(path)
+    metadata = read_metadata(path)
+    architecture = metadata["general.architecture"]
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     digest = file_sha256(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     root = os.path.join(cache_root(), "gguf")
@@ -106,7 +108,7 @@ def gguf_model_dir(path: str, progress: bool = True) -> str:
     os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".converting-", dir=root)
     try:
-        _convert(path, architecture, digest, work, target, progress)
+        _convert(path, architecture, add_bos, digest, work, target, progress)
         try:
             os.replace(work, target)
         except OSError:
@@ -125,7 +127,8 @@ def gguf_model_dir(path: str, progress: bool = True) -> str:
     return target
 
 
-def _convert(path: str, gguf_architecture: str, digest: str, out: str, target: str, progress: bool) -> None:
+def _convert(path: str, gguf_architecture: str, add_bos: bool, digest: str, out: str, target: str,
+             progress: bool) -> None:
     """Write the converted folder's files into `out` (renamed to `target` by the caller)."""
     import torch
     import transformers
@@ -170,7 +173,7 @@ def _convert(path: str, gguf_architecture: str, digest: str, out: str, target: s
         config.dtype = torch.float32
         config.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        _keep_bos_rule(out, path, tokenizer.bos_token, tokenizer.bos_token_id)
+        _keep_bos_rule(out, add_bos, tokenizer.bos_token, tokenizer.bos_token_id)
         with open(os.path.join(out, MARKER), "w") as f:
             json.dump({"source": os.path.abspath(path), "sha256": digest, "architecture": gguf_architecture,
                        "format_version": FORMAT_VERSION, "transformers": transformers.__version__,
@@ -178,19 +181,16 @@ def _convert(path: str, gguf_architecture: str, digest: str, out: str, target: s
         bar.update()
 
 
-def _keep_bos_rule(out: str, path: str, bos: str | None, bos_id: int | None) -> None:
+def _keep_bos_rule(out: str, add_bos: bool, bos: str | None, bos_id: int | None) -> None:
     """Make the saved tokenizer start a text with BOS exactly when the file
-    says so (`tokenizer.ggml.add_bos_token`), checked by loading it as the
-    engine does. Some transformers releases (5.19) read a GGUF tokenizer
+    says so (`add_bos`: its `tokenizer.ggml.add_bos_token`), checked by
+    loading it as the engine does. Some transformers releases (5.19) read a GGUF tokenizer
     without the file's BOS: a prompt then reaches the model without it,
     and such a folder in a cache shared by two environments served every
     later one that way."""
     import transformers
     from tokenizers import Tokenizer, processors
-    from transformers.integrations.gguf import read_gguf_metadata
 
-    metadata, _ = read_gguf_metadata(path)
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     if add_bos and (bos is None or bos_id is None):
         raise ValueError("the file asks for a BOS token but its tokenizer names none")
 
