@@ -360,9 +360,6 @@ class HybridCoordinator(Coordinator):
             bound = min((a for h, a in enumerate(alone) if h != g), default=limit)
             if bound * bs <= hit:
                 without.append(hit)
-            elif len(alone) == 2:
-                # One other group: its own best hit is a fixed point of itself.
-                without.append(bound * bs)
             else:
                 others = [m for m in self._lookup_order if m.index != g]
                 without.append(fixed_point(others, masks, bound) * bs)
