@@ -23,6 +23,7 @@ the per-step cost does not grow with the pool size or the context length.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -66,6 +67,12 @@ def replay_steps(kv: KVCacheManager, trace, max_running: int = 256, chunk: int =
     """`replay`, yielding after every admission and decode step (untimed:
     harness.lockstep runs variants side by side) and returning its row."""
     drain = kv.take_events if take_events else (lambda: None)
+    # A server builds its manager once, at start-up, long before the requests
+    # come: by then its objects (per-page lists of the whole pool) are in
+    # Python's oldest generation, which the young collections during the
+    # requests do not traverse. So here, before the first request, as
+    # vllm_replay does before freezing vLLM's (its engine freezes them).
+    gc.collect()
     waiting = Waiting(trace)
     running: dict[str, list] = {}  # id -> [outputs left, samples, tokens so far]
     admit_time = failed_time = decode_time = 0.0

@@ -144,6 +144,34 @@ def test_keys_taken_from_recent_chains_equal_freshly_hashed_ones(turns, salt):
         history = tokens
 
 
+def test_a_recent_chain_is_taken_only_as_far_as_its_tokens_agree():
+    # KnownChains.seed skips comparing a chain's tokens where the chain holds
+    # the very key object of the best chain so far (one request took its
+    # keys from the other's chain); a chain with equal-looking later blocks
+    # but other tokens earlier, and keys of its own, must not be taken.
+    import hashlib
+
+    from hybridkv.core.hashing import KnownChains, token_bytes
+
+    def keys_of(name, n):
+        return [hashlib.sha256(f"{name}{j}".encode()).digest() for j in range(n)]
+
+    chains = KnownChains(block_size=1)
+    newer, older = keys_of("a", 4), keys_of("b", 6)
+    chains.remember("root", token_bytes([1, 9, 3, 4, 5, 6]), older)
+    chains.remember("root", token_bytes([1, 2, 3, 7]), newer)
+    keys: list = []
+    chains.seed(keys, "root", token_bytes([1, 2, 3, 4, 5]))
+    assert keys == newer[:3] and all(k is n for k, n in zip(keys, newer))  # the older chain parts at block 1
+
+    taken = newer[:3] + keys_of("c", 3)  # took the newer chain's keys, then went on: agrees with it on 3 blocks
+    chains.remember("root", token_bytes([1, 2, 3, 4, 5, 6]), taken)
+    chains.remember("root", token_bytes([1, 2, 3, 7]), newer)  # newest again: it is asked first
+    keys = []
+    chains.seed(keys, "root", token_bytes([1, 2, 3, 4, 5]))
+    assert keys == taken[:5]
+
+
 def test_a_recurrent_scan_answers_rfind_like_the_whole_mask():
     # A recurrent group's scan looks its keys up lazily, backwards from the
     # bound a search asks about (managers/mamba.py); every search must give

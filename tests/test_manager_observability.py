@@ -44,26 +44,27 @@ def test_hit_after_appending_tokens_before_the_first_allocation_is_the_longest()
     kv.check_invariants()
 
 
-def test_a_key_moves_to_a_live_copy_when_the_first_copy_is_evicted():
+@pytest.mark.parametrize("blocks", [2, 9])  # (9: blocks stored in one pass, core/block_cache.py)
+def test_a_key_moves_to_a_live_copy_when_the_first_copy_is_evicted(blocks):
     # The repro: A and B computed the same blocks, A registered the
     # keys; A is freed and its blocks reused; B still holds the content.
-    kv = manager({"f": FULL}, pages=8)
-    tokens = list(range(33))
+    kv = manager({"f": FULL}, pages=2 * blocks + 4)
+    tokens = list(range(16 * blocks + 1))
     for rid in ("A", "B"):  # both admitted before either computed: no hit
         kv.add_request(rid, tokens)
-        assert kv.allocate_slots(rid, 33)
+        assert kv.allocate_slots(rid, len(tokens))
     for rid in ("A", "B"):
-        kv.mark_computed(rid, 33)
-    b_blocks = kv.get_page_tables("B")[0][:2]
+        kv.mark_computed(rid, len(tokens))
+    b_blocks = kv.get_page_tables("B")[0][:blocks]
     kv.free("A")
     kv.add_request("filler", [1000 + i for i in range(16 * kv.num_free_pages)])
     assert kv.allocate_slots("filler", 16 * kv.num_free_pages)  # every free page, A's included
     kv.check_invariants()
     kv.free("filler")  # never computed: its blocks hold nothing cached
     kv.add_request("C", tokens)
-    assert kv.get_computed_tokens("C") == 32
+    assert kv.get_computed_tokens("C") == 16 * blocks
     assert kv.allocate_slots("C", 1)
-    assert kv.get_page_tables("C")[0][:2] == b_blocks
+    assert kv.get_page_tables("C")[0][:blocks] == b_blocks
     kv.check_invariants()
     stats = kv.stats
     assert stats.evictions_by_reason["lru"] == (0,)  # the content never left the cache

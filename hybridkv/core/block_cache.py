@@ -191,15 +191,31 @@ class BlockCache:
         one after the other (block_size each)."""
         cached, key_of, key_group = self.cached[group], self.key, self.key_group
         if (tokens is None and len(blocks) >= _BULK_STORE and NULL not in blocks
-                and not any(itemgetter(*blocks)(key_of)) and cached.keys().isdisjoint(keys)):
-            cached.update(zip(keys, blocks))
+                and not any(itemgetter(*blocks)(key_of))):
+            # One pass over the map, in C: setdefault leaves a key that is
+            # there already as it was, and answers the block holding it.
+            holders = list(map(cached.setdefault, keys, blocks))
             for block, key in zip(blocks, keys):
                 key_of[block] = key
                 key_group[block] = group
-            self.version += 1
-            if self.events is not None:
-                self.events.append(("stored", group, list(keys), parent, list(token_ids or ())))
-            return len(blocks)
+            if holders == blocks:  # the usual case: every key is new
+                self.version += 1
+                if self.events is not None:
+                    self.events.append(("stored", group, list(keys), parent, list(token_ids or ())))
+                return len(blocks)
+            added = []  # indices of the blocks that became entries
+            for i, (block, holder) in enumerate(zip(blocks, holders)):
+                if holder == block:
+                    added.append(i)
+                elif keep_copies:
+                    self.copies[group].setdefault(keys[i], {})[block] = None
+                else:
+                    key_of[block] = None
+            if added:
+                self.version += 1
+                if self.events is not None:
+                    self._stored_runs(group, keys, added, parent, token_ids)
+            return len(added)
         entries = 0
         added = [] if self.events is not None else None  # (index, key) of new entries, for events
         for i, block in enumerate(blocks):

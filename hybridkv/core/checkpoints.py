@@ -79,6 +79,19 @@ def get_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
 _SHARED = object()  # held by two or more requests (compared by identity: never a request id)
 
 
+def _leading_run(table: dict, keys: list) -> int:
+    """How many leading keys `table` holds, for a table that holds a key's
+    prefix whenever it holds the key (a binary search)."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in table:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PrefixSightings:
     """A bounded map of the block keys of recent prompts, to find branch
     points: the prefix a prompt shares with any other request's. A key maps
@@ -133,35 +146,26 @@ class PrefixSightings:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
         (a preempted request added back) does not make its blocks shared."""
         young, old = self._young, self._old
-        # In C (a prompt has hundreds of keys), and with no comparison of a
-        # holder but by identity (a request id against _SHARED would go the
-        # slow way). Each generation's keys are prefix-closed (a record
-        # writes a whole prefix into the young one), so the young one holds
-        # a leading run of the keys; the old one is asked about the rest.
-        held = bytes(map(young.__contains__, keys))
-        fresh = held.find(0)
-        if fresh < 0:
-            fresh = len(keys)
-        if held.find(1, fresh) < 0:
-            # The usual case: the young one holds a leading run, the old one
-            # the next run (or none), then keys no one holds.
-            rest = keys[fresh:]
-            holders = list(map(old.get, rest)) if old else [None] * len(rest)
-            seen = len(holders) - holders.count(None)  # held by some request: a leading run
-            if seen == len(holders) or holders.index(None) == seen:
-                shared = list(map(young.__getitem__, keys[:fresh])).count(_SHARED) == fresh
-                new_owner = owner not in self._young_owners and owner not in self._old_owners
-                if new_owner or (shared and (not seen or owner not in holders[:seen])):  # (past the run: None)
-                    # No key is held by the owner, so every held key is
-                    # shared from now on (a run shared already is left).
-                    if not shared:
-                        young.update(zip(keys[:fresh], repeat(_SHARED)))
-                    young.update(zip(rest[:seen], repeat(_SHARED)))
-                    young.update(zip(rest[seen:], repeat(owner)))
-                    self._turn_over(owner)
-                    return
-        holders = list(map(young.get, keys, map(old.get, keys)))  # the holder of every key, young first
-        young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
+        if owner in self._young_owners or owner in self._old_owners:
+            # Recorded before: key by key, so that its own keys stay its own.
+            holders = list(map(young.get, keys, map(old.get, keys)))  # young first
+            young.update(zip(keys, [owner if h is None or h == owner else _SHARED for h in holders]))
+        else:
+            # A new owner holds none of the keys, so every key some request
+            # holds is shared from now on and the others are its own. Each
+            # generation is prefix-closed (a record writes a whole prefix),
+            # so each holds a leading run of the keys: two binary searches
+            # rather than a lookup per key (a prompt has hundreds). Shared
+            # keys are prefix-closed too (a key shared by two prompts has
+            # its prefix in both), so a young run ending in a shared key is
+            # shared throughout and stays as it is.
+            fresh = _leading_run(young, keys)
+            held = max(fresh, _leading_run(old, keys)) if old else fresh
+            start = fresh if fresh and young[keys[fresh - 1]] is _SHARED else 0
+            if held > start:
+                young.update(zip(keys[start:held], repeat(_SHARED)))
+            if len(keys) > held:
+                young.update(zip(keys[held:], repeat(owner)))
         self._turn_over(owner)
 
     def _turn_over(self, owner) -> None:

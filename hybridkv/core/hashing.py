@@ -270,14 +270,23 @@ class KnownChains:
             blocks = min(blocks, len(known_keys))
             if blocks <= best:
                 continue
-            # A chain that does not agree one block past the best so far
-            # cannot beat it (one comparison, not a binary search: chains
-            # under one first block mostly part where the best one does,
-            # at the end of a shared system prompt).
-            if best and not data.startswith(memoryview(known)[:(best + 1) * step]):
-                continue
-            if not data.startswith(memoryview(known)[:blocks * step]):
-                blocks = self._common_blocks(data, known, best + 1 if best else 0, blocks)
+            view = memoryview(known)
+            agreed = 0  # leading blocks of `known` that `data` is known to hold
+            if best:
+                # To beat the best so far it must agree on one block more.
+                # Holding the very key object the best chain holds at its
+                # last block, it agrees on all of them: one request took it
+                # from the other's chain after comparing their tokens (keys
+                # are compared by identity, and only 32-byte digests, which
+                # Python never shares between equal values by itself).
+                shares = type(best_keys[best - 1]) is bytes and known_keys[best - 1] is best_keys[best - 1]
+                if not shares and not data.startswith(view[:best * step]):
+                    continue
+                if not data.startswith(view[best * step:(best + 1) * step], best * step):
+                    continue
+                agreed = best + 1
+            if not data.startswith(view[agreed * step:blocks * step], agreed * step):
+                blocks = self._common_blocks(data, known, agreed, blocks)
             if blocks > best:
                 best, best_keys = blocks, known_keys
         if best_keys is not None:
