@@ -79,13 +79,13 @@ def get_policy(policy: str | CheckpointPolicy) -> CheckpointPolicy:
 _SHARED = object()  # held by two or more requests (compared by identity: never a request id)
 
 
-def _leading_run(table: dict, keys: list) -> int:
-    """How many leading keys `table` holds, for a table that holds a key's
-    prefix whenever it holds the key (a binary search)."""
+def _leading_run(holds: Callable, keys: list) -> int:
+    """How many leading keys `holds`, for a test that holds a key's prefix
+    whenever it holds the key (keys chain): a binary search."""
     lo, hi = 0, len(keys)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if keys[mid - 1] in table:
+        if holds(keys[mid - 1]):
             lo = mid
         else:
             hi = mid - 1
@@ -133,14 +133,7 @@ class PrefixSightings:
         """Number of leading keys that a recorded request's prompt shares
         with at least one other request's. Keys chain, so such prefixes are
         prefix-closed and a binary search finds the boundary."""
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._holder(keys[mid - 1]) is _SHARED:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _leading_run(lambda key: self._holder(key) is _SHARED, keys)
 
     def record(self, keys: list, owner: str) -> None:
         """`owner`'s prompt holds `keys`. Recording again for the same owner
@@ -159,8 +152,8 @@ class PrefixSightings:
             # keys are prefix-closed too (a key shared by two prompts has
             # its prefix in both), so a young run ending in a shared key is
             # shared throughout and stays as it is.
-            fresh = _leading_run(young, keys)
-            held = max(fresh, _leading_run(old, keys)) if old else fresh
+            fresh = _leading_run(young.__contains__, keys)
+            held = max(fresh, _leading_run(old.__contains__, keys)) if old and fresh < len(keys) else fresh
             start = fresh if fresh and young[keys[fresh - 1]] is _SHARED else 0
             if held > start:
                 young.update(zip(keys[start:held], repeat(_SHARED)))
