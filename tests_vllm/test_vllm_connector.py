@@ -141,6 +141,38 @@ def test_damaged_and_foreign_files_are_misses(serve, tiny_gemma3, other_tiny_gem
             shutil.copy(good / os.path.basename(kept), kept)
 
 
+def test_a_fine_tune_of_one_late_layer_never_reads_the_base_models_files(serve, tiny_gemma3, tmp_path):
+    """A copy of the model with its last layer's projections scaled: the
+    same names, shapes, sizes and first MiB of the weight file (safetensors
+    keeps the header and the embedding there), other KV. Over the base
+    model's disk directory it holds nothing and gives its own cold run."""
+    from safetensors.torch import load_file, save_file
+
+    tuned = str(tmp_path / "tuned")
+    shutil.copytree(tiny_gemma3, tuned)
+    weights = load_file(os.path.join(tiny_gemma3, "model.safetensors"))
+    last = max(int(n.split(".")[2]) for n in weights if n.startswith("model.layers."))
+    for name in weights:
+        if name.startswith(f"model.layers.{last}.") and name.endswith("proj.weight"):
+            weights[name] = weights[name] * 3.0
+    save_file(weights, os.path.join(tuned, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tiny_gemma3, "model.safetensors"), "rb") as a, \
+            open(os.path.join(tuned, "model.safetensors"), "rb") as b:
+        assert a.read(1 << 20) == b.read(1 << 20)
+
+    disk = str(tmp_path / "kv")
+    base = serve(tiny_gemma3, {"disk_dir": disk})
+    base_run = base.generate(PROMPT)
+    base.close()
+    cold = serve(tuned).generate(PROMPT)
+    assert cold[0] != base_run[0] or max_logprob_diff(cold[1], base_run[1]) > 100 * CLOSE
+    over_base = serve(tuned, {"disk_dir": disk})
+    assert not any(over_base.tiers.held), "the base model's directory is not the fine-tune's"
+    run = over_base.generate(PROMPT)
+    assert run[2] == 0
+    assert run[0] == cold[0] and max_logprob_diff(run[1], cold[1]) < CLOSE
+
+
 def test_salts_never_cross(serve, tiny_gemma3):
     vllm = serve(tiny_gemma3, {"host_memory": "64MiB"})
     cold = vllm.generate(PROMPT, salt="tenant-a")

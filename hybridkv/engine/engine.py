@@ -150,7 +150,7 @@ class Engine:
         return dict(host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
                     disk_bytes=parse_memory(config.kv_disk_cache_memory),
                     identities=kv_identities(self.model_dir, dtype_name(self.dtype), self.layout,
-                                             config.tensor_parallel_size))
+                                             config.tensor_parallel_size, progress=config.progress))
 
     def _attach_tiers(self, options: dict) -> TieredStore:
         tiers = TieredStore(self.worker.buffers.pool, self.layout, host_bytes=options["host_bytes"],

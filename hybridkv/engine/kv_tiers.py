@@ -20,9 +20,10 @@ loaded from the copy its store made.
 On disk (`DiskTier`), one file per block under
 `DIR/<identity>/g<group>/<key hex>.kv`: a header (magic, format version,
 group, width, page size, the identity digest, the key), the pages' bytes,
-and a CRC-32 of all of it. The identity (`kv_identity`) hashes the weights'
-fingerprint, the dtype and the layout, so another model or layout never
-reads these files. A file is written under a temporary name of its writer
+and a CRC-32 of all of it. The identity (`kv_identity`) hashes every byte
+of the weights, the config and tokenizer, the dtype and the layout, so
+another model (a fine-tune of one layer too) or layout never reads these
+files. A file is written under a temporary name of its writer
 and renamed into place, so a reader never sees half a block, and several
 processes may share the directory; one that is truncated, corrupt or of
 another version is a miss and is removed. A write that fails is a lost
@@ -44,7 +45,6 @@ from __future__ import annotations
 import errno
 import glob
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -57,6 +57,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..core.identity import kv_identity as identity_digest, weights_fingerprint
 from ..core.layout import KVCacheLayout
 from ..core.tiers import TierRef
 
@@ -66,35 +67,26 @@ _HEADER = struct.Struct("<4sHHII32sB")  # magic, version, group, width, page siz
 _TRAILER = struct.Struct("<I")  # CRC-32 of header, key and pages
 
 
-def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = "") -> bytes:
-    """What made the KV: the weights (each weight file's name, size and
-    first MiB, where safetensors keeps its header of names, shapes and
-    offsets), the dtype, and the layout (page size, block size, groups);
-    `extra`: anything else that shapes the KV or its keys (another engine's
-    name, version and cache options). A 32-byte digest."""
-    h = hashlib.sha256(f"hybridkv-kv-v{FORMAT_VERSION}".encode())
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")) +
-                       glob.glob(os.path.join(model_dir, "config.json"))):
-        h.update(os.path.basename(path).encode())
-        h.update(str(os.path.getsize(path)).encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-    groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
-    h.update(json.dumps([dtype, layout.page_size_bytes, layout.block_size, repr(groups)]).encode())
-    if extra:
-        h.update(extra.encode())
-    return h.digest()
+def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = "",
+                progress: bool = False) -> bytes:
+    """What made the KV of these files (core/identity.py): every byte of
+    the weights, the config and tokenizer (`model_dir` "": none), the
+    dtype, the layout, this file format's version and `extra`."""
+    return identity_digest(weights_fingerprint(model_dir, progress), dtype, layout, extra,
+                           format_version=FORMAT_VERSION)
 
 
-def kv_identities(model_dir: str, dtype: str, layout: KVCacheLayout, world: int) -> list[bytes]:
+def kv_identities(model_dir: str, dtype: str, layout: KVCacheLayout, world: int,
+                  progress: bool = False) -> list[bytes]:
     """One identity per tensor-parallel rank: each rank's disk tier holds
     its own slice of every block, so rank and world size are part of what
     made it (a restart at another size, or another rank, never reads
-    these files). One process: `kv_identity` itself, as before."""
+    these files). One process: `kv_identity` itself."""
     if world == 1:
-        return [kv_identity(model_dir, dtype, layout)]
-    return [kv_identity(model_dir, dtype, layout, extra=f"tensor-parallel rank {rank} of {world}")
-            for rank in range(world)]
+        return [kv_identity(model_dir, dtype, layout, progress=progress)]
+    weights = weights_fingerprint(model_dir, progress)
+    return [identity_digest(weights, dtype, layout, f"tensor-parallel rank {rank} of {world}",
+                            format_version=FORMAT_VERSION) for rank in range(world)]
 
 
 class HostTier:

@@ -23,7 +23,6 @@ connector loads every one of them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -143,8 +142,9 @@ class TierGroups:
 
 def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
     """What made the KV the disk tier keeps, as hybridkv's `kv_identity`
-    digests it: the weights (the model folder's weight files, or a file's
-    name, size and first MiB), the model dtype, the layout, and what else
+    digests it: every byte of the weights (the model folder's weight,
+    config and tokenizer files, or a single-file checkpoint, and a
+    tokenizer folder of its own), the model dtype, the layout, and what else
     changes the KV or its keys: vLLM's version, the KV cache dtype, the
     quantization, the groups' vLLM specs, the hash algorithm, and this
     worker's rank among the tensor-parallel shards. Another model, version
@@ -152,6 +152,7 @@ def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
     """
     import vllm
 
+    from ...core.identity import file_digest, weights_fingerprint
     from ...engine.kv_tiers import kv_identity
 
     model_config, cache_config, parallel = (vllm_config.model_config, vllm_config.cache_config,
@@ -168,8 +169,12 @@ def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
         "pipeline_parallel": parallel.pipeline_parallel_size,
     }
     if os.path.isfile(path):  # a single-file checkpoint (GGUF)
-        extra["file"] = _file_fingerprint(path)
+        extra["file"] = [os.path.basename(path), os.path.getsize(path), file_digest(path)]
         path = ""
+    tokenizer = getattr(model_config, "tokenizer", None)
+    if tokenizer and tokenizer != model_config.model:  # the ids a text becomes come from there
+        folder = _weights_path(tokenizer, getattr(model_config, "tokenizer_revision", None))
+        extra["tokenizer"] = weights_fingerprint(folder) if os.path.isdir(folder) else tokenizer
     return kv_identity(path, str(model_config.dtype).removeprefix("torch."), groups.layout,
                        json.dumps(extra, sort_keys=True, default=str))
 
@@ -188,8 +193,3 @@ def _weights_path(model: str, revision: str | None) -> str:
     except Exception:  # noqa: BLE001 - not cached, offline, not a hub id: fall back to the name
         return ""
 
-
-def _file_fingerprint(path: str) -> list:
-    with open(path, "rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()
-    return [os.path.basename(path), os.path.getsize(path), head]
