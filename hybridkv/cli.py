@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .tiny_models import MODELS as TINY_MODELS
@@ -43,6 +44,26 @@ def _demo(args) -> int:
 
 
 def _serve(args) -> int:
+    # From here on a SIGTERM stops the command as Ctrl-C does, before Ray
+    # or the model start too: what started is stopped (serving/ray.py stops
+    # a local Ray with every process of it, uvicorn drains the requests),
+    # and a stop that was asked for exits 0, as process managers expect.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _serve_until_stopped(args)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # main() may run inside another program (tests)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _serve_until_stopped(args) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be a port number, 0 to 65535, got {args.port}")
     if args.replicas is not None or args.address is not None:
         if args.kv_events:
             raise ValueError("--kv-events publishes one engine's events; with --replicas the router reads "
@@ -107,8 +128,11 @@ def _engine_options(args) -> dict:
         device=args.device, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, kv_host_cache_memory=args.kv_host_cache_memory,
         kv_disk_cache=args.kv_disk_cache, kv_disk_cache_memory=args.kv_disk_cache_memory,
-        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
-    EngineConfig(args.model or args.model_option or "tiny-gemma3", **options)  # the servers' default model
+        tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
+        tensor_parallel_heartbeat_timeout=args.tensor_parallel_heartbeat_timeout, seed=args.seed)
+    config = EngineConfig(args.model or args.model_option or "tiny-gemma3", **options)  # the servers' default model
+    if args.address is None:  # the engines run on this machine (on a cluster's nodes each Engine checks its own)
+        config.check_machine()
     return options
 
 
@@ -207,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N processes, one KV cache manager (docs/engine.md; default 1)")
+    serve.add_argument("--tensor-parallel-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="with --tensor-parallel-size: how long a collective (and the start) waits for the "
+                            "other ranks before it fails (default 600)")
+    serve.add_argument("--tensor-parallel-heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="with --tensor-parallel-size: a worker silent this long counts as hung; the engine "
+                            "then fails and /health answers 503 (default 5)")
     serve.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                        help="publish the KV cache events on a ZMQ PUB socket bound there, in vLLM's KV event "
                             "format (e.g. tcp://*:5557; needs pyzmq and msgspec, in the server extra)")

@@ -1,9 +1,11 @@
 """Run a FastAPI app on a free loopback port in a thread, or `hybridkv
-serve` in a process of its own, for tests."""
+serve` in a process of its own, for tests; and time small requests to it
+(the fault tests compare them beside heavy ones with an idle server's)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import subprocess
@@ -35,6 +37,24 @@ def running(app):
         thread.join(timeout=30)
         sock.close()
         assert not thread.is_alive(), "the server did not shut down"
+
+
+def small_latencies(client, n: int, seconds: float = 0.0) -> list[float]:
+    """Seconds for each of `n` small completions and a /metrics scrape, or
+    of as many as there is time for in `seconds` if more (`client`: an
+    httpx.Client on the server's base URL)."""
+    times = []
+    until = time.perf_counter() + seconds
+    for i in itertools.count():
+        started = time.perf_counter()
+        if i >= n and started >= until:
+            break
+        r = client.post("/v1/completions", json={"prompt": f"a small request {i}", "max_tokens": 4,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert client.get("/metrics").status_code == 200
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def free_port() -> int:

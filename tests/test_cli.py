@@ -89,3 +89,49 @@ def test_demo_the_readme_main_job_speaks_on_the_real_model(capsys):
     assert int(released.rsplit(" ", 1)[1]) > 0
     hit = next(line for line in out.splitlines() if "hit rate" in line)
     assert float(hit.split()[3]) > 50
+
+
+def _refuse_bigger_than_memory():
+    # A regression must not plan and allocate a budget the size of the
+    # machine's memory (shared with other work): address space capped.
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+# What an operator gets wrong, each told in one line before the model loads
+# (the context when the model's config is read): the issue's probe got
+# 23-76-line tracebacks, the first after 35 s.
+MISTAKES = {
+    "kv-cache-memory": (["--kv-cache-memory", "1024TiB"], "kv_cache_memory 1024TiB is more than this machine's "
+                        "memory ("),
+    "kv-host-cache-memory": (["--kv-host-cache-memory", "1024TiB"], "kv_host_cache_memory 1024TiB is more than "
+                             "this machine's memory ("),
+    "device": (["--device", "cuda:%d"], "this torch"),  # one past the CUDA devices torch sees
+    "backend": (["--backend", "triton", "--device", "cpu"], "backend 'triton' runs on CUDA devices, not on cpu"),
+    "port": (["--port", "99999"], "--port must be a port number, 0 to 65535, got 99999"),
+    "max-model-len": (["--max-model-len", "1000000000"], "max_model_len 1000000000 is more than the model's "
+                      "context of 8192 tokens"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_an_operator_mistake_is_one_line_on_stderr_and_exit_code_2(mistake):
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    args, says = MISTAKES[mistake]
+    args = [a % torch.cuda.device_count() if "%d" in a else a for a in args]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the tests'; no operator's)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", *args], capture_output=True, text=True,
+                          env=env, timeout=120, preexec_fn=None if mistake == "device" else _refuse_bigger_than_memory)
+    took = time.monotonic() - started
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("hybridkv serve: error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert says in done.stderr
+    print(f"\n{mistake}: {took:.1f} s: {done.stderr.strip()}")
+    assert took < 30

@@ -18,6 +18,8 @@ from hybridkv.tiny_models import tiny_model_dir
     (dict(max_num_seqs=True), "max_num_seqs must be a positive integer"),
     (dict(max_num_batched_tokens=-1), "max_num_batched_tokens"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(tensor_parallel_timeout=0), "tensor_parallel_timeout must be a positive number of seconds"),
+    (dict(tensor_parallel_heartbeat_timeout=float("nan")), "tensor_parallel_heartbeat_timeout must be a positive"),
     (dict(max_model_len=0), "max_model_len"),
     (dict(seed=2**63), "seed must be an integer"),
     (dict(kv_cache_memory="12 potatoes"), "kv_cache_memory: cannot read memory size"),
@@ -57,7 +59,8 @@ def test_the_config_is_every_documented_keyword_with_its_default():
         enable_kv_events=False, kv_host_cache_memory=None, kv_disk_cache=None, kv_disk_cache_memory="16GiB",
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
         num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype="auto", device="cpu",
-        backend=None, enforce_eager=False, fixed_shape_decode=None, tensor_parallel_size=1, progress=True)
+        backend=None, enforce_eager=False, fixed_shape_decode=None, tensor_parallel_size=1,
+        tensor_parallel_timeout=600.0, tensor_parallel_heartbeat_timeout=5.0, progress=True)
     config = EngineConfig("m", speculative_method="ngram", kv_disk_cache="/tmp/d")
     assert config.speculative == (4, 2, 4) and config.tiers
     assert EngineConfig.build(config) is config
@@ -87,3 +90,5 @@ def test_the_cli_checks_engine_options_before_starting_a_server(capsys):
     assert "block_size must be a positive integer" in capsys.readouterr().err
     assert main(["serve", "--kv-cache-memory", "12 potatoes", "--replicas", "2"]) == 2
     assert "kv_cache_memory" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-heartbeat-timeout", "0"]) == 2
+    assert "tensor_parallel_heartbeat_timeout must be a positive number of seconds" in capsys.readouterr().err

@@ -10,7 +10,11 @@ processes of their own where the fault needs them (docs/reliability.md):
 * a huge prompt beside small ones: the small ones' latency stays within 2x
   of an idle server's;
 * a stopped `hybridkv serve --replicas N` leaves no process (soak: it
-  starts a Ray; `python -m pytest -m soak tests/test_faults.py`).
+  starts a Ray; `python -m pytest -m soak tests/test_faults.py`), nor one
+  stopped while it starts Ray (needs the ray extra);
+* SIGTERM stops a plain `hybridkv serve` with exit code 0;
+* weights of another architecture under a config.json are refused, naming
+  the tensors the model would drop.
 
 The filesystem faults come from tests/disk_faults.py's stand-ins.
 """
@@ -41,7 +45,7 @@ from hybridkv.engine.kv_tiers import DiskTier  # noqa: E402
 from hybridkv.server import build_app  # noqa: E402
 from hybridkv.serving.processes import end_processes, processes_below, running  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402
-from serving import running as serving_app, served  # noqa: E402
+from serving import free_port, running as serving_app, served, small_latencies  # noqa: E402
 
 MODEL = "tiny-gemma3"
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -201,19 +205,6 @@ def test_a_full_disk_then_freed_space_writing_resumes_and_metrics_show_it(tmp_pa
 
 
 # -- a huge prompt -----------------------------------------------------------------------------
-def small_latencies(client, n: int) -> list[float]:
-    """Seconds for each of `n` small completions and a /metrics scrape."""
-    times = []
-    for i in range(n):
-        started = time.perf_counter()
-        r = client.post("/v1/completions", json={"prompt": f"a small request {i}", "max_tokens": 4,
-                                                 "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert client.get("/metrics").status_code == 200
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def test_a_huge_prompt_beside_small_ones_keeps_their_latency_within_2x_of_idle(tmp_path):
     # A server that lets text of up to 3M characters reach the tokenizer
     # (tiny-gemma3's default bound is 122,880): a 2.9M-character prompt
@@ -277,9 +268,9 @@ def test_processes_listed_while_the_tree_is_whole_are_ended_after_their_parent_i
     assert running(listed) == [] and time.monotonic() - started < 5
 
 
-def session_processes(sid: int) -> list[str]:
-    """Command lines of the processes of session `sid` still running
-    (zombies excluded)."""
+def session_processes(sid: int, width: int = 80) -> list[str]:
+    """Command lines (their first `width` characters) of the processes of
+    session `sid` still running (zombies excluded)."""
     found = []
     for name in os.listdir("/proc"):
         try:
@@ -292,8 +283,19 @@ def session_processes(sid: int) -> list[str]:
         except OSError:
             continue
         if stat[stat.rindex(")") + 2] != "Z":
-            found.append(command[:80])
+            found.append(command[:width])
     return found
+
+
+def end_session(sid: int) -> None:
+    """SIGKILL what still runs of session `sid` (a test's server that failed
+    to stop everything)."""
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and os.getsid(int(name)) == sid:
+                os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @pytest.mark.soak
@@ -311,3 +313,58 @@ def test_a_stopped_replicas_server_leaves_no_process(tmp_path):
     while session_processes(process.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert session_processes(process.pid) == []
+
+
+def test_sigterm_while_a_replicas_server_starts_ray_stops_every_process_and_exits_0(tmp_path):
+    # SIGTERM while ray.init runs, its raylet just started (and starting
+    # Ray's agents, which ignore SIGTERM): it was Ray's own handler's, exit
+    # code 15, the agents living on 1-2 minutes.
+    pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", "--replicas", "1", "--port",
+                                    str(free_port()), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(c.split(" ")[0].endswith("/raylet") for c in session_processes(process.pid, width=1000)):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, log_path.read_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert session_processes(process.pid) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        end_session(process.pid)
+
+
+def test_sigterm_stops_a_plain_server_with_exit_code_0(tmp_path):
+    # A clean stop on SIGTERM exits 0, as process managers expect (uvicorn
+    # raises the signal again once it has shut down: it was exit code 143).
+    with served(["--kv-cache-memory", "64MiB", "--log-level", "warning"], tmp_path / "server.log") as (_, process):
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, (tmp_path / "server.log").read_text()[-3000:]
+
+
+def test_weights_of_another_architecture_are_refused_naming_the_tensors_it_would_drop(tmp_path):
+    # Gemma-3's weights under a Llama config.json: they loaded without their
+    # q/k norms and feed-forward norms, and served nonsense, not a word said.
+    source = tiny_model_dir(MODEL)
+    with open(os.path.join(source, "config.json")) as f:
+        gemma = json.load(f)
+    llama = {k: gemma[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                   "max_position_embeddings")}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(llama, architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True), f)
+    os.symlink(os.path.join(source, "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"holds 24 tensors that LlamaForCausalLM .*\['model.layers.0.post_feedforward_"
+                                         r"layernorm.weight', 'model.layers.0.pre_feedforward_layernorm.weight', "
+                                         r"'model.layers.0.self_attn.k_norm.weight', 'model.layers.0.self_attn.q_"
+                                         r"norm.weight'"):
+        Engine(str(tmp_path), kv_cache_memory="8MiB", progress=False)

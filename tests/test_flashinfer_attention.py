@@ -168,7 +168,7 @@ def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate
     from oracle import model_dir
 
     from hybridkv import Engine, SamplingParams
-    from hybridkv.engine import engine as engine_module
+    from hybridkv.engine import config as config_module, engine as engine_module
     from hybridkv.layers.backends.flashinfer import TritonFlashInferBackend
     from hybridkv.layers.backends.triton import kernels
     from hybridkv.layers.backends.triton.recurrent import TritonRecurrent
@@ -182,6 +182,8 @@ def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate
     chosen = engine_module.choose_backend
     monkeypatch.setattr(engine_module, "choose_backend",
                         lambda name, device: combined if name == "triton+flashinfer" else chosen(name, device))
+    # (and past the check that refuses FlashInfer off CUDA before anything loads: EngineConfig.check_machine)
+    monkeypatch.setattr(config_module, "check_backend", lambda name, device: None)
     path = model_dir(tmp_path_factory, family)
     prompts = [[(5 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 5, 1))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

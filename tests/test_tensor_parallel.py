@@ -157,7 +157,7 @@ import sys, time, torch
 from hybridkv.engine.tensor_parallel import TensorParallelExecutor
 start = time.monotonic()
 try:
-    executor = TensorParallelExecutor(2, sys.argv[1], eval(sys.argv[2]), torch.device("cpu"))
+    executor = TensorParallelExecutor(2, sys.argv[1], eval(sys.argv[2]), torch.device("cpu"), timeout=60)
     executor.wait_until_loaded()
 except RuntimeError as error:
     print(f"ERROR after {time.monotonic() - start:.1f} s: {error}")
@@ -174,7 +174,6 @@ else:
     ("loading its shard", {"device": "cpu", "dtype": "float32"}, "loaded"),
 ])
 def test_a_worker_that_dies_while_starting_fails_the_start_at_once(gemma3, tmp_path, case, options, stage):
-    import os
     import subprocess
     import sys
 
@@ -182,7 +181,7 @@ def test_a_worker_that_dies_while_starting_fails_the_start_at_once(gemma3, tmp_p
     # to wait out the timeout, the message would say so and the test fail.
     folder = str(tmp_path) if case == "loading its shard" else gemma3[0]
     done = subprocess.run([sys.executable, "-c", STARTING, folder, repr(options)], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "HYBRIDKV_TP_TIMEOUT": "60"})
+                          timeout=180)
     out = done.stdout.strip().splitlines()[-1]
     assert out.startswith("ERROR"), done.stdout + done.stderr[-2000:]
     assert f"worker hybridkv-tp-1 exited (code 1) while starting (before it had {stage})" in out

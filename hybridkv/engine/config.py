@@ -5,8 +5,9 @@
 
 `Engine(model, **options)`, `hybridkv serve` and the Ray replicas all build
 one; a bad value is a `ValueError` saying which option and why, raised here
-before anything is loaded. The config is frozen: `replace(**changes)` gives
-a new, validated one.
+before anything is loaded. What they ask of the machine (the device, the
+memory) is checked apart, where the engine runs: `check_machine()`. The
+config is frozen: `replace(**changes)` gives a new, validated one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from ..core.checkpoints import get_policy
 from ..core.dtypes import MODEL_DTYPES
 from ..core.layout import parse_memory
-from ..layers.backends import CHOICES as BACKENDS
+from ..layers.backends import CHOICES as BACKENDS, check as check_backend
 
 SPECULATIVE_METHODS = (None, "ngram")
 
@@ -51,7 +52,12 @@ class EngineConfig:
     `enable_kv_events`: the manager records what its cache can serve as it
     changes (core/events.py); the engine's `take_kv_events()` hands it over.
     `tensor_parallel_size`: split the model over that many processes
-    (tensor_parallel.py; this one and N - 1 workers), one manager.
+    (tensor_parallel.py; this one and N - 1 workers), one manager;
+    `tensor_parallel_timeout`: seconds a collective (and the start) waits
+    for the other ranks before it fails; `tensor_parallel_heartbeat_timeout`:
+    seconds a worker may go without its heartbeat before it counts as hung
+    (stopped, say): then every worker is stopped and the engine fails, in
+    seconds rather than after the collective's timeout.
     `seed`: the draws of requests without a seed of their own; None
     (default): fresh entropy at each start, so a restart does not repeat
     them; a 64-bit integer: runs that add the same requests in the same
@@ -85,6 +91,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     fixed_shape_decode: bool | None = None  # None: where CUDA graphs capture them
     tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 600.0  # seconds a collective waits for the other ranks
+    tensor_parallel_heartbeat_timeout: float = 5.0  # seconds a worker may be silent before it counts as hung
     progress: bool = True  # progress bars while loading
 
     def __post_init__(self):
@@ -93,6 +101,8 @@ class EngineConfig:
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        for name in ("tensor_parallel_timeout", "tensor_parallel_heartbeat_timeout"):
+            _seconds(name, getattr(self, name))
         for name in ("enable_prefix_caching", "enable_kv_events", "enforce_eager", "progress"):
             _flag(name, getattr(self, name))
         if self.fixed_shape_decode is not None:
@@ -148,6 +158,38 @@ class EngineConfig:
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
 
+    def check_machine(self) -> None:
+        """What the options ask of the machine the engine runs on, checked
+        before anything loads (by Engine, and by `hybridkv serve` where
+        the engine runs on its machine): the device, a backend that runs
+        on it, and budgets that fit its memory; a ValueError says which
+        and why. The values alone are checked at construction, so that a
+        config can be built for another machine (a Ray replica's)."""
+        device = torch.device(self.device)
+        if device.type != "cpu":
+            kind = getattr(torch, device.type, None)  # torch.cuda, torch.mps, ...
+            count = kind.device_count() if hasattr(kind, "is_available") and kind.is_available() else 0
+            if count <= (device.index or 0):
+                build = " (a CPU-only build)" if device.type == "cuda" and torch.version.cuda is None else ""
+                raise ValueError(f"device {self.device!r}: this torch {torch.__version__}{build} sees "
+                                 f"{count} {device.type} device(s)")
+        check_backend(self.backend, device)
+        # A budget larger than the memory it lives in would fail only once
+        # the model is loaded (and planning a pool that large takes a while).
+        total, available = _host_memory()
+        for name in ("kv_cache_memory", "kv_host_cache_memory"):
+            value = getattr(self, name)
+            if value is None or value == "auto" or (name == "kv_cache_memory" and device.type != "cpu"):
+                continue
+            if parse_memory(value) > total:
+                raise ValueError(f"{name} {value} is more than this machine's memory ({_gib(total)}, "
+                                 f"{_gib(available)} of it available)")
+        if device.type == "cuda" and self.kv_cache_memory != "auto":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if parse_memory(self.kv_cache_memory) > total:
+                raise ValueError(f"kv_cache_memory {self.kv_cache_memory} is more than {device}'s memory "
+                                 f"({_gib(total)})")
+
     # -- what the options mean together ----------------------------------------
     @property
     def tiers(self) -> bool:
@@ -189,9 +231,36 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 def _flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's memory, or of the
+    container's where a cgroup limits it lower."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        total, available = info["MemTotal"], info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):  # not Linux
+        total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = int(f.read())  # "max": no limit, a ValueError
+        total, available = min(total, limit), min(available, limit)
+    except (OSError, ValueError):
+        pass
+    return total, available
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"
 
 
 def _memory(name: str, value) -> None:

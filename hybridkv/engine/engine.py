@@ -22,7 +22,7 @@ check stop conditions, free finished sequences.
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import copy
 import itertools
 import json
 import os
@@ -37,7 +37,7 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backends import choose as choose_backend
-from ..modeling.loader import load_model, load_tokenizer, resolve_model_dir
+from ..modeling.loader import load_model, load_tokenizer, read_config, resolve_model_dir
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -71,6 +71,7 @@ class Engine:
         KV cache manager, the backend, the executor and its workers, the
         tiers below the pool, the scheduler."""
         config = EngineConfig.build(model_dir, **options)
+        config.check_machine()  # the device, the backend and the budgets, before anything loads
         self.engine_config = config
         self.speculative = config.speculative
         self.device = torch.device(config.device)
@@ -119,7 +120,8 @@ class Engine:
 
             executor = TensorParallelExecutor(world, self.model_dir, dict(
                 worker=options, device=str(self.device), dtype=config.dtype, layout=self.layout,
-                backend=self.backend.name, threads=torch.get_num_threads(), tiers=tiers), self.device)
+                backend=self.backend.name, threads=torch.get_num_threads(), tiers=tiers), self.device,
+                timeout=config.tensor_parallel_timeout, heartbeat_timeout=config.tensor_parallel_heartbeat_timeout)
         self.worker = Worker(self.model, self.layout, self.device, self.backend, **options)
         if world > 1:
             executor.worker = self.worker
@@ -135,13 +137,18 @@ class Engine:
         parallel = (0, world) if world > 1 else None
         if parallel and self.device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        # A context longer than the model's is refused (as vLLM does) before the weights load: positions
+        # past it were never trained, and the model's rotary scaling may not reach them.
+        context = getattr(read_config(self.model_dir)[1], "max_position_embeddings", None) or 1 << 20
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context of "
+                             f"{context} tokens (its config's max_position_embeddings)")
+        self.max_model_len = config.max_model_len or context
         self.model, self.config = load_model(self.model_dir, dtype=config.dtype, device=self.device,
                                              progress=config.progress, tensor_parallel=parallel)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(self.model_dir)
         self.vocab_size = self.config.vocab_size
-        context = getattr(self.config, "max_position_embeddings", None) or 1 << 20
-        self.max_model_len = min(config.max_model_len or context, context)
 
     def _tier_options(self, config: EngineConfig) -> dict:
         """What each rank's tiers are made of (every rank's own: its host
@@ -244,7 +251,10 @@ class Engine:
                              f"{self.kv.num_total_pages}: raise kv_cache_memory or lower max_tokens "
                              f"(at most {fit} for this prompt)")
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=fit)
+            # a copy, not dataclasses.replace: that would check the stop strings and
+            # build their automaton again, here on the engine's thread
+            params = copy.copy(params)
+            params.max_tokens = fit
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -515,20 +525,20 @@ class Engine:
 
     def _stop_string(self, seq: Sequence, params: SamplingParams) -> bool:
         """Does the new token complete a stop string? The text grows by the
-        new token's characters only, and only its tail can hold a new match:
-        work per new token, not per token generated so far."""
+        new token's characters only, and the stop strings' automaton reads
+        just those (stop_strings.py): work per new character, whatever the
+        number of stop strings or of tokens generated so far. The text is
+        cut where the earliest stop string begins."""
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        detokenizer = seq.detokenizer
-        before = len(detokenizer.text)
-        if not detokenizer.update(seq.token_ids, seq.num_prompt_tokens):
+        new = seq.detokenizer.update(seq.token_ids, seq.num_prompt_tokens)
+        if not new:
             return False
-        text = detokenizer.text
-        since = max(0, before - max(len(stop) for stop in params.stop) + 1)
-        found = [i for i in (text.find(stop, since) for stop in params.stop) if i >= 0]
-        if not found:
+        seq.stop_state, found = params.stop_strings.feed(seq.stop_state, new)
+        if found is None:
             return False
-        seq.text = text[:min(found)]
+        text = seq.detokenizer.text
+        seq.text = text[:len(text) - len(new) + found]
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -125,6 +125,7 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
+        self.engine.executor.watch(self._lost)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is not None:
@@ -237,7 +238,7 @@ class EngineLoop:
         except Exception as e:  # not the client's fault: a 500, and the loop goes on
             log.exception("adding request %s failed", request_id)
             return self._deliver(out.put_nowait, EngineFailed(f"could not add the request: {e}"))
-        texts = [TextStream(engine.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
+        texts = [TextStream(engine.tokenizer, params.skip_special_tokens, params.stop_strings) for _ in range(params.n)]
         self._live[request_id] = _Live(out, texts, len(ids))
         self._deliver(out.put_nowait, _ACCEPTED)
 
@@ -284,8 +285,24 @@ class EngineLoop:
         """A step raised: a bug, not bad input. Fail every request in flight,
         keep answering commands (adds are refused), never step again."""
         log.exception("engine step failed; refusing new requests")
-        self.error = error
-        self._drop_all(EngineFailed(f"the engine failed: {error}"))
+        self.error = self.error or error  # the first cause: a lost worker (`_lost`) fails the step it was in
+        self._drop_all(EngineFailed(f"the engine failed: {self.error}"))
+
+    def _lost(self, message: str) -> None:
+        """A tensor-parallel worker exited or hung (the executor's watchdog
+        calls this on its own thread): refuse new requests (`alive` is
+        False: /health answers 503) and fail those in flight now, from
+        here, since the engine thread may be blocked in a collective with
+        that worker; it aborts them too once free, which also catches one
+        it added meanwhile."""
+        self.error = RuntimeError(message)
+        error = EngineFailed(f"the engine failed: {message}")
+        for live in self._live.copy().values():  # dict.copy is one C call: safe beside the engine thread
+            self._deliver(live.queue.put_nowait, error)  # (a second error later is never read)
+        try:
+            self._put(lambda: self._drop_all(error))
+        except EngineFailed:  # the loop has stopped
+            pass
 
     def _close(self) -> None:
         self._drop_all(EngineFailed("the server is shutting down"))

@@ -37,5 +37,9 @@ class LocalExecutor:
         flush): made now."""
         self.worker.copy_tiers(tier_log)
 
+    def watch(self, on_failure) -> None:
+        """Call `on_failure(message)` if a worker process exits or hangs: in
+        one process there is none to watch."""
+
     def close(self) -> None:
         pass

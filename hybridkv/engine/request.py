@@ -34,6 +34,7 @@ class Sequence:
         self.stream = stream  # a seeded request's own random stream (seeding.py), else None
         self.text: str | None = None  # set when a stop string cut it; else decoded at the end
         self.detokenizer: IncrementalDetokenizer | None = None  # for stop strings, made on first use
+        self.stop_state = 0  # where the stop strings' automaton stands in the text (stop_strings.py)
         self.drafter = None  # speculative decoding: its n-gram index (speculative.PromptLookup), made on first use
 
     @property

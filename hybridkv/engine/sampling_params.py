@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+from .stop_strings import StopStrings
 
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
+# Bounds on stop strings, far above what clients send (OpenAI takes 4):
+# they bound the automaton's memory (one node a character) and its build.
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 1 << 16  # all the stop strings together
+# Clients send the same stop strings with request after request: their
+# automaton is built once (30 ms at the bounds), and shared (it never changes).
+_stop_strings = functools.lru_cache(maxsize=16)(StopStrings)
 
 
 @dataclass
@@ -20,6 +29,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # The automaton that finds the stop strings, built here (in the caller's
+    # thread, never the engine's): read `stop` once, at construction.
+    stop_strings: StopStrings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def integer(name, value, low):
@@ -44,6 +56,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
+        check_stop_bounds(self.stop)
+        self.stop_strings = _stop_strings(tuple(self.stop))
         ids = list(self.stop_token_ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError("stop_token_ids must be non-negative integers")
@@ -53,3 +67,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, dividing float32 logits overflows; the result is argmax anyway.
         return self.temperature < GREEDY_BELOW
+
+
+def check_stop_bounds(stop: list) -> None:
+    """ValueError naming the bound a stop list passes (its strings: str
+    or not, as a request body has them before it is validated)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings; got {len(stop)}")
+    chars = sum(len(s) for s in stop if isinstance(s, str))
+    if chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop: at most {MAX_STOP_CHARS} characters in all stop strings together; got {chars}")

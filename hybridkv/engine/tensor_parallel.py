@@ -45,6 +45,17 @@ the driver waits for both while checking that every worker still runs, so a
 worker that dies while starting (an import that fails, a shard that does
 not load) fails the engine at once rather than after the group's timeout.
 
+Once loaded, the workers are watched while they serve: each beats (a
+counter in memory shared with the driver, from a thread of its own, every
+fraction of a second), and a thread in the driver (`_watch`) checks the
+beats and that each worker still runs. A worker that exits, or goes
+silent past `heartbeat_timeout` (stopped, or hung: a stopped process's
+threads all stop), fails the engine within seconds, idle or not, instead
+of the next step failing or waiting out the collectives' timeout: the
+driver kills every worker (a collective blocked on one then fails at
+once) and tells who listens (`watch`: the server's engine loop, which
+fails the requests in flight and answers /health with 503).
+
 Which models split, and the sizes that must divide: modeling/tensor_split.py.
 """
 
@@ -56,6 +67,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 import traceback
 
@@ -68,7 +80,6 @@ from .plan_wire import decode, decode_block, decode_tier_calls, encode, encode_b
 
 log = logging.getLogger("hybridkv.tensor_parallel")
 
-TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HYBRIDKV_TP_TIMEOUT", "600")))
 PLAN, TIER_CALLS, DISK_READ = 0, 1, 2  # the kinds of message the driver sends
 
 
@@ -83,22 +94,29 @@ class TensorParallelExecutor:
     rank 0's worker (this process's: `worker`, set once the group is up),
     and counts what crosses between ranks."""
 
-    def __init__(self, world: int, model_dir: str, worker_options: dict, device: torch.device):
+    def __init__(self, world: int, model_dir: str, worker_options: dict, device: torch.device,
+                 timeout: float = 600.0, heartbeat_timeout: float = 5.0):
         import torch.multiprocessing as mp
 
         self.world = world
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout = datetime.timedelta(seconds=timeout)  # the store's and the collectives'
+        self.heartbeat_timeout = heartbeat_timeout
+        self.beat = min(0.5, heartbeat_timeout / 4)  # seconds between beats and between looks: several to a timeout
+        self.failure: str | None = None  # why the watchdog stopped the workers, once it has
+        self._listeners: list = []  # watch()'s callbacks
         # The ranks' meeting point; the driver serves it and need not wait
         # for the workers to connect (it watches them while they start).
         port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=TIMEOUT,
+        self.store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=self.timeout,
                                    wait_for_workers=False)
         context = mp.get_context("spawn")
         pipes = [context.Pipe(duplex=False) for _ in range(1, world)]  # (the worker's end, the driver's)
+        self.beats = context.RawArray("q", world)  # rank r's heartbeats, counted by rank r (rank 0's unused)
         self.workers = [context.Process(target=_worker, name=f"hybridkv-tp-{rank}", daemon=True,
-                                        args=(rank, world, port, self.backend, model_dir,
-                                              worker_options, pipes[rank - 1][0]))
+                                        args=(rank, world, port, self.backend, model_dir, worker_options,
+                                              pipes[rank - 1][0], timeout, self.beats, self.beat))
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
@@ -106,7 +124,7 @@ class TensorParallelExecutor:
             torch.cuda.set_device(device.index or 0)  # rank 0's device; rank r uses cuda:r
         try:
             self._wait_for("joined")
-            dist.init_process_group(self.backend, store=self.store, world_size=world, rank=0, timeout=TIMEOUT)
+            dist.init_process_group(self.backend, store=self.store, world_size=world, rank=0, timeout=self.timeout)
         except BaseException:
             self._stop_workers()
             raise
@@ -122,6 +140,8 @@ class TensorParallelExecutor:
         self.leads = True  # for the tiers' disk reads (kv_tiers.TieredStore.agreement): the driver asks
 
     def check_workers(self, while_doing: str = "") -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         for worker in self.workers:
             if not worker.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {worker.name} exited (code {worker.exitcode})"
@@ -132,12 +152,12 @@ class TensorParallelExecutor:
         about to join the group; "loaded": its shard and worker are built),
         checking meanwhile that each still runs."""
         keys = [f"{stage}/{rank}" for rank in range(1, self.world)]
-        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while not self.store.check(keys):
             self.check_workers(f" while starting (before it had {stage})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers not {stage} after {TIMEOUT.total_seconds():.0f} s "
-                                   f"(HYBRIDKV_TP_TIMEOUT)")
+                raise RuntimeError(f"tensor-parallel workers not {stage} after {self.timeout.total_seconds():.0f} s "
+                                   f"(tensor_parallel_timeout)")
             time.sleep(0.02)
 
     def wait_until_loaded(self) -> None:
@@ -152,6 +172,55 @@ class TensorParallelExecutor:
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
+        threading.Thread(target=self._watch, name="hybridkv-tp-watchdog", daemon=True).start()
+
+    def watch(self, on_failure) -> None:
+        """Call `on_failure(message)` (on the watchdog's thread) once a
+        worker has exited or hung; at once if one already has."""
+        self._listeners.append(on_failure)
+        if self.failure is not None:
+            on_failure(self.failure)
+
+    def _watch(self) -> None:
+        """The watchdog: every fraction of a second, has each worker beaten
+        since, and does it still run? Silence is timed only while this
+        thread itself ran on time: were the driver held up, or the whole
+        machine, it could not tell who was silent."""
+        seen = list(self.beats)
+        heard = [time.monotonic()] * self.world  # when each rank's count last changed
+        last_tick = heard[0]
+        while not self.closed:
+            time.sleep(self.beat)
+            now = time.monotonic()
+            if now - last_tick > self.heartbeat_timeout / 2:  # this thread was held up: time anew
+                heard = [now] * self.world
+            last_tick = now
+            for rank, worker in enumerate(self.workers, 1):
+                beats = self.beats[rank]
+                if beats != seen[rank]:
+                    seen[rank], heard[rank] = beats, now
+                if not worker.is_alive():
+                    problem = f"exited (code {worker.exitcode})"
+                elif now - heard[rank] > self.heartbeat_timeout:
+                    problem = (f"stopped answering: no heartbeat for {now - heard[rank]:.1f} s "
+                               f"(hung, or stopped by a signal)")
+                else:
+                    continue
+                if not self.closed:  # (close() stops them on purpose)
+                    self._lost(f"tensor-parallel worker {worker.name} {problem}; every worker is stopped")
+                return
+
+    def _lost(self, message: str) -> None:
+        """A worker is gone or hung: the group can never run a step again.
+        Kill every worker (SIGKILL ends a stopped process too), so that a
+        collective the driver is blocked in fails now rather than after the
+        timeout, then tell the listeners."""
+        self.failure = message
+        log.error("%s", message)
+        for worker in self.workers:
+            worker.kill()
+        for on_failure in self._listeners:
+            on_failure(message)
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
@@ -163,10 +232,15 @@ class TensorParallelExecutor:
         """Send the plan, then run rank 0's part of it (the others run
         theirs meanwhile; the layers' all-reduces keep them in step)."""
         self.check_workers()
-        # The other ranks' copy carries the kept drafts rank 0 applied when they were judged.
-        self._send(dataclasses.replace(plan, accepted=self._accepted))
-        self._accepted = None
-        return self.worker.execute(plan)
+        try:
+            # The other ranks' copy carries the kept drafts rank 0 applied when they were judged.
+            self._send(dataclasses.replace(plan, accepted=self._accepted))
+            self._accepted = None
+            return self.worker.execute(plan)
+        except Exception as e:
+            if self.failure is not None:  # the watchdog killed the workers under this step: say why
+                raise RuntimeError(self.failure) from e
+            raise
 
     def _send(self, plan) -> None:
         started = time.perf_counter()
@@ -187,7 +261,7 @@ class TensorParallelExecutor:
         runs nothing): every rank makes its copies now, so that the ranks'
         tiers move in the same order."""
         self.worker.copy_tiers(tier_log)
-        if tier_log and not self.closed:
+        if tier_log and not self.closed and self.failure is None:  # (failed: no worker is left to copy)
             self.check_workers()
             self.wire.send(encode_tier_calls(tier_log), TIER_CALLS)
 
@@ -205,7 +279,7 @@ class TensorParallelExecutor:
             return
         self.closed = True
         try:
-            if all(w.is_alive() for w in self.workers):
+            if self.failure is None and all(w.is_alive() for w in self.workers):
                 self.wire.send(None)  # the workers' signal to stop
         finally:
             for worker in self.workers:
@@ -250,17 +324,18 @@ class PlanWire:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, options: dict,
-            connection) -> None:
-    """A rank other than the driver: load this rank's shard, then act on
-    every message the driver sends (a plan to run, tier calls to
-    replay, a disk read to make and vote on) until it sends None."""
+            connection, timeout: float, beats, beat: float) -> None:
+    """A rank other than the driver: load this rank's shard, then beat
+    (`_beat`) and act on every message the driver sends (a plan to run,
+    tier calls to replay, a disk read to make and vote on) until it sends None."""
     try:
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+        timeout = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         store.set(f"joined/{rank}", "1")
-        dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=TIMEOUT)
+        dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=timeout)
         from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
         from .worker import Worker
@@ -283,6 +358,7 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
                                        identity=tiers["identities"][rank])
             worker.tiers.agreement = Follower()
             worker.replays_tiers = True
+        threading.Thread(target=_beat, args=(beats, rank, beat), name="hybridkv-tp-heartbeat", daemon=True).start()
         store.set(f"loaded/{rank}", "1")
         with torch.inference_mode():
             while True:
@@ -300,6 +376,15 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
         traceback.print_exc()
         os._exit(1)
     dist.destroy_process_group()
+
+
+def _beat(beats, rank: int, interval: float) -> None:
+    """A worker's heartbeat, for the driver's watchdog: a thread of its
+    own, so that it goes on through long steps (torch's ops and the
+    collectives leave the GIL) and stops only with the process."""
+    while True:
+        beats[rank] += 1
+        time.sleep(interval)
 
 
 class Follower:

@@ -7,25 +7,25 @@ as tokens arrive: the engine's incremental detokenizer
 Stop strings are found by the engine, which cuts the final text before them;
 a stream must never have sent what the cut removes. So the tail of the text
 that could be the start of a stop string is held back until the next token
-decides it.
+decides it. The request's stop-string automaton (stop_strings.py) reads the
+new text only and knows that tail: work per new character, whatever the
+number of stop strings.
 """
 
 from __future__ import annotations
 
 from .detokenizer import IncrementalDetokenizer
-
-
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """`text` up to the earliest stop string in it."""
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(found)] if found else text
+from .stop_strings import StopStrings
 
 
 class TextStream:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: StopStrings | list[str] | None = None):
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = list(stop or [])
+        # SamplingParams.stop_strings (built off the engine thread), or a list to build one from
+        self.stops = stop if isinstance(stop, StopStrings) else StopStrings(stop or ())
+        self.state = 0  # where the automaton stands after `text`
+        self.cut: int | None = None  # where the earliest stop string in `text` begins, once one does
         self.sent = 0  # characters of `text` already handed out
         self.finished = False
 
@@ -38,24 +38,23 @@ class TextStream:
         to send now (possibly empty)."""
         if self.tokenizer is None or self.finished:
             return ""
-        self.detokenizer.update(token_ids)
-        safe = len(cut_at_stop(self.text, self.stop)) - self._stop_prefix_len()
+        new = self.detokenizer.update(token_ids)
+        if new and self.stops and self.cut is None:
+            self.state, found = self.stops.feed(self.state, new)
+            if found is not None:
+                self.cut = len(self.text) - len(new) + found
+        # Text before a stop string is final; otherwise hold back the tail that may begin one.
+        safe = self.cut if self.cut is not None else len(self.text) - self.stops.held(self.state)
         delta = self.text[self.sent:safe]
         self.sent = max(self.sent, safe)
         return delta
 
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of `text` that begins a stop string."""
-        for k in range(min(max((len(s) for s in self.stop), default=1) - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
-
     def finish(self, final_text: str) -> str:
         """The rest of the engine's final text (already cut at a stop string)."""
         self.finished = True
-        final_text = cut_at_stop(final_text, self.stop)
+        found = self.stops.find(final_text)
+        if found >= 0:
+            final_text = final_text[:found]
         sent = self.text[:self.sent]
         # Incremental and whole-output decoding agree on every tokenizer we
         # serve; if one ever does not, send nothing rather than repeat text.

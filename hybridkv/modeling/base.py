@@ -25,6 +25,12 @@ class CacheLayer:
 class CausalLM(nn.Module):
     """A decoder-only LM over one flat batch of tokens from many requests."""
 
+    # Name prefixes (after the loader's renames) of the checkpoint tensors
+    # the family's released checkpoints carry beside the language model
+    # (a vision tower, MTP layers): read past; any other tensor the model
+    # has no parameter for is refused (loader.py).
+    unused_weights: tuple[str, ...] = ()
+
     def __init__(self, config):
         super().__init__()
         self.config = config

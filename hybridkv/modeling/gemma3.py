@@ -68,6 +68,9 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaForCausalLM(CausalLM):
     """Gemma-3 text (`qk_norm=True`) or Gemma-2 (`qk_norm=False`)."""
 
+    # the multimodal Gemma-3's vision tower, in the older layout and in transformers 5's
+    unused_weights = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
     def __init__(self, config, qk_norm: bool = True):
         super().__init__(config)
         self.model = nn.Module()

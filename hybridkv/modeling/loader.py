@@ -136,18 +136,9 @@ def read_safetensors(path: str, wanted=lambda name: True, index=None):
     the model's own copy: twice the model at load. Plain reads leave one copy.
     The format is an 8-byte header length, a JSON header of name -> dtype,
     shape, data offsets, then the bytes (little-endian)."""
-    import struct
-
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        try:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if not 0 < length <= size - 8:
-                raise ValueError(f"header length {length}")
-            header = json.loads(f.read(length))
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
-        base = 8 + length
+        header, base = _read_header(f, path, size)
         for name, info in header.items():
             if name == "__metadata__" or not wanted(name):
                 continue
@@ -165,6 +156,29 @@ def read_safetensors(path: str, wanted=lambda name: True, index=None):
             if nbytes and f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != nbytes:
                 raise ValueError(f"{path}: tensor {name!r} is cut short")
             yield name, tensor
+
+
+def _read_header(f, path: str, size: int) -> tuple[dict, int]:
+    """A safetensors file's header (name -> entry) and where its data begins."""
+    import struct
+
+    try:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if not 0 < length <= size - 8:
+            raise ValueError(f"header length {length}")
+        header = json.loads(f.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    return header, 8 + length
+
+
+def tensor_names(paths: list[str]) -> list[str]:
+    """The names of the tensors the .safetensors files hold (their headers only)."""
+    names = []
+    for path in paths:
+        with open(path, "rb") as f:
+            names += [n for n in _read_header(f, path, os.path.getsize(path))[0] if n != "__metadata__"]
+    return names
 
 
 def _read_part(f, offset: int, like: torch.Tensor, part: tuple) -> torch.Tensor:
@@ -220,13 +234,15 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
 
-    def parameter(name: str) -> str | None:
-        """The model parameter a checkpoint tensor fills (None: not ours)."""
+    def renamed(name: str) -> str:
         for old, new in renames.items():
             if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        name = model.weight_name(name)
+                return new + name[len(old):]
+        return name
+
+    def parameter(name: str) -> str | None:
+        """The model parameter a checkpoint tensor fills (None: not ours)."""
+        name = model.weight_name(renamed(name))
         return name if name in params else None  # vision tower, rotary buffers, another rank's bias ...
 
     def part(name: str, ndim: int):
@@ -240,6 +256,17 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
         return None
 
     files = checkpoint_files(model_dir)
+    if ranks.rank == 0:  # (its model has every parameter of the ranks': a row-parallel bias only there)
+        # Weights of another architecture under this config.json load without the tensors it has
+        # no parameter for and generate nonsense: refused, naming them. Those the families' released
+        # checkpoints carry beside the language model are read past (CausalLM.unused_weights).
+        unused = [n for n in tensor_names(files)
+                  if parameter(n) is None and not renamed(n).startswith(model.unused_weights)
+                  and not n.endswith(".rotary_emb.inv_freq")]  # rotary buffers, in older checkpoints
+        if unused:
+            raise ValueError(f"{model_dir}: the checkpoint holds {len(unused)} tensors that {architecture} (the "
+                             f"architecture in its config.json) has no parameter for, e.g. {unused[:4]}: the "
+                             f"weights of another architecture?")
     for path in tqdm(files, desc="loading weights", unit="shard", disable=not progress or len(files) < 2):
         for name, tensor in read_safetensors(path, lambda n: parameter(n) is not None,
                                              part if ranks.world > 1 else None):

@@ -107,6 +107,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     unit_offset = True
     grouped_projections = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba
+    unused_weights = ("mtp.",)  # the multi-token prediction layers (for speculative decoding)
 
     def __init__(self, config):
         unknown = sorted(set(config.layer_types) - {"linear_attention", "full_attention"})
@@ -120,4 +121,5 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     grouped_projections = False  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    unused_weights = ("mtp.", "model.visual.")  # and the multimodal checkpoints' vision tower
 

@@ -3,12 +3,13 @@ endpoints, plus /health and /metrics, over an engine client: one EngineLoop here
 (LocalEngine), or engine replicas on Ray Serve (hybridkv/serving/ray.py).
 
 Handlers run on the event loop and never touch the engine: they read the
-body (refused with 413 past its bound, before it is read), parse it, refuse
-text too long for any prompt that fits the context, tokenize in a worker
-thread (neither the event loop nor the engine's thread waits for a large
-prompt), hand the token ids to the engine client, and turn its updates into
-OpenAI responses or server-sent events. A client that goes away aborts its
-request.
+body (refused with 413 past its bound, before it is read), parse it (a body
+past a few KiB in a worker thread; past its bounds refused with 400),
+refuse text too long for any prompt that fits the context, tokenize in a
+worker thread (neither the event loop nor the engine's thread waits for a
+large prompt), hand the token ids to the engine client, and turn its
+updates into OpenAI responses or server-sent events. A client that goes
+away aborts its request.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class LocalEngine:
     (its thread owns the engine) and the Prometheus metrics of that engine.
 
     An engine client is what `create_app` needs: `max_model_len` and `tokenizer`
-    (once started), `alive`, `start()` and `stop()` (the app's lifespan),
+    (once started), `alive` and `error` (why not, or None), `start()` and `stop()` (the app's lifespan),
     `submit(token_ids, ...)` (a stream of `Update`s, or ValueError /
     Overloaded / EngineFailed / APIError) and `metrics()` (Prometheus text).
     hybridkv/serving/ray.py has the other one: engine replicas on Ray Serve."""
@@ -105,6 +106,10 @@ class LocalEngine:
     @property
     def alive(self) -> bool:
         return self.engine_loop.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.engine_loop.error
 
     async def start(self) -> None:
         self.engine_loop.start()
@@ -188,6 +193,15 @@ def _lower_priority() -> None:
 
 _LARGE_PROMPTS = ThreadPoolExecutor(2, thread_name_prefix="hybridkv-large-prompt", initializer=_lower_priority)
 
+# A body up to this size is parsed on the event loop (a few milliseconds at
+# most); a larger one in a worker thread, and one larger than
+# LARGE_PROMPT_CHARS in the large prompts' low-priority threads: parsing a
+# body and building what it asks for (a chat's messages, the stop strings'
+# automaton) take time in proportion to its size, and the loop serves the
+# others meanwhile wherever that work lets go of the GIL (protocol.parse
+# bounds what does not: pydantic's and json.loads' work).
+SMALL_BODY_BYTES = 1 << 12
+
 
 def create_app(engine_client, *, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
                max_prompt_chars: int | None = None) -> FastAPI:
@@ -261,6 +275,15 @@ def create_app(engine_client, *, model_name: str, api_key: str | None = None, ma
             chunks.append(chunk)
         return b"".join(chunks)
 
+    async def read_request(request: Request, read):
+        """`read(body)`: the body parsed and turned into what the handler
+        needs, on the event loop or in a worker thread (SMALL_BODY_BYTES)."""
+        body = await read_body(request)
+        if len(body) <= SMALL_BODY_BYTES:
+            return read(body)
+        pool = _LARGE_PROMPTS if len(body) > LARGE_PROMPT_CHARS else None
+        return await asyncio.get_running_loop().run_in_executor(pool, read, body)
+
     async def token_ids(prompt, characters: int, param: str) -> list[int]:
         """The prompt's token ids. Text (or a chat template) is tokenized in
         a worker thread (a large prompt in one of low priority): the
@@ -296,7 +319,9 @@ def create_app(engine_client, *, model_name: str, api_key: str | None = None, ma
     @app.get("/health")
     async def health():
         if not engine_client.alive:
-            raise APIError(503, "the engine loop is not running", "server_error")
+            error = engine_client.error  # a failed step, or a tensor-parallel worker gone or hung
+            raise APIError(503, f"the engine failed: {error}" if error is not None else
+                           "the engine loop is not running", "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -310,24 +335,29 @@ def create_app(engine_client, *, model_name: str, api_key: str | None = None, ma
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_body(request))
-        check_model(req.model)
-        prompt = req.single_prompt()
-        params = req.sampling_params(req.max_tokens)
+        def read(body: bytes):
+            req = parse(CompletionRequest, body)
+            check_model(req.model)
+            return req, req.single_prompt(), req.sampling_params(req.max_tokens), req.text_length()
+
+        req, prompt, params, characters = await read_request(request, read)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt, req.text_length(), "prompt", params, request_id, cache_salt=req.cache_salt,
+        stream = await submit(prompt, characters, "prompt", params, request_id, cache_salt=req.cache_salt,
                               stream=req.stream)
         shape = _Completion(request_id, int(time.time()), model_name)
         return await respond(request, req, stream, shape)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await read_body(request))
-        check_model(req.model)
-        prompt = req.prompt()
-        params = req.sampling_params(req.token_limit())  # None: what fits the KV cache and the context
+        def read(body: bytes):
+            req = parse(ChatCompletionRequest, body)
+            check_model(req.model)
+            # max tokens None: what fits the KV cache and the context
+            return req, req.prompt(), req.sampling_params(req.token_limit()), req.text_length()
+
+        req, prompt, params, characters = await read_request(request, read)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(prompt, req.text_length(), "messages", params, request_id, cache_salt=req.cache_salt,
+        stream = await submit(prompt, characters, "messages", params, request_id, cache_salt=req.cache_salt,
                               stream=req.stream)
         shape = _Chat(request_id, int(time.time()), model_name)
         return await respond(request, req, stream, shape)

@@ -22,6 +22,7 @@ retries it. `retries` bounds the attempts per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -211,6 +212,7 @@ class ReplicaSet:
                                registry=self.server_metrics.registry)
         self.max_model_len = None
         self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
+        self.error = None
 
     async def start(self) -> None:
         # One call through the handle: it starts this process's router, so
@@ -286,15 +288,46 @@ def _ranks(engine_options: dict | None) -> int:
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
     """Join the cluster at `address`, or start a local Ray. Workers import
-    hybridkv as this process does (its PYTHONPATH goes with them)."""
+    hybridkv as this process does (its PYTHONPATH goes with them). A
+    SIGTERM handler the process has stays its own (_sigterm_after_init)."""
     if ray.is_initialized():
         return
     env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
     runtime_env = {"env_vars": env} if env else None
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
-    else:
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=log_to_driver)
+    with _sigterm_after_init():
+        if address:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+        else:
+            ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False,
+                     log_to_driver=log_to_driver)
+
+
+@contextlib.contextmanager
+def _sigterm_after_init():
+    """A SIGTERM while ray.init runs is held until it returns, then goes
+    to the process's own handler (serve_replicas': stop as Ctrl-C does,
+    with every process of Ray). ray.init would put handlers of its own in
+    place, through `ray._private.utils.set_sigterm_handler` (the driver's
+    exits at once, code 15; a local head node's kills Ray's processes but
+    not the agents below its raylet, then exits 1): those installs are
+    skipped. And a ray.init cut short would leave processes behind that
+    nothing knows of (Ray knows its node once ray.init returns). A process
+    without a handler of its own keeps Ray's."""
+    utils = ray._private.utils
+    install, ours = getattr(utils, "set_sigterm_handler", None), signal.getsignal(signal.SIGTERM)
+    if install is None or not callable(ours):
+        yield
+        return
+    received = []
+    utils.set_sigterm_handler = lambda handler: None
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = install
+        signal.signal(signal.SIGTERM, ours)
+    if received:
+        ours(signal.SIGTERM, None)
 
 
 def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, address: str | None = None,
@@ -303,14 +336,17 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
     application on Ray Serve's HTTP proxy at host:port, until interrupted
     (Ctrl-C or SIGTERM). Then the application is deleted, and a local Ray
     this call started is stopped with every process of it (stop_local_ray)."""
-    cpus_per_replica = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
-    start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1, int(num_replicas * cpus_per_replica) + 1))
-    # Ray's own SIGTERM handler kills its processes and exits from inside the
-    # handler (leaving its agents behind): a SIGTERM stops here instead, by
-    # the same path as Ctrl-C.
+    # A SIGTERM stops here by the same path as Ctrl-C, from before Ray
+    # starts (one during ray.init once it returns: start_ray), so that a
+    # start cut short leaves no process behind either.
     signal.signal(signal.SIGTERM, _interrupt)
+    serving = False
     try:
+        cpus_per_replica = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
+        start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1,
+                                                             int(num_replicas * cpus_per_replica) + 1))
         serve.start(http_options={"host": host, "port": port})
+        serving = True
         serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
                   name=APP_NAME, route_prefix="/")
         print(f"hybridkv: {num_replicas} engine replicas of {model_name} on Ray Serve at http://{host}:{port}/v1",
@@ -323,7 +359,8 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            serve.delete(APP_NAME)
+            if serving:  # (without Serve, serve.delete fails; without Ray, it would start one)
+                serve.delete(APP_NAME)
         finally:
             if not address:
                 stop_local_ray()
@@ -342,7 +379,8 @@ def stop_local_ray(grace_s: float = 2.0) -> None:
     to exit after the shutdown, then killed."""
     processes = _local_ray_processes()
     try:
-        serve.shutdown()
+        if ray.is_initialized():  # (serve.shutdown would start a Ray to look for Serve in)
+            serve.shutdown()
     finally:
         ray.shutdown()
         end_processes(processes, grace_s)

@@ -21,7 +21,9 @@ report, which the engine logs once and keeps in `engine.stats`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import warnings
 
 import torch
@@ -32,13 +34,41 @@ from .reference import ReferenceBackend
 CHOICES = ("auto", "torch", "cpu", "triton", "flashinfer", "triton+flashinfer")
 ENVIRONMENT = "HYBRIDKV_BACKEND"
 
-__all__ = ["Backend", "Capabilities", "PrepareReport", "CHOICES", "choose"]
+__all__ = ["Backend", "Capabilities", "PrepareReport", "CHOICES", "check", "choose"]
 
 
 def _warn_once(message: str, _said: set = set()) -> None:  # noqa: B006 - one set for the process, on purpose
     if message not in _said:
         _said.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def check(name: str | None, device: torch.device | str) -> None:
+    """Refuse a backend that cannot run on `device`, before a model loads:
+    the table's refusals and a library that is not installed, a ValueError
+    saying why. Only the import is looked for, nothing runs: `choose` then
+    tries the backend (the C kernels' build, the kernels' self-test) and
+    may still refuse it."""
+    name = name or os.environ.get(ENVIRONMENT) or "auto"
+    if name not in CHOICES:
+        raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(CHOICES)}")
+    device = torch.device(device)
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend 'cpu' runs on the CPU, not on {device.type}")
+    if "flashinfer" in name and device.type != "cuda":
+        raise ValueError(f"backend {name!r} runs on CUDA devices only, not on {device.type}")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # as triton/ops.py
+    if name == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"backend 'triton' runs on CUDA devices, not on {device.type} (there only under triton's "
+                         f"interpreter, TRITON_INTERPRET=1); on the CPU use 'auto' or 'cpu'")
+    for library, extra in (("triton", "'hybridkv[triton]'"), ("flashinfer", "flashinfer-python")):
+        if library in name and not _installed(library):
+            raise ValueError(f"backend {name!r} needs {library}: pip install {extra}")
+
+
+def _installed(library: str) -> bool:
+    """`library` imports (or is imported already: a stand-in has no spec)."""
+    return sys.modules.get(library) is not None or importlib.util.find_spec(library) is not None
 
 
 def choose(name: str | None, device: torch.device | str) -> Backend:
