@@ -284,6 +284,9 @@ TABLES: dict[str, Table] = {
         "prompt tokens": key("prompt_tokens", num), "from disk": key("cached_tokens", num),
         "first TTFT, restarted with the disk tier": key("first_ttft_s", seconds),
         "fresh engine": key("cold_ttft_s", seconds), "gain": key("speedup", lambda v: times(v, 1))}),
+    "cache-identity": Table("cache_identity.json", rows_of("identity"), {
+        "model": key("model"), "files": key("bytes", lambda v: f"{num(v / 2**20)} MiB"), "digest": key("digest"),
+        "time": key("ms", lambda v: f"{num(v['median'], 1)} ms")}),
     "vllm-connector": Table("vllm_connector.json", rows_of("configs"), {
         "config": key("config"), "mean TTFT": key("mean_ttft_s", seconds), "p90": key("p90_ttft_s", seconds),
         "vs vLLM alone": key("speedup", times), "requests/s": key("requests_per_s", lambda v: num(v, 2)),

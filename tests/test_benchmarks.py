@@ -240,6 +240,13 @@ def test_tier_storage_quick(tmp_path):
     assert files["write_us"] > 0 and files["read_us"] > 0
 
 
+def test_cache_identity_quick(tmp_path):
+    text, data = run("cache_identity", tmp_path)
+    assert "remembered" in text
+    rows = {row["digest"]: row for row in data["identity"]}
+    assert rows["first start"]["bytes"] > 0 and rows["remembered"]["ms"]["median"] >= 0
+
+
 def test_kv_tiers_counts_what_each_group_stored(tmp_path):
     text, data = run("kv_tiers", tmp_path, "--model", "tiny-jamba")
     assert "store-everything tier" in text
