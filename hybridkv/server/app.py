@@ -15,6 +15,7 @@ away aborts its request.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -227,6 +228,12 @@ def create_app(engine_client, *, model_name: str, api_key: str | None = None, ma
     async def lifespan(app: FastAPI):
         await engine_client.start()
         limit("body_bytes")
+        # What start-up built (the model's modules, the tokenizer: hundreds
+        # of thousands of objects) lives as long as the server: kept out of
+        # the collector's reach, so that a full collection, which holds
+        # every thread, no longer walks it.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
