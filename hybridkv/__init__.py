@@ -7,7 +7,7 @@ engine names (Engine, EngineConfig, SamplingParams) load on first use.
 from .core import (ChunkedLocalSpec, FullAttentionSpec, KVCacheLayout, KVCacheManager, MambaSpec,
                    RecurrentSpec, SlidingWindowSpec, plan_layout)
 
-__version__ = "0.1.0"
+from .core.version import VERSION as __version__
 
 _LAZY = {
     "Engine": ("hybridkv.engine.engine", "Engine"),

@@ -31,6 +31,7 @@ import os
 
 from .layout import KVCacheLayout
 from .native import cache_root
+from .version import VERSION
 
 # The files of a model folder whose bytes decide its KV: weights in every
 # format the loaders read, and the config and tokenizer files. Other files
@@ -111,11 +112,9 @@ def kv_identity(weights: list, dtype: str, layout: KVCacheLayout, extra: str = "
                 format_version: int = 1) -> bytes:
     """What made the KV (see above), from the `weights_fingerprint` of its
     model: a 32-byte digest."""
-    from .. import __version__
-
     h = hashlib.sha256(f"hybridkv-kv-v{format_version}".encode())
     groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
-    h.update(json.dumps([__version__, weights, dtype, layout.page_size_bytes, layout.block_size, repr(groups)])
+    h.update(json.dumps([VERSION, weights, dtype, layout.page_size_bytes, layout.block_size, repr(groups)])
              .encode())
     if extra:
         h.update(extra.encode())
