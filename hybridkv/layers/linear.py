@@ -31,14 +31,20 @@ def _onednn_ops():
         return None
 
 
-def _onednn_agrees(matmul, reorder) -> bool:
+# How close oneDNN's product must come to F.linear's in float32, per
+# dtype: float32 rounding, and bfloat16's (its operands are bfloat16; the
+# sums' order and the output's one rounding differ).
+_AGREEMENT = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
+
+
+def _onednn_agrees(matmul, reorder, dtype: torch.dtype) -> bool:
     """oneDNN against F.linear on a small product, dense and packed."""
     gen = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*s, generator=gen) for s in ((5, 64), (96, 64), (96,)))
+    x, w, b = (torch.randn(*s, generator=gen).to(dtype) for s in ((5, 64), (96, 64), (96,)))
     try:
-        expected = F.linear(x, w, b)
+        expected = F.linear(x.float(), w.float(), b.float())
         for weight in (w, reorder(w, 5)):
-            if not torch.allclose(matmul(x, weight, b, "none", [], ""), expected, rtol=1e-4, atol=1e-4):
+            if not torch.allclose(matmul(x, weight, b, "none", [], "").float(), expected, **_AGREEMENT[dtype]):
                 return False
     except RuntimeError:
         return False
@@ -46,12 +52,12 @@ def _onednn_agrees(matmul, reorder) -> bool:
 
 
 def onednn_ops(device: torch.device, dtype: torch.dtype):
-    """oneDNN's (matmul, reorder) for float32 on the CPU where present and
-    agreeing with F.linear; else None."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """oneDNN's (matmul, reorder) for float32 and bfloat16 on the CPU where
+    present and agreeing with F.linear; else None."""
+    if device.type != "cpu" or dtype not in _AGREEMENT:
         return None
     ops = _onednn_ops()
-    return ops if ops is not None and _onednn_agrees(*ops) else None
+    return ops if ops is not None and _onednn_agrees(*ops, dtype) else None
 
 
 _products: dict[tuple, object] = {}
@@ -63,7 +69,7 @@ ONEDNN_MIN_PRODUCT = 1 << 22
 
 def product_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for x [m, k] and w [n, k], any strides: oneDNN's matmul where
-    `onednn_ops` gives it (float32 on the CPU), the product is big enough
+    `onednn_ops` gives it (float32 or bfloat16 on the CPU), the product is big enough
     (ONEDNN_MIN_PRODUCT) and both operands are dense (w may be a
     transposed dense one), else torch.mm. Attention's products on the CPU go
     through here: at its shapes (a few hundred rows of 256) oneDNN runs
