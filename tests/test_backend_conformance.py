@@ -187,19 +187,36 @@ class AttentionCase:
 TOLERANCE = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
+def kernel_calls(name, b, monkeypatch) -> list | None:
+    """The cpu backend's calls of its C decode attention, counted (None for
+    the others): its decodes run there, in float32 and bfloat16 alike, not
+    through the reference's fallback."""
+    if name != "cpu":
+        return None
+    calls, kernel = [], b.attention.lib.decode_attention
+
+    def counted(*args):
+        calls.append(args)
+        return kernel(*args)
+    monkeypatch.setattr(b.attention.lib, "decode_attention", counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
 @pytest.mark.parametrize("shape", ["mixed", "decodes", "fixed-shape"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_attention_equals_the_reference(name, spec, shape, softcap, dtype):
+def test_attention_equals_the_reference(name, spec, shape, softcap, dtype, monkeypatch):
     spec = SPECS[spec]
     b = backend(name)
     if not runs(b, spec, dtype):
         pytest.skip(f"{name} declares it does not run {spec.kind} attention on {dtype} caches")
     case = AttentionCase(spec, MIXED if shape == "mixed" else DECODES, dtype, fixed=shape == "fixed-shape")
     expected, expected_cache = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
+    calls = kernel_calls(name, b, monkeypatch)
     got, cache = case.run(b.attention, 0.3, softcap, poison=b.capabilities.reads_only_visible_keys)
+    assert calls is None or bool(calls) == (shape != "fixed-shape")  # fixed shapes are the reference's
     assert got.dtype == case.q.dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
     # The new K/V is where the reference put it.
@@ -211,7 +228,7 @@ def test_attention_equals_the_reference(name, spec, shape, softcap, dtype):
 @pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
 @pytest.mark.parametrize("shape", ["mixed", "decodes", "fixed-shape"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_attention_with_sinks_equals_the_reference(name, spec, shape, dtype):
+def test_attention_with_sinks_equals_the_reference(name, spec, shape, dtype, monkeypatch):
     # gpt-oss's attention sinks: a logit per query head in each softmax's
     # denominator. A backend that ignores them is far off here (the sinks
     # are several times the scores).
@@ -224,7 +241,9 @@ def test_attention_with_sinks_equals_the_reference(name, spec, shape, dtype):
     expected, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False, sinks=case.sinks)
     without, _ = case.run(ReferenceBackend().attention, 0.3, softcap, poison=False)
     assert (expected.float() - without.float()).abs().max() > 0.1  # the sinks matter in this case
+    calls = kernel_calls(name, b, monkeypatch)
     got, _ = case.run(b.attention, 0.3, softcap, poison=b.capabilities.reads_only_visible_keys, sinks=case.sinks)
+    assert calls is None or bool(calls) == (shape != "fixed-shape")
     assert got.dtype == case.q.dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
 

@@ -65,13 +65,24 @@ class CpuBackend(Backend):
         super().__init__(CpuAttention(self.lib), ReferenceRecurrent())
 
     def prepare(self, model, layout, device) -> PrepareReport:
+        from ...dtypes import TORCH_DTYPES
+        from .attention import STORAGE
         from .decoder import wrap_decoder_layers
         from .linear import pack_linears, spare_memory
         from .modules import swap_norms_and_mlps
 
         report = super().prepare(model, layout, device)
-        if layout.groups and any(g.spec.dtype != "float32" for g in layout.groups if not g.recurrent):
-            report.declined.append("C decode attention: it reads float32 caches; other dtypes run the reference")
+        # The kernels read float32 and bfloat16 (STORAGE); anything else runs torch's ops, said here.
+        dtype = next(model.parameters()).dtype
+        caches = sorted({g.spec.dtype for g in layout.groups if not g.recurrent
+                         and TORCH_DTYPES.get(g.spec.dtype) not in STORAGE})
+        if caches or (layout.groups and dtype not in STORAGE):
+            what = ", ".join([f"{c} caches" for c in caches] + ([f"{dtype} queries"] if dtype not in STORAGE else []))
+            report.declined.append(f"C decode attention: it reads float32 and bfloat16 queries and caches; "
+                                   f"{what} run the reference")
+        if dtype not in STORAGE:
+            report.declined.append(f"C norms, rotary and activations: they read float32 and bfloat16; {dtype} runs "
+                                   f"torch's")
         norms, mlps = swap_norms_and_mlps(model, self.lib)
         report.done.append(f"{norms} RMS norms and {mlps} gated MLPs run their elementwise work in C")
         # Before packing: a wrapped layer takes the dense weights packing drops.

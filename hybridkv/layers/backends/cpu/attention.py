@@ -5,6 +5,9 @@ fixed-shape steps (the ones torch.compile traces) stay the torch
 reference's (backends/reference), whose metadata this extends.
 
 Attention sinks are the kernel's too (`sinks`, one logit per query head).
+Queries and pages are float32 or bfloat16 (`STORAGE`), each its own; the
+kernel's sums and softmax are float32, its output rounded once (the
+reference rounds its scores and weights to bfloat16 too).
 
 Why: the reference gathers every page a decode group reads (index_select),
 then reads the copy again in two batched products. On the real Gemma-3
@@ -23,6 +26,9 @@ import torch
 from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
+
+# kernels.c's storage types (its `enum { F32, BF16 }`), by torch dtype.
+STORAGE = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass
@@ -101,7 +107,8 @@ class CpuAttention(AttentionOps):
 
     def attend_decodes(self, q: torch.Tensor, cache: torch.Tensor, dec: CpuDecodes, column: int, scale: float,
                        softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [R, q_heads, head_dim] (float32) -> the same shape; sinks [q_heads] or None."""
+        """q [R, q_heads, head_dim] (float32 or bfloat16) -> the same shape
+        and dtype; sinks [q_heads] or None."""
         q = q.contiguous()
         out = torch.empty_like(q)
         pages = dec.pages[column]
@@ -111,18 +118,20 @@ class CpuAttention(AttentionOps):
                                                first=dec.first.data_ptr(), last=dec.last.data_ptr())
         status = self.lib.decode_attention(paged_cache(self.lib, cache), rows, q.data_ptr(), q.shape[1], scale,
                                            softcap or 0.0, None if sinks is None else sinks.data_ptr(),
-                                           out.data_ptr(), torch.get_num_threads())
+                                           out.data_ptr(), STORAGE[q.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
         return out
 
     @staticmethod
     def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-        """The kernel reads float32 queries and pools (head dims contiguous)."""
-        return q.dtype == cache.dtype == torch.float32 and cache.stride(-1) == 1 and not cache.is_cuda
+        """The kernel reads float32 and bfloat16 queries and pools (head dims
+        contiguous), on the CPU."""
+        return q.dtype in STORAGE and cache.dtype in STORAGE and cache.stride(-1) == 1 and cache.device.type == "cpu"
 
 
 def paged_cache(lib, cache: torch.Tensor):
-    """kernels.c's `paged_cache` for a layer's view of the pool."""
+    """kernels.c's `paged_cache` for a layer's view of the pool (float32 or
+    bfloat16: `STORAGE`)."""
     return lib.structs["paged_cache"](cache.data_ptr(), *cache.stride()[:4], cache.shape[2], cache.shape[3],
-                                      cache.shape[4])
+                                      cache.shape[4], STORAGE[cache.dtype])

@@ -1,16 +1,24 @@
-"""The self-test of the CPU kernels: every exported function of kernels.c
-against torch written from its rules, on small inputs (a scattered pool,
-windows, GQA, soft-capping, remainders past the vector width), before the
-cpu backend uses any. `check(lib)` raises AssertionError naming the first
-that disagrees; the backend then is unavailable ("auto" warns and runs the
-reference). A few milliseconds."""
+"""The self-test of the CPU kernels: every exported function of kernels.c,
+in float32 and in bfloat16, against torch written from its rules, on
+small inputs (a scattered pool, windows, GQA, soft-capping, remainders
+past the vector width), before the cpu backend uses any. `check(lib)`
+raises AssertionError naming the first that disagrees; the backend then is
+unavailable ("auto" warns and runs the reference). A few milliseconds.
+
+Tolerances: float32 results equal torch's to float32 rounding
+(`TOLERANCE`). bfloat16 ones round where torch's modules round, so they
+equal torch's but where a float32 rounding apart falls either side of a
+bfloat16 one: in at most one element in a thousand, by one bfloat16 step
+(`_bf16_equal`); a rounding dropped or added changes far more. Attention
+rounds once, its output: within one step of torch's float32 result.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .attention import CpuAttention, CpuDecodes, paged_cache
+from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
 from .modules import gated_activation, norm_rotary
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)
@@ -19,6 +27,33 @@ TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 def _close(got, expected, what: str) -> None:
     if not torch.allclose(got, expected, **TOLERANCE):
         raise AssertionError(f"{what} differs by {(got - expected).abs().max().item():.3g}")
+
+
+def _steps(x: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 step (unit in the last place) at each |x|; 0 at 0."""
+    _, exponent = torch.frexp(x.float())
+    return torch.where(x == 0, 0.0, torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 8))
+
+
+def _bf16_equal(got, expected, what: str, atol: float = 0.0) -> None:
+    """got equals expected (bfloat16 both) but in at most one element in a
+    thousand (at least one), each within one bfloat16 step (or atol)."""
+    assert got.dtype == expected.dtype == torch.bfloat16, what
+    diff = (got.float() - expected.float()).abs()
+    far = diff > _steps(expected) + atol
+    if far.any() or (diff > 0).sum() > max(1, got.numel() // 1000):
+        raise AssertionError(f"{what} differs from torch's in {(diff > 0).sum().item()} of {got.numel()} "
+                             f"bfloat16 elements, {far.sum().item()} by more than a step")
+
+
+def _bf16_near(got, exact, what: str) -> None:
+    """got (bfloat16) within one bfloat16 step of torch's float32 result,
+    to float32's tolerance."""
+    assert got.dtype == torch.bfloat16, what
+    far = (got.float() - exact).abs() > _steps(exact) + TOLERANCE["atol"] + TOLERANCE["rtol"] * exact.abs()
+    if far.any():
+        raise AssertionError(f"{what} is over a bfloat16 step from torch's float32 result in {far.sum().item()} "
+                             f"elements")
 
 
 def _norm(x, weight, offset, eps=1e-6):
@@ -76,14 +111,23 @@ def check_decode_attention(lib) -> None:
     dec = CpuDecodes(torch.arange(len(positions)), pages[None], torch.tensor(firsts), torch.tensor(positions))
     sinks = torch.randn(6, generator=gen) * 2
     for softcap, sink in ((None, None), (5.0, None), (None, sinks), (5.0, sinks)):
+        what = f"decode_attention (softcap {softcap}, {'with' if sink is not None else 'no'} sinks"
         got = CpuAttention(lib).attend_decodes(q, cache, dec, 0, 0.3, softcap, sink)
-        _close(got, _attention(q, cache, pages, positions, firsts, 0.3, softcap, sink),
-               f"decode_attention (softcap {softcap}, {'with' if sink is not None else 'no'} sinks)")
+        _close(got, _attention(q, cache, pages, positions, firsts, 0.3, softcap, sink), what + ")")
+        # bfloat16 pages read by float32 queries, and bfloat16 both (the output too)
+        q16, cache16 = q.bfloat16(), cache.bfloat16()
+        got = CpuAttention(lib).attend_decodes(q, cache16, dec, 0, 0.3, softcap, sink)
+        _close(got, _attention(q, cache16.float(), pages, positions, firsts, 0.3, softcap, sink),
+               what + ", bfloat16 pages)")
+        got = CpuAttention(lib).attend_decodes(q16, cache16, dec, 0, 0.3, softcap, sink)
+        _bf16_near(got, _attention(q16.float(), cache16.float(), pages, positions, firsts, 0.3, softcap, sink),
+                   what + ", bfloat16)")
 
 
 def check_norm_rotary(lib) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 5, 40, generator=gen)[:, :, :38]  # strided rows, a remainder past the vector width
+    full = torch.randn(3, 5, 40, generator=gen)
+    x = full[:, :, :38]  # strided rows, a remainder past the vector width
     weight = torch.randn(38, generator=gen)
     cos, sin = torch.randn(3, 38, generator=gen), torch.randn(3, 38, generator=gen)
     for offset in (0.0, 1.0):
@@ -92,6 +136,21 @@ def check_norm_rotary(lib) -> None:
                                                                             sin[:, None]), "norm_rotary rotated")
     _close(norm_rotary(lib, x, None, 0.0, 1e-6, cos, sin), _rotate(x, cos[:, None], sin[:, None]),
            "norm_rotary, rotation alone")
+    # bfloat16, as layers/norm.py's conventions round: Gemma's (1 + w) and a
+    # float32 weight scale in float32, then round; Llama's w scales the
+    # rounded norm. The rotation rounds each product and the sum.
+    x, cos, sin = full.bfloat16()[:, :, :38], cos.bfloat16(), sin.bfloat16()
+    for offset, w, round_first in ((1.0, weight.bfloat16(), False), (0.0, weight, False),
+                                   (0.0, weight.bfloat16(), True)):
+        what = f"norm_rotary (bfloat16, offset {offset}, {w.dtype} weight{', rounded first' if round_first else ''})"
+        normed = _norm(x.float(), w.float(), offset).bfloat16() if not round_first else \
+            w * (_norm(x.float(), torch.ones(()), 0.0).bfloat16())
+        got = norm_rotary(lib, x, w, offset, 1e-6, round_first=round_first)
+        _bf16_equal(got, normed, what)
+        _bf16_equal(norm_rotary(lib, x, w, offset, 1e-6, cos, sin, round_first), _rotate(got, cos[:, None],
+                                                                                       sin[:, None]), what + " rotated")
+    _bf16_equal(norm_rotary(lib, x, None, 0.0, 1e-6, cos, sin), _rotate(x, cos[:, None], sin[:, None]),
+                "norm_rotary, rotation alone (bfloat16)")
 
 
 def check_gated_activation(lib) -> None:
@@ -100,18 +159,37 @@ def check_gated_activation(lib) -> None:
     for kind in (0, 1):
         _close(gated_activation(lib, gate_up, kind), _act(gate_up[:, :37], kind) * gate_up[:, 37:],
                f"gated_activation (kind {kind})")
+    # bfloat16: the activation rounded, then the product (torch's two ops).
+    # Against the rule in float64: torch's GELU-tanh loses its tail to
+    # 1 + tanh cancelling (0 below a gate of -6); the kernel's exp stops at
+    # e^-87, a difference below 1e-30.
+    gate_up = gate_up.bfloat16()
+    gate, up = gate_up[:, :37].double(), gate_up[:, 37:]
+    for kind in (0, 1):
+        y = gate if kind == 0 else 1.5957691216057308 * (gate + 0.044715 * gate ** 3)
+        _bf16_equal(gated_activation(lib, gate_up, kind), (gate * torch.sigmoid(y)).bfloat16() * up,
+                    f"gated_activation (bfloat16, kind {kind})", atol=1e-30)
 
 
 def check_decode_layer(lib) -> None:
     """One decoder layer over two decode rows, Gemma's shape (every norm,
     offset 1, GELU) and Llama's (two norms, offset 0, SiLU) with attention
-    sinks; in one call, and in the three parts a tensor-parallel rank runs."""
+    sinks; in one call, and in the three parts a tensor-parallel rank runs.
+    In bfloat16 (weights, pool, x, cos and sin) against the same rule in
+    float32 from the same values, rounded where the kernel rounds: the K/V
+    stored, and x after each residual add. The second rounding sees a
+    float32 difference in the first's input, so the output is within two
+    bfloat16 steps of the rule's."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
     positions, firsts = [5, 12], [0, 4]
-    for offset, kind, every_norm in ((1.0, 1, True), (0.0, 0, False)):
+    for dtype, offset, kind, every_norm in ((torch.float32, 1.0, 1, True), (torch.float32, 0.0, 0, False),
+                                            (torch.bfloat16, 1.0, 1, True), (torch.bfloat16, 0.0, 0, False)):
         def rand(*shape, scale=0.2):
-            return torch.randn(*shape, generator=gen) * scale
+            return (torch.randn(*shape, generator=gen) * scale).to(dtype).float()  # values dtype holds
+
+        def rounded(t):  # as the kernel stores t in dtype
+            return t.to(dtype).float()
 
         w = {"qkv": rand((q_heads + 2 * kv_heads) * dim, hidden), "qkv_bias": rand((q_heads + 2 * kv_heads) * dim),
              "o": rand(hidden, q_heads * dim), "o_bias": None, "gate_up": rand(2 * inter, hidden),
@@ -121,11 +199,12 @@ def check_decode_layer(lib) -> None:
                            ("k_norm", dim)):
             w[name] = rand(size) if every_norm else None
         cache, pages = _scattered_pool(gen, 24, bs, kv_heads, dim, positions, firsts)
+        cache = rounded(cache)
         store_pages = pages[torch.arange(2), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
         store_offsets = torch.tensor(positions) % bs
         x = rand(2, hidden, scale=1.0)
-        angles = rand(2, dim, scale=3.0)
-        cos, sin = angles.cos(), angles.sin()
+        angles = torch.randn(2, dim, generator=gen) * 3.0
+        cos, sin = rounded(angles.cos()), rounded(angles.sin())
         # torch, from the rules
         expected_cache = cache.clone()
         qkv = F.linear(_norm(x, w["input_norm"], offset), w["qkv"], w["qkv_bias"])
@@ -135,38 +214,49 @@ def check_decode_layer(lib) -> None:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
         for r in range(2):
-            expected_cache[store_pages[r], 0, store_offsets[r]] = k[r]
-            expected_cache[store_pages[r], 1, store_offsets[r]] = v[r]
+            expected_cache[store_pages[r], 0, store_offsets[r]] = rounded(k[r])
+            expected_cache[store_pages[r], 1, store_offsets[r]] = rounded(v[r])
         attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"]).reshape(2, -1)
         o = F.linear(attn, w["o"])
-        x1 = x + (_norm(o, w["post_attention_norm"], offset) if every_norm else o)
+        x1 = rounded(x + (_norm(o, w["post_attention_norm"], offset) if every_norm else o))
         h = _norm(x1, w["pre_feedforward_norm"], offset)
         gate_up = F.linear(h, w["gate_up"])
         d = F.linear(_act(gate_up[:, :inter], kind) * gate_up[:, inter:], w["down"])
         expected = x1 + (_norm(d, w["post_feedforward_norm"], offset) if every_norm else d)
-        # C
+        # C: the products' weights, the pool, x, cos and sin in dtype; the rest float32
+        held = {name: None if t is None else t.to(dtype) if name in ("qkv", "o", "gate_up", "down") else t
+                for name, t in w.items()}
         layer = lib.structs["decoder_layer"](
-            hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, inter=inter, activation=kind, eps=1e-6,
-            norm_offset=offset, scale=0.25, softcap=0.0,
-            **{name: None if t is None else t.data_ptr() for name, t in w.items()})
+            hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, inter=inter, activation=kind,
+            dtype=STORAGE[dtype], eps=1e-6, norm_offset=offset, scale=0.25, softcap=0.0,
+            **{name: None if t is None else t.data_ptr() for name, t in held.items()})
         first, last, store = torch.tensor(firsts), torch.tensor(positions), store_pages.contiguous()
         rows = lib.structs["decode_rows"](rows=2, max_blocks=pages.shape[1], pages=pages.data_ptr(),
                                           first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
                                           store_offsets=store_offsets.data_ptr())
+        pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)
         # The whole layer in one call, then in its three parts (a tensor-parallel
         # rank's, here with nothing to add between them: one rank's sums are whole).
         for parts in ((0,), (1, 2, 3)):
-            got, sums = x.clone(), torch.empty_like(x)
+            what = f"decode_layer ({dtype}, offset {offset}, parts {parts})"
+            got, sums = x.to(dtype, copy=True), torch.empty(x.shape)
             for part in parts:
-                status = lib.decode_layer(layer, paged_cache(lib, cache), rows, got.data_ptr(), cos.data_ptr(),
+                status = lib.decode_layer(layer, paged_cache(lib, pool), rows, got.data_ptr(), cos.data_ptr(),
                                           sin.data_ptr(), sums.data_ptr() if part else None, part,
                                           torch.get_num_threads())
                 if status != 0:
                     raise AssertionError("decode_layer failed to allocate")
-            _close(got, expected, f"decode_layer (offset {offset}, parts {parts})")
             written = [(int(p), int(s)) for p, s in zip(store_pages, store_offsets)]
+            if dtype == torch.float32:
+                _close(got, expected, what)
+                for page, slot in written:
+                    _close(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store")
+                continue
+            far = (got.float() - expected).abs() > 2 * _steps(expected) + TOLERANCE["atol"]
+            if far.any():
+                raise AssertionError(f"{what} is over two bfloat16 steps from torch's float32 result")
             for page, slot in written:
-                _close(cache[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store")
+                _bf16_near(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store (bfloat16)")
 
 
 def check(lib) -> None:

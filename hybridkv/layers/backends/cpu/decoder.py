@@ -26,6 +26,13 @@ of the MLP's width, so its output products are partial sums, which the
 residual adds and the norms after them need whole: the layer then runs as
 three C calls (kernels.c `decode_layer`'s parts) with an all-reduce of the
 sums between them, the same two all-reduces as the modules make.
+
+In bfloat16 the products read the weights as they are, half the bytes of
+float32 (a batch-1 step's time); everything between them is float32 (the
+norms, biases and sinks held as float32 copies), the K/V rounded where
+stored and the residual stream where each sublayer is added. The modules
+round after every op, so the two agree to bfloat16 rounding, not bit for
+bit.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from torch import nn
 
 from ...decoder import DecoderParts
 from ...mlp import GatedMLP
-from .attention import CpuMetadata, paged_cache
+from .attention import STORAGE, CpuMetadata, paged_cache
 from .modules import ACTIVATIONS
 
 # Above this many query rows a step goes through the modules: oneDNN's
@@ -49,7 +56,7 @@ LAYER_WHOLE, LAYER_PARTS = 0, (1, 2, 3)
 
 
 def _dense(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0)
+    return t is None or (t.dtype in STORAGE and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0)
 
 
 def refusal(parts: DecoderParts) -> str | None:
@@ -71,7 +78,9 @@ def refusal(parts: DecoderParts) -> str | None:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(_dense(t) for m in linears for t in (m.weight, m.bias)) or not all(_dense(n.weight) for n in norms) \
             or not _dense(attn.sinks):
-        return "weights not dense float32 on the CPU"
+        return "weights not dense float32 or bfloat16 on the CPU"
+    if len({m.weight.dtype for m in linears}) != 1:
+        return "products' weights of different dtypes"
     return None
 
 
@@ -142,19 +151,23 @@ class CpuDecoderLayer(nn.Module):
         self.layer_name, self.group, self.column = attn.layer_name, attn.group, attn.column
         self.ranks = attn.ranks  # the tensor-parallel ranks its partial sums are added up over
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+        def vector(t):  # norms, biases and sinks: float32 (a copy where they are bfloat16)
+            return None if t is None else t.detach().float()
+
         # The tensors the struct points into, held here: they outlive the
         # modules' dense copies, which packing for oneDNN drops.
         self.tensors = {
-            "qkv": qkv.weight.detach(), "qkv_bias": None if qkv.bias is None else qkv.bias.detach(),
-            "o": o.weight.detach(), "o_bias": None if o.bias is None else o.bias.detach(),
-            "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
-            "sinks": None if attn.sinks is None else attn.sinks.detach(),
-            **{name: None if getattr(parts, name) is None else getattr(parts, name).weight.detach()
+            "qkv": qkv.weight.detach(), "qkv_bias": vector(qkv.bias), "o": o.weight.detach(),
+            "o_bias": vector(o.bias), "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
+            "sinks": vector(attn.sinks),
+            **{name: None if getattr(parts, name) is None else vector(getattr(parts, name).weight)
                for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm",
                             "q_norm", "k_norm")}}
+        self.dtype = qkv.weight.dtype  # the products' weights', and the residual stream's
         self.weights = lib.structs["decoder_layer"](
             hidden=o.out_features, q_heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            inter=down.in_features, activation=ACTIVATIONS[mlp.kind], eps=norms[0].eps,
+            inter=down.in_features, activation=ACTIVATIONS[mlp.kind], dtype=STORAGE[self.dtype], eps=norms[0].eps,
             norm_offset=1.0 if norms[0].unit_offset else 0.0, scale=attn.scale, softcap=attn.softcap or 0.0,
             **{name: None if t is None else t.data_ptr() for name, t in self.tensors.items()})
         self._cache: tuple | None = None  # (pool, the layer's paged_cache) of the last step
@@ -163,8 +176,9 @@ class CpuDecoderLayer(nn.Module):
         """The layer's `paged_cache` (made once per pool)."""
         if self._cache is None or self._cache[0] is not buffers.pool:
             cache = buffers.attention_cache(self.layer_name)
-            if cache.dtype != torch.float32 or cache.stride(-1) != 1:
-                raise ValueError(f"the C decoder layer writes float32 K/V; {self.layer_name}'s cache is {cache.dtype}")
+            if cache.dtype not in STORAGE or cache.stride(-1) != 1:
+                raise ValueError(f"the C decoder layer writes float32 or bfloat16 K/V; {self.layer_name}'s cache is "
+                                 f"{cache.dtype}")
             self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
         return self._cache[1]
 
@@ -172,14 +186,17 @@ class CpuDecoderLayer(nn.Module):
         step = batch.route_state
         if not isinstance(step, CpuDecodeStep):
             return self.layer(x, cos_sin, batch)
-        # x [rows, hidden] float32, contiguous: updated in place and returned.
+        # x [rows, hidden] contiguous, and cos, sin [rows, head_dim], of the
+        # weights' dtype (the model's): x updated in place and returned.
         cos, sin = cos_sin
+        if not x.dtype == cos.dtype == sin.dtype == self.dtype:
+            raise ValueError(f"the C decoder layer reads {self.dtype}; got {x.dtype}, cos and sin {cos.dtype}")
         rows = step.groups[self.group].rows(self.lib, self.column)
         call = (self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr())
         if self.ranks.world == 1:
             self._check(self.lib.decode_layer(*call, None, LAYER_WHOLE, step.threads))
             return x
-        sums = torch.empty_like(x)
+        sums = torch.empty(x.shape, dtype=torch.float32)  # kernels.c adds float32 partial sums
         for part in LAYER_PARTS:
             self._check(self.lib.decode_layer(*call, sums.data_ptr(), part, step.threads))
             if part != LAYER_PARTS[-1]:

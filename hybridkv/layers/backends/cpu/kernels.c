@@ -17,11 +17,22 @@
  * and value once. Attention sinks (gpt-oss: a learned logit per query head,
  * in each softmax's denominator only) are one more term in the maximum and
  * the sum of the softmax; they read nothing from the pool.
+ *
+ * Storage types (`dtype` arguments and fields, enum below): float32, or
+ * bfloat16, which is widened to float32 where it is read and rounded to
+ * the nearest even where it is written, as torch converts. Every sum,
+ * norm and softmax is float32 either way. The typed loads and stores take
+ * the type as an argument: where it is a constant (each hot loop is
+ * inlined once per type below its dispatch), they compile to the plain
+ * float32 load or to the widening one, with no branch left.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* Sixteen floats: one AVX-512 register, two AVX2 ones; the compiler picks. */
 #define LANES 16
@@ -46,6 +57,139 @@ static inline float sum_lanes(vec v)
 }
 
 static inline vec splat(float x) { return (vec){0} + x; }
+
+/* Inlined into every caller, so that a storage type given as a constant
+ * specialises the loops around it. */
+#define INLINE static inline __attribute__((always_inline))
+
+enum { F32 = 0, BF16 = 1 };
+
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* The float32 bits of v rounded to bfloat16, to the nearest even (an
+ * overflow rounds to infinity), in float32's layout: the low half zero.
+ * NaN stays NaN (torch's 0x7FC0). */
+static inline uvec bf16_bits(vec v)
+{
+    uvec bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uvec rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+    const uvec nan = (uvec)(v != v);
+    return (nan & 0x7FC00000u) | (~nan & rounded);
+}
+
+static inline uint32_t bf16_bits1(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return f != f ? 0x7FC00000u : (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+}
+
+/* Sixteen bfloat16 at p as float32: each is float32's upper half. */
+static inline vec widen(const uint16_t *p)
+{
+#if defined(__AVX512F__) /* one zero-extending load: GCC 12 splits the generic conversion in two */
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    hvec h;
+    memcpy(&h, p, sizeof h);
+    const uvec bits = __builtin_convertvector(h, uvec) << 16;
+#endif
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* v rounded to bfloat16, stored at p. */
+static inline void narrow(uint16_t *p, vec v)
+{
+    const uvec upper = bf16_bits(v) >> 16;
+#if defined(__AVX512F__)
+    __m512i bits;
+    memcpy(&bits, &upper, sizeof bits);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bits));
+#else
+    const hvec h = __builtin_convertvector(upper, hvec);
+    memcpy(p, &h, sizeof h);
+#endif
+}
+
+static inline float widen1(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow1(float f) { return (uint16_t)(bf16_bits1(f) >> 16); }
+
+static inline size_t size_of(int t) { return t == BF16 ? sizeof(uint16_t) : sizeof(float); }
+
+/* Element i of an array of storage type t. */
+static inline void *at(const void *p, int64_t i, int t) { return (char *)p + i * (int64_t)size_of(t); }
+
+/* Sixteen elements (load_as, store_as) or one (get_as, put_as) of an array
+ * of storage type t at element i, as float32. */
+INLINE vec load_as(const void *p, int64_t i, int t)
+{
+    return t == F32 ? load((const float *)p + i) : widen((const uint16_t *)p + i);
+}
+
+INLINE void store_as(void *p, int64_t i, vec v, int t)
+{
+    if (t == F32)
+        store((float *)p + i, v);
+    else
+        narrow((uint16_t *)p + i, v);
+}
+
+INLINE float get_as(const void *p, int64_t i, int t)
+{
+    return t == F32 ? ((const float *)p)[i] : widen1(((const uint16_t *)p)[i]);
+}
+
+INLINE void put_as(void *p, int64_t i, float v, int t)
+{
+    if (t == F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = narrow1(v);
+}
+
+/* v as an array of type t holds it: rounded to bfloat16 (in float32), or v. */
+INLINE vec rounded_as(vec v, int t)
+{
+    if (t == F32)
+        return v;
+    const uvec bits = bf16_bits(v);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+INLINE float rounded1_as(float v, int t)
+{
+    if (t == F32)
+        return v;
+    const uint32_t bits = bf16_bits1(v);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* n elements from src (type st) to dst (type dt). */
+static void copy_as(const void *src, int st, void *dst, int dt, int64_t n)
+{
+    if (st == dt) {
+        memcpy(dst, src, size_of(st) * (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        store_as(dst, i, load_as(src, i, st), dt);
+    for (; i < n; i++)
+        put_as(dst, i, get_as(src, i, st), dt);
+}
 
 /* Lane by lane: a where `mask` (a vector comparison's result), else b. */
 static inline vec select(ivec mask, vec a, vec b)
@@ -77,59 +221,62 @@ static inline vec exp_nonpositive(vec x)
     return p * scale;
 }
 
-/* Dot products of one key row with four query rows, dim floats each (four
- * independent sums, so the multiply-adds overlap). */
-static inline void dot4(const float *q0, const float *q1, const float *q2, const float *q3, const float *k,
-                        int64_t dim, float *s)
+/* Dot products of one key row (dim elements at k of the cache, type ct)
+ * with four float32 query rows (four independent sums, so the
+ * multiply-adds overlap). */
+INLINE void dot4(const float *q0, const float *q1, const float *q2, const float *q3, const void *cache, int64_t k,
+                 int64_t dim, float *s, int ct)
 {
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t d = 0;
     for (; d + LANES <= dim; d += LANES) {
-        const vec kv = load(k + d);
+        const vec kv = load_as(cache, k + d, ct);
         a0 += load(q0 + d) * kv;
         a1 += load(q1 + d) * kv;
         a2 += load(q2 + d) * kv;
         a3 += load(q3 + d) * kv;
     }
     s[0] = sum_lanes(a0), s[1] = sum_lanes(a1), s[2] = sum_lanes(a2), s[3] = sum_lanes(a3);
-    for (; d < dim; d++)
-        s[0] += q0[d] * k[d], s[1] += q1[d] * k[d], s[2] += q2[d] * k[d], s[3] += q3[d] * k[d];
+    for (; d < dim; d++) {
+        const float kd = get_as(cache, k + d, ct);
+        s[0] += q0[d] * kd, s[1] += q1[d] * kd, s[2] += q2[d] * kd, s[3] += q3[d] * kd;
+    }
 }
 
-/* Where key position p of a row lies in the pool. */
-static inline const float *slot(const float *cache, const int64_t *row_pages, int64_t p, int64_t block0,
-                                int64_t block_size, int64_t page_stride, int64_t slot_stride)
+/* Where key position p of a row lies in the pool (elements from the
+ * layer's head). */
+static inline int64_t slot(const int64_t *row_pages, int64_t p, int64_t block0, int64_t block_size,
+                           int64_t page_stride, int64_t slot_stride)
 {
-    return cache + row_pages[p / block_size - block0] * page_stride + (p % block_size) * slot_stride;
+    return row_pages[p / block_size - block0] * page_stride + (p % block_size) * slot_stride;
 }
 
 /* One row and up to four of a KV head's query heads (count): scores
- * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none). */
-static void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
-                         const float *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
+ * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
+ * The cache's elements are of type ct (inlined once per type). */
+INLINE void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
+                         const void *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
                          int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
-                         int64_t dim, float scale, float softcap, float *scores)
+                         int64_t dim, float scale, float softcap, float *scores, int ct)
 {
     float s[4];
-    const int64_t last_block = (lo + n - 1) / block_size;
+    const int64_t last_block = (lo + n - 1) / block_size, row_bytes = dim * (int64_t)size_of(ct);
     for (int64_t i = 0; i < n; i++) {
-        const int64_t p = lo + i;
+        const int64_t p = lo + i, key = slot(row_pages, p, block0, block_size, page_stride, slot_stride);
         /* The next block's row at this slot, fetched a block ahead: the
          * pages of a row lie anywhere in the pool, where the hardware's own
          * prefetch does not follow. */
         if (p / block_size < last_block) {
-            const char *next = (const char *)slot(cache, row_pages, p + block_size, block0, block_size, page_stride,
-                                                  slot_stride);
-            for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+            const char *next = at(cache, slot(row_pages, p + block_size, block0, block_size, page_stride,
+                                              slot_stride), ct);
+            for (int64_t b = 0; b < row_bytes; b += 64)
                 __builtin_prefetch(next + b);
         }
         /* And this key's value row, for the second pass to find in cache. */
-        const char *value = (const char *)(slot(cache, row_pages, p, block0, block_size, page_stride, slot_stride) +
-                                           half_stride);
-        for (int64_t b = 0; b < dim * (int64_t)sizeof(float); b += 64)
+        const char *value = at(cache, key + half_stride, ct);
+        for (int64_t b = 0; b < row_bytes; b += 64)
             __builtin_prefetch(value + b);
-        dot4(qs[0], qs[1], qs[2], qs[3], slot(cache, row_pages, p, block0, block_size, page_stride, slot_stride),
-             dim, s);
+        dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
         for (int g = 0; g < 4; g++)
             scores[g * n + i] = softcap > 0.0f ? tanhf(s[g] * scale / softcap) * softcap : s[g] * scale;
     }
@@ -166,9 +313,10 @@ static void attend_heads(const float *const qs[4], float *const os[4], const flo
                 for (int j = 0; j < 4; j++)
                     acc[g][j] = load(os[g] + d + j * LANES);
             for (int64_t i = i0; i < i1; i++) {
-                const float *v = slot(cache, row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
-                                 half_stride + d;
-                const vec v0 = load(v), v1 = load(v + LANES), v2 = load(v + 2 * LANES), v3 = load(v + 3 * LANES);
+                const int64_t v = slot(row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
+                                  half_stride + d;
+                const vec v0 = load_as(cache, v, ct), v1 = load_as(cache, v + LANES, ct),
+                          v2 = load_as(cache, v + 2 * LANES, ct), v3 = load_as(cache, v + 3 * LANES, ct);
                 for (int g = 0; g < 4; g++) {
                     const vec w = splat(scores[g * n + i]);
                     acc[g][0] += w * v0, acc[g][1] += w * v1, acc[g][2] += w * v2, acc[g][3] += w * v3;
@@ -189,18 +337,20 @@ static void attend_heads(const float *const qs[4], float *const os[4], const flo
             float acc = 0.0f;
             for (int64_t i = 0; i < n; i++)
                 acc += scores[g * n + i] *
-                       slot(cache, row_pages, lo + i, block0, block_size, page_stride, slot_stride)[half_stride + d];
+                       get_as(cache, slot(row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
+                                         half_stride + d, ct);
             os[g][d] = acc / total[g];
         }
     }
 }
 
-/* One layer's paged K/V cache as the kernels address it: float32, strides
- * in floats (page, K/V half, slot, head; head_dim contiguous). */
+/* One layer's paged K/V cache as the kernels address it: elements of
+ * storage type `dtype`, strides in elements (page, K/V half, slot, head;
+ * head_dim contiguous). */
 typedef struct {
-    float *data;
+    void *data;
     int64_t page_stride, half_stride, slot_stride, head_stride;
-    int64_t block_size, kv_heads, head_dim;
+    int64_t block_size, kv_heads, head_dim, dtype;
 } paged_cache;
 
 /* A step's decode rows: each reads key positions first[r] .. last[r]
@@ -215,39 +365,58 @@ typedef struct {
 } decode_rows;
 
 /* Row r of a decode batch, the query heads g0 .. g0 + count - 1 of KV
- * head h (count <= 4); see decode_attention for the arguments. Returns 0,
- * or -1 where memory for the scores could not be had. */
-static int attend_row(const float *q, const paged_cache *c, const decode_rows *d, int64_t r, int64_t groups,
+ * head h (count <= 4): q and out are the row's [q_heads, head_dim], of
+ * storage type `dtype`; see decode_attention for the rest. Returns 0, or
+ * -1 where memory for the scores could not be had. */
+static int attend_row(const void *q, const paged_cache *c, const decode_rows *d, int64_t r, int64_t groups,
                       int64_t h, int64_t g0, int64_t count, float scale, float softcap, const float *sinks,
-                      float *out)
+                      void *out, int dtype)
 {
     const int64_t lo = d->first[r], hi = d->last[r], n = hi - lo + 1, dim = c->head_dim;
     const int64_t block_size = c->block_size;
-    float *scores = malloc(sizeof(float) * (size_t)(4 * n));
+    /* The scores, then (bfloat16 q and out) four heads of each in float32. */
+    float *scores = malloc(sizeof(float) * (size_t)(4 * n + (dtype == F32 ? 0 : 8 * dim)));
     if (scores == NULL)
         return -1;
+    float *wide = scores + 4 * n;
     const float *qs[4];
     float *os[4];
     float sink[4];
+    int64_t heads[4];
     for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
-        const int64_t head = h * groups + g0 + (g < count ? g : count - 1);
-        qs[g] = q + head * dim;
-        os[g] = out + head * dim;
-        sink[g] = sinks != NULL ? sinks[head] : -INFINITY;
+        heads[g] = h * groups + g0 + (g < count ? g : count - 1);
+        if (dtype == F32) {
+            qs[g] = (const float *)q + heads[g] * dim;
+            os[g] = (float *)out + heads[g] * dim;
+        } else {
+            copy_as(at(q, heads[g] * dim, dtype), dtype, wide + g * dim, F32, dim);
+            qs[g] = wide + g * dim;
+            os[g] = wide + (4 + g) * dim;
+        }
+        sink[g] = sinks != NULL ? sinks[heads[g]] : -INFINITY;
     }
-    attend_heads(qs, os, sink, count, c->data + h * c->head_stride, d->pages + r * d->max_blocks, lo, n,
-                 lo / block_size, block_size, c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap,
-                 scores);
+    const void *head = at(c->data, h * c->head_stride, (int)c->dtype);
+    const int64_t *row_pages = d->pages + r * d->max_blocks;
+    if (c->dtype == F32)
+        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, F32);
+    else
+        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16);
+    if (dtype != F32)
+        for (int g = 0; g < count; g++)
+            copy_as(os[g], F32, at(out, heads[g] * dim, dtype), dtype, dim);
     free(scores);
     return 0;
 }
 
-/* q [rows, q_heads, head_dim] float32, contiguous; out the same: each
- * row's query heads attended over its keys (`decode_rows`) in the cache.
+/* q [rows, q_heads, head_dim], contiguous, of storage type `dtype`; out
+ * the same: each row's query heads attended over its keys (`decode_rows`)
+ * in the cache (its own storage type), in float32, out rounded once.
  * softcap <= 0: none. sinks [q_heads] float32, or NULL: none. Returns 0,
  * or -1 where memory for the scores could not be had. */
-int decode_attention(const paged_cache *cache, const decode_rows *rows, const float *q, int64_t q_heads,
-                     float scale, float softcap, const float *sinks, float *out, int threads)
+int decode_attention(const paged_cache *cache, const decode_rows *rows, const void *q, int64_t q_heads,
+                     float scale, float softcap, const float *sinks, void *out, int dtype, int threads)
 {
     const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
@@ -256,8 +425,8 @@ int decode_attention(const paged_cache *cache, const decode_rows *rows, const fl
         for (int64_t hb = 0; hb < cache->kv_heads * batches; hb++) {
             const int64_t h = hb / batches, g0 = hb % batches * 4;
             const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
-            failed |= attend_row(q + r * q_heads * dim, cache, rows, r, groups, h, g0, count, scale, softcap,
-                                 sinks, out + r * q_heads * dim);
+            failed |= attend_row(at(q, r * q_heads * dim, dtype), cache, rows, r, groups, h, g0, count, scale,
+                                 softcap, sinks, at(out, r * q_heads * dim, dtype), dtype);
         }
     }
     return failed ? -1 : 0;
@@ -265,68 +434,107 @@ int decode_attention(const paged_cache *cache, const decode_rows *rows, const fl
 
 /* ---- Elementwise work fused: each op one pass over its rows where torch
  * makes several (a norm is a square, a mean, a reciprocal root and two
- * products; rotary a negation, a concatenation, two products and a sum). */
+ * products; rotary a negation, a concatenation, two products and a sum).
+ * In bfloat16 each rounds where torch's modules round (layers/norm.py,
+ * rotary.py, mlp.py: every op on a bfloat16 tensor rounds its result),
+ * computing in float32 in between. */
 
 /* Enough work to be worth waking a second thread for. */
 #define PARALLEL_WORK (1 << 15)
 
-/* x [outer, inner, dim] with strides (outer_stride, inner_stride, 1); out
- * the same shape, contiguous. Each row of dim: with weight, scaled by
- * rsqrt(mean(x^2) + eps) * (weight + offset); then, with cos and sin
- * ([outer, dim], contiguous), rotated half against half (rotary
- * embeddings, the rotate-half convention; dim even). */
-/* out = row * rsqrt(mean(row^2) + eps) * (weight + offset), dim floats
- * (out may be row). */
-static void norm_row(const float *row, const float *weight, float offset, float eps, int64_t dim, float *out)
+/* out = row * rsqrt(mean(row^2) + eps) * (weight + offset), dim elements
+ * (out may be row); row, weight and out of storage types rt, wt, ot. With
+ * round_first, row * rsqrt(...) is rounded to ot before the weight scales
+ * it (Llama's norm in torch: cast back, then scaled). */
+INLINE void norm_row_as(const void *row, int rt, const void *weight, int wt, float offset, float eps,
+                        int round_first, int64_t dim, void *out, int ot)
 {
     vec squares = {0};
     int64_t d = 0;
     for (; d + LANES <= dim; d += LANES) {
-        const vec v = load(row + d);
+        const vec v = load_as(row, d, rt);
         squares += v * v;
     }
     float sum = sum_lanes(squares);
     for (; d < dim; d++)
-        sum += row[d] * row[d];
+        sum += get_as(row, d, rt) * get_as(row, d, rt);
     const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (d = 0; d + LANES <= dim; d += LANES)
-        store(out + d, load(row + d) * scale * (load(weight + d) + offset));
-    for (; d < dim; d++)
-        out[d] = row[d] * scale * (weight[d] + offset);
+    for (d = 0; d + LANES <= dim; d += LANES) {
+        const vec y = load_as(row, d, rt) * scale;
+        store_as(out, d, (round_first ? rounded_as(y, ot) : y) * (load_as(weight, d, wt) + offset), ot);
+    }
+    for (; d < dim; d++) {
+        const float y = get_as(row, d, rt) * scale;
+        put_as(out, d, (round_first ? rounded1_as(y, ot) : y) * (get_as(weight, d, wt) + offset), ot);
+    }
 }
 
-/* o (dim floats, in place) rotated half against half by c and s. */
-static void rotate_row(float *o, const float *c, const float *s, int64_t dim)
+/* The float32 norm the decoder layer runs on its scratch rows. */
+static void norm_row(const float *row, const float *weight, float offset, float eps, int64_t dim, float *out)
+{
+    norm_row_as(row, F32, weight, F32, offset, eps, 0, dim, out, F32);
+}
+
+/* o (dim elements of type ot, in place) rotated half against half by c
+ * and s (type ct); each product and sum rounded to ot. */
+INLINE void rotate_row_as(void *o, int ot, const void *c, const void *s, int ct, int64_t dim)
 {
     const int64_t half = dim / 2;
     int64_t d = 0;
     for (; d + LANES <= half; d += LANES) {
-        const vec x1 = load(o + d), x2 = load(o + half + d);
-        store(o + d, x1 * load(c + d) - x2 * load(s + d));
-        store(o + half + d, x2 * load(c + half + d) + x1 * load(s + half + d));
+        const vec x1 = load_as(o, d, ot), x2 = load_as(o, half + d, ot);
+        store_as(o, d, rounded_as(x1 * load_as(c, d, ct), ot) - rounded_as(x2 * load_as(s, d, ct), ot), ot);
+        store_as(o, half + d,
+                 rounded_as(x2 * load_as(c, half + d, ct), ot) + rounded_as(x1 * load_as(s, half + d, ct), ot), ot);
     }
     for (; d < half; d++) {
-        const float x1 = o[d], x2 = o[half + d];
-        o[d] = x1 * c[d] - x2 * s[d];
-        o[half + d] = x2 * c[half + d] + x1 * s[half + d];
+        const float x1 = get_as(o, d, ot), x2 = get_as(o, half + d, ot);
+        put_as(o, d, rounded1_as(x1 * get_as(c, d, ct), ot) - rounded1_as(x2 * get_as(s, d, ct), ot), ot);
+        put_as(o, half + d,
+               rounded1_as(x2 * get_as(c, half + d, ct), ot) + rounded1_as(x1 * get_as(s, half + d, ct), ot), ot);
     }
 }
 
-void norm_rotary(const float *x, int64_t outer, int64_t inner, int64_t dim, int64_t outer_stride,
-                 int64_t inner_stride, const float *weight, float offset, float eps, const float *cos,
-                 const float *sin, float *out, int threads)
+/* One row of norm_rotary, x and out (and cos, sin) of type t, the weight
+ * of type wt. */
+INLINE void norm_rotary_row(const void *row, void *o, int64_t dim, const void *weight, float offset, float eps,
+                            int round_first, const void *c, const void *s, int t, int wt)
 {
+    if (weight != NULL)
+        norm_row_as(row, t, weight, wt, offset, eps, round_first, dim, o, t);
+    else if (o != row)
+        memcpy(o, row, size_of(t) * (size_t)dim);
+    if (c != NULL)
+        rotate_row_as(o, t, c, s, t, dim);
+}
+
+/* x [outer, inner, dim] of storage type `dtype`, with strides
+ * (outer_stride, inner_stride, 1); out the same shape and type,
+ * contiguous. Each row of dim: with weight (of type weight_dtype), scaled
+ * by rsqrt(mean(x^2) + eps) * (weight + offset) (`norm_row_as`, with
+ * round_first); then, with cos and sin ([outer, dim], contiguous,
+ * `dtype`), rotated half against half (rotary embeddings, the rotate-half
+ * convention; dim even). */
+void norm_rotary(const void *x, int64_t outer, int64_t inner, int64_t dim, int64_t outer_stride,
+                 int64_t inner_stride, const void *weight, int weight_dtype, float offset, float eps, int round_first,
+                 const void *cos, const void *sin, void *out, int dtype, int threads)
+{
+    const int t = dtype, wt = weight_dtype;
 #pragma omp parallel for num_threads(threads) schedule(static) if (outer * inner * dim > PARALLEL_WORK)
     for (int64_t a = 0; a < outer; a++) {
+        const void *c = cos != NULL ? at(cos, a * dim, t) : NULL, *s = sin != NULL ? at(sin, a * dim, t) : NULL;
         for (int64_t b = 0; b < inner; b++) {
-            const float *row = x + a * outer_stride + b * inner_stride;
-            float *o = out + (a * inner + b) * dim;
-            if (weight != NULL)
-                norm_row(row, weight, offset, eps, dim, o);
-            else if (o != row)
-                memcpy(o, row, sizeof(float) * (size_t)dim);
-            if (cos != NULL)
-                rotate_row(o, cos + a * dim, sin + a * dim, dim);
+            const void *row = at(x, a * outer_stride + b * inner_stride, t);
+            void *o = at(out, (a * inner + b) * dim, t);
+            /* one inlined copy per pair of types */
+            if (t == F32 && wt == F32)
+                norm_rotary_row(row, o, dim, weight, offset, eps, round_first, c, s, F32, F32);
+            else if (t == F32)
+                norm_rotary_row(row, o, dim, weight, offset, eps, round_first, c, s, F32, BF16);
+            else if (wt == F32)
+                norm_rotary_row(row, o, dim, weight, offset, eps, round_first, c, s, BF16, F32);
+            else
+                norm_rotary_row(row, o, dim, weight, offset, eps, round_first, c, s, BF16, BF16);
         }
     }
 }
@@ -340,31 +548,45 @@ static inline vec sigmoid(vec x)
     return select(x >= 0.0f, s, e * s);
 }
 
-/* act(x) * up: act SiLU (kind 0) or GELU with the tanh approximation
- * (kind 1), where 0.5 x (1 + tanh(y)) = x * sigmoid(2y). */
-static inline vec gated(vec x, vec up, int kind)
+/* act(x): SiLU (kind 0) or GELU with the tanh approximation (kind 1),
+ * where 0.5 x (1 + tanh(y)) = x * sigmoid(2y). */
+static inline vec activation(vec x, int kind)
 {
     const vec y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x); /* 2 sqrt(2/pi) (...) */
-    return x * sigmoid(y) * up;
+    return x * sigmoid(y);
+}
+
+static inline float activation1(float x, int kind)
+{
+    const float y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-y));
+}
+
+/* One row of gated_activation, of type t: the activation rounded to t
+ * before the product, as torch's two ops round. */
+INLINE void gated_row(const void *g, const void *u, void *o, int64_t inter, int kind, int t)
+{
+    int64_t j = 0;
+    for (; j + LANES <= inter; j += LANES)
+        store_as(o, j, rounded_as(activation(load_as(g, j, t), kind), t) * load_as(u, j, t), t);
+    for (; j < inter; j++)
+        put_as(o, j, rounded1_as(activation1(get_as(g, j, t), kind), t) * get_as(u, j, t), t);
 }
 
 /* gate_up [rows, 2 * inter] (row stride `stride`): the gate's columns,
- * then the up projection's. out [rows, inter] = act(gate) * up (`gated`). */
-void gated_activation(const float *gate_up, int64_t rows, int64_t inter, int64_t stride, int kind, float *out,
-                      int threads)
+ * then the up projection's. out [rows, inter] = act(gate) * up
+ * (`activation`); both of storage type `dtype`. */
+void gated_activation(const void *gate_up, int64_t rows, int64_t inter, int64_t stride, int kind, void *out,
+                      int dtype, int threads)
 {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter > PARALLEL_WORK)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * stride, *u = g + inter;
-        float *o = out + r * inter;
-        int64_t j = 0;
-        for (; j + LANES <= inter; j += LANES)
-            store(o + j, gated(load(g + j), load(u + j), kind));
-        for (; j < inter; j++) {
-            const float x = g[j];
-            const float y = kind == 0 ? x : 1.5957691216f * (x + 0.044715f * x * x * x);
-            o[j] = x / (1.0f + expf(-y)) * u[j];
-        }
+        const void *g = at(gate_up, r * stride, dtype), *u = at(g, inter, dtype);
+        void *o = at(out, r * inter, dtype);
+        if (dtype == F32)
+            gated_row(g, u, o, inter, kind, F32);
+        else
+            gated_row(g, u, o, inter, kind, BF16);
     }
 }
 
@@ -374,30 +596,42 @@ void gated_activation(const float *gate_up, int64_t rows, int64_t inter, int64_t
  * as long between the products as in the elementwise work itself: ~15
  * calls per layer from Python, each waking the threads again. */
 
-/* The dot products of x with `count` (<= 4) consecutive rows of w, k
- * floats each (rows past count repeat the last: computed, not kept). */
-static inline void dot_rows(const float *x, const float *w, int64_t k, int64_t count, float *out)
+/* The dot products of x (k floats) with `count` (<= 4) consecutive rows
+ * of w, k elements of type wt each (rows past count repeat the last:
+ * computed, not kept). */
+INLINE void dot_rows_as(const float *x, const void *w, int64_t k, int64_t count, float *out, int wt)
 {
-    const float *w0 = w, *w1 = w + (count > 1) * k, *w2 = w + (count > 2 ? 2 : count - 1) * k,
-                *w3 = w + (count > 3 ? 3 : count - 1) * k;
+    const void *w0 = w, *w1 = at(w, (count > 1) * k, wt), *w2 = at(w, (count > 2 ? 2 : count - 1) * k, wt),
+               *w3 = at(w, (count > 3 ? 3 : count - 1) * k, wt);
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t d = 0;
     for (; d + LANES <= k; d += LANES) {
         const vec xv = load(x + d);
-        a0 += load(w0 + d) * xv, a1 += load(w1 + d) * xv, a2 += load(w2 + d) * xv, a3 += load(w3 + d) * xv;
+        a0 += load_as(w0, d, wt) * xv, a1 += load_as(w1, d, wt) * xv, a2 += load_as(w2, d, wt) * xv,
+            a3 += load_as(w3, d, wt) * xv;
     }
     float s[4] = {sum_lanes(a0), sum_lanes(a1), sum_lanes(a2), sum_lanes(a3)};
     for (; d < k; d++)
-        s[0] += x[d] * w0[d], s[1] += x[d] * w1[d], s[2] += x[d] * w2[d], s[3] += x[d] * w3[d];
+        s[0] += x[d] * get_as(w0, d, wt), s[1] += x[d] * get_as(w1, d, wt), s[2] += x[d] * get_as(w2, d, wt),
+            s[3] += x[d] * get_as(w3, d, wt);
     for (int64_t c = 0; c < count; c++)
         out[c] = s[c];
 }
 
-/* out [rows, n] = x [rows, k] times w [n, k] transposed, plus bias (or
- * none): the calling thread's share of the columns (a worksharing loop
- * inside the caller's parallel region; its end is a barrier). Four weight
- * rows at a time, read once for every row of x. */
-static void products(const float *x, int64_t rows, int64_t k, const float *w, const float *bias, int64_t n,
+/* dot_rows_as inlined once per weight type. */
+static inline void dot_rows(const float *x, const void *w, int64_t k, int64_t count, float *out, int wt)
+{
+    if (wt == F32)
+        dot_rows_as(x, w, k, count, out, F32);
+    else
+        dot_rows_as(x, w, k, count, out, BF16);
+}
+
+/* out [rows, n] = x [rows, k] times w [n, k] (type wt) transposed, plus
+ * bias (or none): the calling thread's share of the columns (a
+ * worksharing loop inside the caller's parallel region; its end is a
+ * barrier). Four weight rows at a time, read once for every row of x. */
+static void products(const float *x, int64_t rows, int64_t k, const void *w, int wt, const float *bias, int64_t n,
                      float *out)
 {
 #pragma omp for schedule(static)
@@ -405,7 +639,7 @@ static void products(const float *x, int64_t rows, int64_t k, const float *w, co
         const int64_t count = n - j < 4 ? n - j : 4;
         for (int64_t r = 0; r < rows; r++) {
             float *o = out + r * n + j;
-            dot_rows(x + r * k, w + j * k, k, count, o);
+            dot_rows(x + r * k, at(w, j * k, wt), k, count, o, wt);
             if (bias != NULL)
                 for (int64_t c = 0; c < count; c++)
                     o[c] += bias[j + c];
@@ -414,9 +648,10 @@ static void products(const float *x, int64_t rows, int64_t k, const float *w, co
 }
 
 /* The gated MLP's first half: out [rows, inter] = act(gate) * up, gate_up
- * [2 * inter, k] (the gate's rows, then up's), LANES columns at a time. */
-static void gated_products(const float *x, int64_t rows, int64_t k, const float *gate_up, int64_t inter, int kind,
-                           float *out)
+ * [2 * inter, k] (type wt; the gate's rows, then up's), LANES columns at a
+ * time. */
+static void gated_products(const float *x, int64_t rows, int64_t k, const void *gate_up, int wt, int64_t inter,
+                           int kind, float *out)
 {
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < inter; j += LANES) {
@@ -425,34 +660,51 @@ static void gated_products(const float *x, int64_t rows, int64_t k, const float 
             float g[LANES] = {0}, u[LANES] = {0};
             for (int64_t c = 0; c < count; c += 4) {
                 const int64_t part = count - c < 4 ? count - c : 4;
-                dot_rows(x + r * k, gate_up + (j + c) * k, k, part, g + c);
-                dot_rows(x + r * k, gate_up + (inter + j + c) * k, k, part, u + c);
+                dot_rows(x + r * k, at(gate_up, (j + c) * k, wt), k, part, g + c, wt);
+                dot_rows(x + r * k, at(gate_up, (inter + j + c) * k, wt), k, part, u + c, wt);
             }
             float o[LANES];
-            store(o, gated(load(g), load(u), kind));
+            store(o, activation(load(g), kind) * load(u));
             memcpy(out + r * inter + j, o, sizeof(float) * (size_t)count);
         }
     }
 }
 
-/* x += norm(sub) (sub normed in place; no norm: x += sub), dim floats. */
-static void add_residual(float *x, float *sub, const float *norm, float offset, float eps, int64_t dim)
+/* x += norm(sub) (sub, float32, normed in place; no norm: x += sub), dim
+ * elements; x of type t, rounded once per add (the residual stream as
+ * the model holds it). */
+static void add_residual(void *x, int t, float *sub, const float *norm, float offset, float eps, int64_t dim)
 {
     if (norm != NULL)
         norm_row(sub, norm, offset, eps, dim, sub);
-    for (int64_t d = 0; d < dim; d++)
-        x[d] += sub[d];
+    if (t == F32)
+        for (int64_t d = 0; d < dim; d++)
+            ((float *)x)[d] += sub[d];
+    else
+        for (int64_t d = 0; d < dim; d++)
+            put_as(x, d, get_as(x, d, BF16) + sub[d], BF16);
+}
+
+/* h (float32) = norm(a row of x, type t): norm_row_as inlined per type. */
+static void norm_x_row(const void *x, int t, const float *norm, float offset, float eps, int64_t dim, float *h)
+{
+    if (t == F32)
+        norm_row(x, norm, offset, eps, dim, h);
+    else
+        norm_row_as(x, BF16, norm, F32, offset, eps, 0, dim, h, F32);
 }
 
 /* One decoder layer's weights and shape (decoder.py fills it).
- * Products' weights are dense [out, in]; a NULL norm, bias or sinks
- * ([q_heads] attention sink logits) is absent. */
+ * Products' weights are dense [out, in], of storage type `dtype`, which is
+ * also the type of the residual stream x and of cos and sin; norms,
+ * biases and sinks ([q_heads] attention sink logits) are float32, and
+ * NULL where absent. */
 typedef struct {
-    int64_t hidden, q_heads, kv_heads, head_dim, inter, activation;
+    int64_t hidden, q_heads, kv_heads, head_dim, inter, activation, dtype;
     float eps, norm_offset, scale, softcap; /* softcap <= 0: none */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm;
-    const float *q_norm, *k_norm, *sinks;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
+    const float *q_norm, *k_norm, *sinks, *qkv_bias, *o_bias;
+    const void *qkv, *o, *gate_up, *down;
 } decoder_layer;
 
 /* The layer's parts, between which a tensor-parallel rank (decoder.py)
@@ -464,22 +716,23 @@ enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_FEED_FORWARD = 2, LAYER_LAST_
 /* sums [rows, hidden] = attn(rotary(norm(q)), ...) Wo (+ b) of h = norm(x),
  * the new K/V stored: each thread's share, inside the caller's parallel
  * region. A failed attention row sets *failed. */
-static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const float *x,
-                           const float *cos, const float *sin, float *h, float *qkv, float *attn, float *sums,
+static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const void *x,
+                           const void *cos, const void *sin, float *h, float *qkv, float *attn, float *sums,
                            int *failed)
 {
     const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
     const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
     const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
-    float *cache = c->data;
+    const int t = (int)L->dtype, ct = (int)c->dtype;
+    const size_t row_bytes = size_of(ct) * (size_t)L->head_dim;
     const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
     const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
     const float offset = L->norm_offset, eps = L->eps;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        norm_row(x + r * H, L->input_norm, offset, eps, H, h + r * H);
-    products(h, rows, H, L->qkv, L->qkv_bias, qkv_width, qkv);
+        norm_x_row(at(x, r * H, t), t, L->input_norm, offset, eps, H, h + r * H);
+    products(h, rows, H, L->qkv, t, L->qkv_bias, qkv_width, qkv);
 #pragma omp for schedule(static) collapse(2)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
@@ -487,20 +740,24 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
             const float *weight = head < L->q_heads ? L->q_norm : L->k_norm;
             if (weight != NULL)
                 norm_row(row, weight, offset, eps, dim, row);
-            rotate_row(row, cos + r * dim, sin + r * dim, dim);
+            const void *cr = at(cos, r * dim, t), *sr = at(sin, r * dim, t);
+            if (t == F32)
+                rotate_row_as(row, F32, cr, sr, F32, dim);
+            else
+                rotate_row_as(row, F32, cr, sr, BF16, dim);
         }
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float *page = cache + store_pages[r] * page_stride;
+        const int64_t page = store_pages[r] * page_stride;
         const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
         for (int64_t head = 0; head < L->kv_heads; head++) {
-            float *slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
-            memcpy(slot0, k + head * dim, sizeof(float) * (size_t)dim);
-            memcpy(slot0 + half_stride, v + head * dim, sizeof(float) * (size_t)dim);
+            const int64_t slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
+            copy_as(k + head * dim, F32, at(c->data, slot0, ct), ct, dim);
+            copy_as(v + head * dim, F32, at(c->data, slot0 + half_stride, ct), ct, dim);
             for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
-                memset(page + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
-                memset(page + half_stride + s * slot_stride + head * head_stride, 0, sizeof(float) * (size_t)dim);
+                memset(at(c->data, page + s * slot_stride + head * head_stride, ct), 0, row_bytes);
+                memset(at(c->data, page + half_stride + s * slot_stride + head * head_stride, ct), 0, row_bytes);
             }
         }
     }
@@ -510,27 +767,28 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
             const int64_t head = hb / batches, g0 = hb % batches * 4;
             const int64_t count = groups - g0 < 4 ? groups - g0 : 4;
             if (attend_row(qkv + r * qkv_width, c, d, r, groups, head, g0, count, L->scale, L->softcap, L->sinks,
-                           attn + r * q_width) != 0) {
+                           attn + r * q_width, F32) != 0) {
 #pragma omp atomic write
                 *failed = 1;
             }
         }
     }
-    products(attn, rows, q_width, L->o, L->o_bias, H, sums);
+    products(attn, rows, q_width, L->o, t, L->o_bias, H, sums);
 }
 
 /* x += post_norm(sums) (the attention's), then sums [rows, hidden] =
  * down(act(h Wg) * h Wu) with h = pre_norm(x): inside the caller's region. */
-static void feed_forward_part(const decoder_layer *L, int64_t rows, float *x, float *h, float *act, float *sums)
+static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, float *h, float *act, float *sums)
 {
     const int64_t H = L->hidden;
+    const int t = (int)L->dtype;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        add_residual(x + r * H, sums + r * H, L->post_attention_norm, L->norm_offset, L->eps, H);
-        norm_row(x + r * H, L->pre_feedforward_norm, L->norm_offset, L->eps, H, h + r * H);
+        add_residual(at(x, r * H, t), t, sums + r * H, L->post_attention_norm, L->norm_offset, L->eps, H);
+        norm_x_row(at(x, r * H, t), t, L->pre_feedforward_norm, L->norm_offset, L->eps, H, h + r * H);
     }
-    gated_products(h, rows, H, L->gate_up, L->inter, (int)L->activation, act);
-    products(act, rows, L->inter, L->down, NULL, H, sums);
+    gated_products(h, rows, H, L->gate_up, t, L->inter, (int)L->activation, act);
+    products(act, rows, L->inter, L->down, t, NULL, H, sums);
 }
 
 /* x [rows, hidden] (in place: the residual stream) through one layer, each
@@ -543,18 +801,20 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, float *x, fl
  *   with h = pre_norm(x)
  * (a missing post norm is the identity). A block written first here gets
  * the slots after the new token zeroed, as the torch reference's `store`
- * does. cos, sin [rows, head_dim].
+ * does. x, cos and sin ([rows, head_dim]) are of the layer's type; all in
+ * between is float32, K/V rounded to the cache's type where stored and x
+ * to its own where each residual is added.
  *
  * `part` LAYER_WHOLE runs all of it in one parallel region (`sums` may be
  * NULL). A tensor-parallel rank runs it in three calls, adding up `sums`
- * [rows, hidden] with the other ranks' after the first two: LAYER_ATTENTION
+ * [rows, hidden] (float32) with the other ranks' after the first two: LAYER_ATTENTION
  * leaves its attention's partial output product in `sums`,
  * LAYER_FEED_FORWARD adds the summed one to x and leaves the MLP's partial
  * product there, LAYER_LAST_RESIDUAL adds the summed one to x. Returns 0,
  * or -1 where memory for scratch could not be had (or `part` is none of
  * these). */
-int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, float *x, const float *cos,
-                 const float *sin, float *sums, int part, int threads)
+int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, void *x, const void *cos,
+                 const void *sin, float *sums, int part, int threads)
 {
     if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL)
         return -1;
@@ -577,7 +837,8 @@ int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows
         if (part == LAYER_WHOLE || part == LAYER_LAST_RESIDUAL) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
-                add_residual(x + r * H, sums + r * H, L->post_feedforward_norm, L->norm_offset, L->eps, H);
+                add_residual(at(x, r * H, (int)L->dtype), (int)L->dtype, sums + r * H, L->post_feedforward_norm,
+                             L->norm_offset, L->eps, H);
         }
     }
     free(scratch);

@@ -7,9 +7,13 @@
 * `CpuGatedMLP`: the gated MLP's `act(gate) * up` in one pass
   (`gated_activation`; SiLU, or GELU's tanh form).
 
-Each call checks its tensor (float32, on the CPU, not being traced by
-torch.compile) and otherwise runs the shared module's torch code. Results
-equal torch's to float32 rounding (the order of the sums differs).
+Each call checks its tensor (float32 or bfloat16, on the CPU, not being
+traced by torch.compile) and otherwise runs the shared module's torch code
+(the prepare report names a model dtype the kernels do not read). In
+float32 results equal torch's to float32 rounding (the order of the sums
+differs); in bfloat16 the kernels compute in float32 and round where
+torch's modules round, so results equal torch's but where a float32
+rounding apart falls on the other side of a bfloat16 one (1 ulp).
 """
 
 from __future__ import annotations
@@ -20,21 +24,25 @@ from torch import nn
 from ...mlp import GatedMLP
 from ...norm import RMSNorm
 from ..swap import swap_norms_and_mlps as swap_for_twins
+from .attention import STORAGE
 
 # GatedMLP activations the C side computes: SiLU, and GELU's tanh form.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def usable(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return x.dtype in STORAGE and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def norm_rotary(lib, x: torch.Tensor, weight: torch.Tensor | None, offset: float, eps: float,
-                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                round_first: bool = False) -> torch.Tensor:
     """x [..., dim]: each row scaled by rsqrt(mean(x^2) + eps) * (weight +
-    offset) where `weight` is given, then rotated (rotate-half) by cos, sin
-    [x.shape[0], dim] where given (x then [tokens, heads, dim]). A new
-    contiguous tensor."""
+    offset) where `weight` is given (`round_first`: the norm rounded to x's
+    dtype before the weight scales it), then rotated (rotate-half) by cos,
+    sin [x.shape[0], dim] where given (x then [tokens, heads, dim]). x, cos
+    and sin of one dtype, the weight of its own (both in `STORAGE`). A new
+    contiguous tensor of x's dtype."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     view = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
@@ -43,9 +51,10 @@ def norm_rotary(lib, x: torch.Tensor, weight: torch.Tensor | None, offset: float
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
     lib.norm_rotary(view.data_ptr(), outer, inner, dim, view.stride(0), view.stride(1),
-                    None if weight is None else weight.data_ptr(), offset, eps,
-                    None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                    out.data_ptr(), torch.get_num_threads())
+                    None if weight is None else weight.data_ptr(), 0 if weight is None else STORAGE[weight.dtype],
+                    offset, eps, round_first, None if cos is None else cos.data_ptr(),
+                    None if sin is None else sin.data_ptr(), out.data_ptr(), STORAGE[x.dtype],
+                    torch.get_num_threads())
     return out
 
 
@@ -56,21 +65,30 @@ def gated_activation(lib, gate_up: torch.Tensor, kind: int) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     lib.gated_activation(gate_up.data_ptr(), rows, inter, gate_up.stride(0), kind, out.data_ptr(),
-                         torch.get_num_threads())
+                         STORAGE[gate_up.dtype], torch.get_num_threads())
     return out
 
 
 class CpuRMSNorm(RMSNorm):
     lib = None
 
+    def _usable(self, x: torch.Tensor) -> bool:
+        # Llama's convention scales in the wider of the two dtypes (RMSNorm.forward): x's only.
+        return usable(x) and self.weight.dtype in STORAGE and (
+            self.unit_offset or self.scale_in_float32 or torch.promote_types(self.weight.dtype, x.dtype) == x.dtype)
+
+    def _run(self, x, cos=None, sin=None):
+        # Gemma's (1 + w) and a float32 scale apply before the cast back; Llama's w after it.
+        return norm_rotary(self.lib, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps, cos, sin,
+                           round_first=not (self.unit_offset or self.scale_in_float32))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if usable(x):
-            return norm_rotary(self.lib, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps)
-        return super().forward(x)
+        return self._run(x) if self._usable(x) else super().forward(x)
 
     def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3 and usable(x):
-            return norm_rotary(self.lib, x, self.weight, 1.0 if self.unit_offset else 0.0, self.eps, cos, sin)
+        # Whole heads rotated, cos and sin of x's dtype (else torch's product widens).
+        if x.dim() == 3 and cos.shape[-1] == x.shape[-1] and cos.dtype == sin.dtype == x.dtype and self._usable(x):
+            return self._run(x, cos, sin)
         return super().rotated(x, cos, sin)
 
 
