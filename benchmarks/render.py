@@ -176,11 +176,11 @@ def ratio_cell(engine: str) -> Callable[[dict], str]:
     return lambda row: spread(row["ratios"][engine]) if engine in row["ratios"] else "-"
 
 
-def real_gemma3_table(engines: list[str], ratios: list[str]) -> Table:
+def real_gemma3_table(engines: list[str], ratios: list[str], result: str = "real_gemma3.json") -> Table:
     columns = {"workload": lambda row: WORKLOADS.get(row["workload"]["workload"], row["workload"]["workload"])}
     columns.update({engine: engine_cell(engine) for engine in engines})
     columns.update({f"hybridkv / {engine}": ratio_cell(engine) for engine in ratios})
-    return Table("real_gemma3.json", real_gemma3_rows, columns)
+    return Table(result, real_gemma3_rows, columns)
 
 
 def readme_rows(t: dict) -> list[dict]:
@@ -363,6 +363,7 @@ TABLES: dict[str, Table] = {
         "query tiles": key("query_tiles_s", seconds), "speedup": key("speedup", times)}),
     "real-gemma3": real_gemma3_table(["hybridkv", "vllm", "vllm (default)", "llama.cpp", "llama.cpp (default)"],
                                      ["vllm", "vllm (default)", "llama.cpp"]),
+    "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm"], ["vllm"], "real_gemma3_bfloat16.json"),
     "real-gemma3-engines": Table("real_gemma3.json", rows_of("engines"), {
         "engine": key("engine"), "version": lambda r: r["version"] or "not recorded",
         "settings": lambda r: ", ".join(f"{k}={v}" for k, v in {**r["env"], **r["options"]}.items()
