@@ -168,7 +168,7 @@ class RecurrentSpec:
         return sum(self.part_bytes)
 
 
-# The name of the public API (DESIGN.md, section 7): a Mamba state is the
+# The name of the public API (docs/api.md): a Mamba state is the
 # first recurrent kind; `MambaSpec(shapes, dtypes)` is a RecurrentSpec of kind "mamba".
 MambaSpec = RecurrentSpec
 

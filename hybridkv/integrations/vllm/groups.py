@@ -11,7 +11,7 @@ slices of one block id): the shape hybridkv's tier storage keeps.
 Keys are vLLM's own block hashes (SHA-256 chained over the prefix, the
 request's cache_salt folded into the first): a group's block j is keyed by
 the hash that ends at its last token. The hit is hybridkv's fixed point
-over the groups' own rules (DESIGN.md section 4; `fixed_point` in
+over the groups' own rules (the N-type hit rule, docs/architecture.md; `fixed_point` in
 core/coordinator.py and each manager's `longest_hit`), over masks saying,
 per block position, whether the group can read it: below vLLM's local hit
 the pool holds it (a longer hit reads, below the local hit, only blocks of
