@@ -89,7 +89,7 @@ def run(args) -> dict:
 
     torch.manual_seed(0)
     path = model_path(args)
-    probe = Engine(path, kv_cache_memory="64MiB", progress=False, block_size=16)
+    probe = Engine(path, kv_cache_memory="64MiB", progress=False, block_size=16, dtype="float32")
     docs = documents(probe, args.documents, args.length)
     layout = probe.layout
     pool = int(args.pool_documents * layout.pages_per_request(args.length + 16, chunk=1024)) + 2
@@ -107,7 +107,7 @@ def run(args) -> dict:
     tp = args.tensor_parallel_size
 
     def start_engine(**options):
-        return Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, tensor_parallel_size=tp,
+        return Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, tensor_parallel_size=tp, dtype="float32",
                       **options)
 
     print(f"pool {pool_bytes / 2**20:.1f} MiB ({args.pool_documents:g} documents); working set "
@@ -185,7 +185,7 @@ def run(args) -> dict:
     # alternating: a fresh engine's first step also pays its warm-up).
     # The restarted server's prompt: a long system prompt (--restart-length
     # tokens) served once before the stop, then asked again.
-    prompt = documents(Engine(path, kv_cache_memory="64MiB", progress=False), 1, args.restart_length)[0]
+    prompt = documents(Engine(path, kv_cache_memory="64MiB", progress=False, dtype="float32"), 1, args.restart_length)[0]
     pool_bytes = max(pool_bytes, (layout.pages_per_request(len(prompt) + 16, chunk=1024) + 2) * layout.page_size_bytes)
     before = start_engine(**configs["disk"])
     ttft(before, prompt)

@@ -47,11 +47,11 @@ def run(args) -> dict:
     try:
         for model in models:
             if model == "gemma3-270m":  # the real model (the `gemma` extra), real_gemma3.py's long-16 prompts
-                engine = Engine(real_gemma3.gguf_path(), kv_cache_memory="1GiB", progress=False,
+                engine = Engine(real_gemma3.gguf_path(), kv_cache_memory="1GiB", progress=False, dtype="float32",
                                 max_num_seqs=64, enable_prefix_caching=False)
                 prompts = real_gemma3.batch_prompts(16, 700)
             else:
-                engine = Engine(tiny_model_dir(model), kv_cache_memory="512MiB", progress=False,
+                engine = Engine(tiny_model_dir(model), kv_cache_memory="512MiB", progress=False, dtype="float32",
                                 max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
                 prompts = prompts_for("random", num, engine.vocab_size)
             params = SamplingParams(temperature=0.0, max_tokens=1)

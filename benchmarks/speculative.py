@@ -96,8 +96,8 @@ def bench_model(name, engine_path, hf_dir, prompts, k, new_tokens, repeat) -> di
     from hybridkv import Engine, SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    engines = {"hybridkv": Engine(engine_path, kv_cache_memory="512MiB", progress=False),
-               "hybridkv+ngram": Engine(engine_path, kv_cache_memory="512MiB", progress=False,
+    engines = {"hybridkv": Engine(engine_path, kv_cache_memory="512MiB", progress=False, dtype="float32"),
+               "hybridkv+ngram": Engine(engine_path, kv_cache_memory="512MiB", progress=False, dtype="float32",
                                         speculative_method="ngram", num_speculative_tokens=k)}
     warm = SamplingParams(temperature=0.0, max_tokens=4)
     for engine in engines.values():

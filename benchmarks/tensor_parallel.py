@@ -67,7 +67,7 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
     except ImportError:  # revisions before the parallel layers
         from hybridkv.modeling.tensor_split import REDUCED
 
-    engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="512MiB",
+    engine = Engine(path, progress=False, tensor_parallel_size=tp, kv_cache_memory="512MiB", dtype="float32",
                     max_num_seqs=max(64, batch))
     # The driver's own worker's part of a step, and the plan's encoding and
     # sending (revisions before the executor: the runner's run_plan, the

@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speculative decoding: ngram (prompt-lookup drafts; greedy outputs unchanged)")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,
                        help="draft tokens verified per step with --speculative-method (default 4)")
-    serve.add_argument("--dtype", default="auto", help="weights dtype (default: the checkpoint's)")
+    serve.add_argument("--dtype", default=None,
+                       help="weights dtype: auto, bfloat16, float16, float32 (default: $HYBRIDKV_DTYPE, else auto: "
+                            "on a CPU bfloat16 where it computes it natively, else float32; on a GPU the checkpoint's)")
     serve.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     serve.add_argument("--backend", default=None,
                        help="the implementation of a step's ops: auto, torch, cpu, triton, flashinfer or "

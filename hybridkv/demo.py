@@ -70,6 +70,7 @@ def serve_batch(engine, name: str, prompts: list, params, progress: bool = True)
     cache = engine.kv.stats
     return {
         "model": name,
+        "dtype": f"{stats['dtype']['weights']} ({stats['dtype']['why']})",
         "groups": [g.kind for g in engine.layout.groups],
         "requests": len(ids),
         "max_tokens": params.max_tokens,
@@ -127,6 +128,7 @@ def print_table(row: dict) -> None:
     groups = row["groups"]
     print(f"\n{row['model']}  ({' + '.join(groups)} groups, {row['requests']} requests sharing a preamble, "
           f"longest prompt {row['longest_prompt']} tokens, greedy, up to {row['max_tokens']} new tokens each)")
+    print(f"  dtype                    {row['dtype']}")
     print(f"  wall time                {row['seconds']:10.1f} s")
     print(f"  output tokens/s          {row['tokens_per_s']:10.1f}")
     print(f"  TTFT mean / p90          {row['ttft_mean_ms']:8.1f} ms / {row['ttft_p90_ms']:.1f} ms")

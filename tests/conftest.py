@@ -17,6 +17,11 @@ except ImportError:
 
 
 def pytest_configure(config):
+    # Engines built without a dtype run in `--dtype` (float32 unless asked):
+    # the oracle's tolerances are float32's, and "auto" would pick bfloat16
+    # on a CPU that computes it natively. Subprocesses (servers, ranks)
+    # inherit it; tests of "auto" itself remove it.
+    os.environ["HYBRIDKV_DTYPE"] = config.getoption("--dtype")
     # hybridkv's C libraries (the cpu backend's kernels, the block-key
     # chain), built for this machine and the sources as they are now (an
     # install builds them; an edited source needs a new build, which the
@@ -30,7 +35,8 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="device for engine tests (cpu, cuda)")
-    parser.addoption("--dtype", default="float32", help="engine dtype for oracle tests (float32, bfloat16)")
+    parser.addoption("--dtype", default="float32",
+                     help="engine dtype for oracle tests and engines built without one (float32, bfloat16)")
 
 
 @pytest.fixture(scope="session")

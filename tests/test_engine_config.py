@@ -58,7 +58,7 @@ def test_the_config_is_every_documented_keyword_with_its_default():
         kv_cache_memory="2GiB", block_size=16, enable_prefix_caching=True, checkpoint_policy="hybridkv",
         enable_kv_events=False, kv_host_cache_memory=None, kv_disk_cache=None, kv_disk_cache_memory="16GiB",
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
-        num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype="auto", device="cpu",
+        num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype=None, device="cpu",
         backend=None, enforce_eager=False, fixed_shape_decode=None, tensor_parallel_size=1,
         tensor_parallel_timeout=600.0, tensor_parallel_heartbeat_timeout=5.0, progress=True)
     config = EngineConfig("m", speculative_method="ngram", kv_disk_cache="/tmp/d")

@@ -48,11 +48,12 @@ def compiler() -> str | None:
 
 
 def cpu_flags() -> str:
-    """The CPU's feature flags (Linux), else what platform says."""
+    """The CPU's feature flags (Linux: x86's "flags", Arm's "Features"),
+    else what platform says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return line
     except OSError:
         pass

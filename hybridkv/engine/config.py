@@ -85,7 +85,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # -- the model and how it runs
-    dtype: str = "auto"
+    dtype: str | None = None  # None: $HYBRIDKV_DTYPE, else "auto" (CPU: bfloat16 where native; layers/dtypes.py)
     device: str = "cpu"
     backend: str | None = None  # None: $HYBRIDKV_BACKEND, else "auto" (layers/backends/)
     enforce_eager: bool = False  # no CUDA graphs
@@ -147,7 +147,7 @@ class EngineConfig:
                              f"({self.prompt_lookup_max})")
 
     def _check_runtime(self) -> None:
-        if not (self.dtype == "auto" or self.dtype in MODEL_DTYPES or isinstance(self.dtype, torch.dtype)):
+        if not (self.dtype is None or self.dtype == "auto" or self.dtype in MODEL_DTYPES or isinstance(self.dtype, torch.dtype)):
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, MODEL_DTYPES))}, "
                              f"got {self.dtype!r}")
         try:

@@ -25,6 +25,7 @@ import atexit
 import copy
 import itertools
 import json
+import logging
 import os
 import time
 import weakref
@@ -37,7 +38,8 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..layers.backends import choose as choose_backend
-from ..modeling.loader import load_model, load_tokenizer, read_config, resolve_model_dir
+from ..layers.dtypes import choose_dtype
+from ..modeling.loader import checkpoint_dtype, load_model, load_tokenizer, read_config, resolve_model_dir
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -119,7 +121,7 @@ class Engine:
             from .tensor_parallel import TensorParallelExecutor
 
             executor = TensorParallelExecutor(world, self.model_dir, dict(
-                worker=options, device=str(self.device), dtype=config.dtype, layout=self.layout,
+                worker=options, device=str(self.device), dtype=dtype_name(self.dtype), layout=self.layout,
                 backend=self.backend.name, threads=torch.get_num_threads(), tiers=tiers), self.device,
                 timeout=config.tensor_parallel_timeout, heartbeat_timeout=config.tensor_parallel_heartbeat_timeout)
         self.worker = Worker(self.model, self.layout, self.device, self.backend, **options)
@@ -139,14 +141,18 @@ class Engine:
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
         # A context longer than the model's is refused (as vLLM does) before the weights load: positions
         # past it were never trained, and the model's rotary scaling may not reach them.
-        context = getattr(read_config(self.model_dir)[1], "max_position_embeddings", None) or 1 << 20
+        text_config = read_config(self.model_dir)[1]
+        context = getattr(text_config, "max_position_embeddings", None) or 1 << 20
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context of "
                              f"{context} tokens (its config's max_position_embeddings)")
         self.max_model_len = config.max_model_len or context
-        self.model, self.config = load_model(self.model_dir, dtype=config.dtype, device=self.device,
+        # Chosen once here (on the CPU "auto" is bfloat16 where the CPU computes it natively), said at
+        # start and in stats["dtype"]; the other ranks load the same dtype by name.
+        self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device, checkpoint_dtype(text_config))
+        logging.getLogger("hybridkv.engine").info("dtype %s (%s)", dtype_name(self.dtype), self.dtype_reason)
+        self.model, self.config = load_model(self.model_dir, dtype=self.dtype, device=self.device,
                                              progress=config.progress, tensor_parallel=parallel)
-        self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(self.model_dir)
         self.vocab_size = self.config.vocab_size
 
@@ -626,6 +632,7 @@ class Engine:
             "steps": self.num_steps,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "dtype": {"weights": dtype_name(self.dtype), "why": self.dtype_reason},
             "backend": {**self.worker.prepare_report.as_dict(), "routes": dict(self.worker.routes)},
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,

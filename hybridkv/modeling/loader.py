@@ -10,9 +10,8 @@ import os
 
 import torch
 
-from ..core.dtypes import MODEL_DTYPES, dtype_name
 from ..core.hf_config import ENGINE_ARCHITECTURES
-from ..layers.dtypes import TORCH_DTYPES
+from ..layers.dtypes import choose_dtype
 from ..layers.parallel import Ranks, building
 from .base import CausalLM
 from .tensor_split import rank_config
@@ -93,18 +92,9 @@ def read_config(model_dir: str):
     return config, text, architecture
 
 
-def resolve_dtype(dtype: str | torch.dtype, text_config) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        found = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
-        if isinstance(found, torch.dtype):
-            return found
-        name = dtype_name(found)  # spelled as configs spell it, read as the config reader reads it
-        return TORCH_DTYPES[name] if name in MODEL_DTYPES else torch.float32
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, MODEL_DTYPES))}, got {dtype!r}")
-    return TORCH_DTYPES[dtype]
+def checkpoint_dtype(text_config):
+    """The dtype the checkpoint's config names (a torch dtype, a name or None)."""
+    return getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -215,6 +205,9 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     on the CPU it is not copied again (peak memory: one model); other dtypes
     or devices get one converted copy, one tensor at a time.
 
+    `dtype`: a torch dtype, a name, "auto" or None (layers/dtypes.py
+    `choose_dtype`: on the CPU, bfloat16 where it is native).
+
     `tensor_parallel=(rank, world)`: this rank's part of the model
     (engine/tensor_parallel.py). The model is built from the whole config
     with the rank's place among the ranks (layers/parallel.py): the layers where the split
@@ -225,8 +218,8 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
 
     config, text, architecture = read_config(model_dir)
     model_class, renames = _model_classes()[ENGINE_ARCHITECTURES[architecture]]
-    torch_dtype = resolve_dtype(dtype, text)
     device = torch.device(device)
+    torch_dtype, _ = choose_dtype(dtype, device, checkpoint_dtype(text))
     ranks = Ranks(*tensor_parallel) if tensor_parallel is not None else Ranks()
     rank_text = rank_config(text, ranks.world)  # refuses what cannot be split, before building
     with torch.device("meta"), building(ranks):

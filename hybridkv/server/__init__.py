@@ -41,6 +41,11 @@ def serve(model_dir: str | None = None, *, host: str = "127.0.0.1", port: int = 
     if kv_events is not None:
         engine_options["enable_kv_events"] = True
     engine = Engine(model_dir, **engine_options)
+    # What the engine chose for this machine, before uvicorn's own lines.
+    backend = engine.stats["backend"]
+    print(f"hybridkv serve: {name} in {engine.stats['dtype']['weights']} ({engine.stats['dtype']['why']}), "
+          f"backend {backend['name']}" + (f", declined: {'; '.join(backend['declined'])}" if backend["declined"] else ""),
+          flush=True)
     app = build_app(engine, model_name=served_model_name or name, api_key=api_key, max_waiting=max_waiting,
                     kv_events=kv_events, kv_events_replay=kv_events_replay, kv_events_topic=kv_events_topic,
                     max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars)
