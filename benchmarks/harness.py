@@ -47,6 +47,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable, Generator, TypeVar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,6 +196,30 @@ def environment(threads: int | None = None) -> dict:
             "threads": threads, "memory_gib": memory_gib(), "os": f"{platform.system()} {platform.release()}",
             "python": platform.python_version(), "interpreter": sys.executable, "packages": packages(),
             "gpu": gpus(), "commit": commit(), "load_average": load_average()}
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeat: int = 10) -> float:
+    """Bytes per second this machine reads from memory on `threads` threads:
+    the best of `repeat` sums over a float32 buffer of `gib` GiB, far
+    larger than any cache (a sum does one add per 4 bytes read, so the read,
+    not the adds, bounds it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(int(gib * 2**30) // 4)
+        buffer.sum()  # the pages are touched once before the timed reads
+        best = min(_timed(buffer.sum) for _ in range(repeat))
+    finally:
+        torch.set_num_threads(before)
+    return buffer.numel() * 4 / best
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def load_average() -> list[float] | None:

@@ -105,6 +105,47 @@ def workloads(quick: bool, batches: list[int]) -> list[dict]:
     return out
 
 
+def weights_bytes(dtype: str) -> int:
+    """Bytes of weights one decode step reads in `dtype`: every parameter of
+    the converted checkpoint once (the tied embedding is the LM head's
+    weight, read whole by every step; its lookup reads one row more)."""
+    import json as json_
+    import struct
+
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    with open(os.path.join(converted_dir(), "model.safetensors"), "rb") as f:
+        header = json_.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    elements = sum(_product(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return elements * sizes[dtype]
+
+
+def _product(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def weights_read_bound(dtype: str, threads: int, batch_1: dict) -> dict:
+    """The weights-read bound of a batch-1 decode step: the weights' bytes
+    over this machine's read bandwidth (harness.read_bandwidth, measured
+    now), and each engine's batch-1 output tokens/s as a fraction of it (a
+    run's tokens/s counts its prefill too)."""
+    bandwidth = harness.read_bandwidth(threads)
+    weights = {"hybridkv": weights_bytes(dtype), "vllm": weights_bytes(dtype)}
+    if any(name.startswith("llama.cpp") for name in batch_1):
+        weights["llama.cpp"] = os.path.getsize(gguf_path())  # its file is its weights (and a tokenizer)
+    bound = {"read_gib_per_s": bandwidth / 2**30, "weights_mib": {}, "engines": []}
+    for engine, tokens_per_s in batch_1.items():
+        size = weights.get(engine.split(" ")[0])
+        if size is None or engine.endswith("Q8_0"):
+            continue
+        limit = bandwidth / size
+        bound["engines"].append({"engine": engine, "weights_mib": size / 2**20, "bound_tokens_per_s": limit,
+                                 "tokens_per_s": tokens_per_s, "fraction": tokens_per_s / limit})
+    return bound
+
+
 def kv_budget(prompts, new_tokens: int) -> int:
     """Bytes for every prompt's KV at once, and a little more: a cache
     sized to the work, as a server would size it to its load."""
@@ -138,6 +179,10 @@ def configs(threads: int) -> dict[str, dict]:
         "llama.cpp": {"runner": "llama.cpp", "options": {"threads": threads, "batch": 512, "ubatch": 512,
                                                          "flash_attn": True}},
         "llama.cpp (default)": {"runner": "llama.cpp", "options": {}},
+        # The package ships Q4_K_M only: Q8_0 is llama.cpp's own requantization of that file (the same
+        # weights, 8.5 bits each: the speed of a Q8_0 file, the values of the Q4_K_M one).
+        "llama.cpp Q8_0": {"runner": "llama.cpp", "options": {"threads": threads, "batch": 512, "ubatch": 512,
+                                                              "flash_attn": True, "quant": "Q8_0"}},
     }
 
 
@@ -301,6 +346,23 @@ class TransformersRunner:
         return {}
 
 
+def requantized(llama_cpp, source: str, quant: str) -> str:
+    """`source` requantized to `quant` by llama.cpp (its quantize tool's
+    function), made once into a file beside hybridkv's converted folder."""
+    out = os.path.join(os.path.dirname(converted_dir()), f"{os.path.basename(source).removesuffix('.gguf')}"
+                                                         f".{quant}.gguf")
+    if not os.path.exists(out):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
+        params.allow_requantize = True
+        params.nthread = len(os.sched_getaffinity(0))
+        part = out + ".part"
+        if llama_cpp.llama_model_quantize(source.encode(), part.encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {source} to {quant}")
+        os.replace(part, out)
+    return out
+
+
 class LlamaCppRunner:
     """`options`: threads (prefill and decode), batch and ubatch (tokens per
     llama_decode call and per compute pass), flash_attn (on or off); none:
@@ -313,6 +375,8 @@ class LlamaCppRunner:
         self.llama_cpp, self.gguf, self.options = llama_cpp, spec["gguf"], spec["options"]
         built = re.findall(r"(\w+) = 1", llama_cpp.llama_print_system_info().decode())  # its SIMD paths
         self.version = f"llama-cpp-python {llama_cpp.__version__} ({' '.join(built)})"
+        if self.options.get("quant"):
+            self.gguf = requantized(llama_cpp, self.gguf, self.options["quant"])
         params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(self.gguf.encode(), params)
         self.llm = None
@@ -503,7 +567,17 @@ def run(args) -> dict:
         return measured
 
     runs = harness.interleaved({name: one(name) for name in columns}, args.repeat)
-    return report(args, columns, work, runs)
+    result = report(args, columns, work, runs)
+    if "batch-1" in [w["name"] for w in work]:
+        batch_1 = {c["engine"]: c["tokens_per_s"] for c in result["medians"] if c["workload"] == "batch-1"}
+        result["weights_read_bound"] = bound = weights_read_bound(args.dtype, args.threads, batch_1)
+        print(f"\nweights-read bound of a batch-1 decode step (memory read {bound['read_gib_per_s']:.1f} GiB/s "
+              f"on {args.threads} threads)")
+        for row in bound["engines"]:
+            print(f"  {row['engine']:<20} {row['weights_mib']:7.0f} MiB of weights: bound "
+                  f"{row['bound_tokens_per_s']:6.1f} tok/s; batch-1 run {row['tokens_per_s']:6.1f} "
+                  f"({row['fraction']:.0%} of it)")
+    return result
 
 
 def report(args, columns: dict, work: list[dict], runs: dict) -> dict:
