@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan the KV cache layout of a model config")
     plan.add_argument("config", help="a config.json file (see models/) or a model folder")
     plan.add_argument("--memory", default="80GiB", help="KV cache budget, e.g. 80GiB (default)")
-    plan.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    plan.add_argument("--block-size", type=int, default=None,
+                      help="tokens per block (default: the planner's, 16, or 64 with recurrent layers)")
     plan.add_argument("--dtype", default=None, help="KV dtype (default: the config's)")
     plan.add_argument("--plot", default=None, metavar="PNG", help="also draw the layout (needs matplotlib)")
     plan.set_defaults(func=_plan)
@@ -205,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 400 to longer text prompts, before tokenizing them (default: the context "
                             "times the longest token's characters)")
     serve.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default) or auto")
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    serve.add_argument("--block-size", type=int, default=None,
+                       help="tokens per block (default: the planner's, 16, or 64 with recurrent layers)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens per step (default 1024)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -55,7 +55,7 @@ def test_the_config_is_every_documented_keyword_with_its_default():
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert fields.pop("model") is dataclasses.MISSING
     assert fields == dict(
-        kv_cache_memory="2GiB", block_size=16, enable_prefix_caching=True, checkpoint_policy="hybridkv",
+        kv_cache_memory="2GiB", block_size=None, enable_prefix_caching=True, checkpoint_policy="hybridkv",
         enable_kv_events=False, kv_host_cache_memory=None, kv_disk_cache=None, kv_disk_cache_memory="16GiB",
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
         num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype=None, device="cpu",

@@ -108,3 +108,25 @@ def test_plan_needs_specs_and_a_budget():
     with pytest.raises(ValueError, match="memory"):
         plan_layout({"a": FullAttentionSpec(num_kv_heads=1, head_size=8)}, -5)
     assert plan_layout({"a": FullAttentionSpec(num_kv_heads=1, head_size=8)}, "1MiB").memory_bytes == 1 << 20
+
+
+def test_the_planner_picks_the_block_size_where_none_is_asked_for():
+    # 16 tokens for attention-only models; 64 where recurrent layers make
+    # every block of a prompt hashing and lookup work for a hit that needs
+    # a whole state anyway; an explicit size wins, and the layout says why.
+    from hybridkv.core.layout import default_block_size
+
+    full = FullAttentionSpec(num_kv_heads=2, head_size=64, dtype="bfloat16")
+    swa = SlidingWindowSpec(num_kv_heads=2, head_size=64, dtype="bfloat16", sliding_window=512)
+    mam = MambaSpec(shapes=((512, 3), (512, 16)), dtypes=("bfloat16", "float32"))
+    attention_only = {"a": full, "b": swa}
+    hybrid = {"a": full, "m": mam}
+    assert default_block_size(attention_only)[0] == 16 and default_block_size(hybrid)[0] == 64
+    assert plan_layout(attention_only, "16MiB").block_size == 16
+    chosen = plan_layout(hybrid, "16MiB")
+    assert chosen.block_size == 64 and "recurrent" in chosen.block_size_why
+    assert "recurrent" in chosen.describe().splitlines()[0]
+    asked = plan_layout(hybrid, "16MiB", block_size=16)
+    assert asked.block_size == 16 and asked.block_size_why == "asked for"
+    with pytest.raises(ValueError, match="block_size"):
+        plan_layout(hybrid, "16MiB", block_size=0)

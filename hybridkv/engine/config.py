@@ -66,7 +66,7 @@ class EngineConfig:
     model: str  # a Hugging Face folder, a .gguf file, or a folder holding one
     # -- the KV cache
     kv_cache_memory: int | str = "2GiB"  # bytes, "4GiB", or "auto" (85% of free GPU memory; 2GiB on the CPU)
-    block_size: int = 16
+    block_size: int | None = None  # tokens per block; None: the planner's choice (16, 64 with recurrent layers)
     enable_prefix_caching: bool = True
     checkpoint_policy: str = "hybridkv"  # when Mamba states are checkpointed (core/checkpoints.py)
     enable_kv_events: bool = False
@@ -97,8 +97,10 @@ class EngineConfig:
 
     def __post_init__(self):
         self._check_model()
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
+        if self.block_size is not None:
+            _positive("block_size", self.block_size)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         for name in ("tensor_parallel_timeout", "tensor_parallel_heartbeat_timeout"):
