@@ -127,7 +127,7 @@ def run(args) -> dict:
     specs = specs_from_config(load_config(os.path.join(MODELS, args.model)))
     rows = []
     for budget in budgets:
-        layout = plan_layout(specs, budget)
+        layout = plan_layout(specs, budget, block_size=16)  # the block of its recorded runs
         mamba = next(g for g in layout.groups if g.recurrent)
         state_mib = mamba.pages_per_block * layout.page_size_bytes / 2**20
         print(f"{args.model}, KV budget {budget} ({layout.num_pages:,} pages; one Mamba state = {state_mib:.1f} MiB), "

@@ -128,7 +128,7 @@ def run(args) -> dict:
           f"{'B/stored block':>15} {'batches/s over ZMQ':>19} {'vLLM decoder':>14}")
     for label in MODELS:
         path = os.path.join(MODELS_DIR, CONFIGS[label])
-        layout = plan_layout(specs_from_config(load_config(path)), memory)
+        layout = plan_layout(specs_from_config(load_config(path)), memory, block_size=16)  # its recorded runs
         recorder = Recorder(KVCacheManager(layout, enable_kv_events=True))
         replay(recorder.kv, trace, take_events=True)
         batches = recorder.batches
