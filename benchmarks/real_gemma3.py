@@ -132,13 +132,14 @@ def weights_read_bound(dtype: str, threads: int, batch_1: dict) -> dict:
     now), and each engine's batch-1 output tokens/s as a fraction of it (a
     run's tokens/s counts its prefill too)."""
     bandwidth = harness.read_bandwidth(threads)
-    weights = {"hybridkv": weights_bytes(dtype), "vllm": weights_bytes(dtype)}
-    if any(name.startswith("llama.cpp") for name in batch_1):
-        weights["llama.cpp"] = os.path.getsize(gguf_path())  # its file is its weights (and a tokenizer)
-    bound = {"read_gib_per_s": bandwidth / 2**30, "weights_mib": {}, "engines": []}
+    q8 = os.path.join(os.path.dirname(converted_dir()), os.path.basename(gguf_path()).removesuffix(".gguf") + ".Q8_0.gguf")
+    # llama.cpp's files are its weights (and a tokenizer's few MiB)
+    weights = {"hybridkv": weights_bytes(dtype), "vllm": weights_bytes(dtype), "llama.cpp": os.path.getsize(gguf_path()),
+               "llama.cpp Q8_0": os.path.getsize(q8) if os.path.exists(q8) else None}
+    bound = {"read_gib_per_s": bandwidth / 2**30, "engines": []}
     for engine, tokens_per_s in batch_1.items():
-        size = weights.get(engine.split(" ")[0])
-        if size is None or engine.endswith("Q8_0"):
+        size = weights.get(engine)
+        if size is None:
             continue
         limit = bandwidth / size
         bound["engines"].append({"engine": engine, "weights_mib": size / 2**20, "bound_tokens_per_s": limit,
@@ -346,11 +347,10 @@ class TransformersRunner:
         return {}
 
 
-def requantized(llama_cpp, source: str, quant: str) -> str:
+def requantized(llama_cpp, source: str, quant: str, folder: str) -> str:
     """`source` requantized to `quant` by llama.cpp (its quantize tool's
-    function), made once into a file beside hybridkv's converted folder."""
-    out = os.path.join(os.path.dirname(converted_dir()), f"{os.path.basename(source).removesuffix('.gguf')}"
-                                                         f".{quant}.gguf")
+    function), made once into a file in `folder`."""
+    out = os.path.join(folder, f"{os.path.basename(source).removesuffix('.gguf')}.{quant}.gguf")
     if not os.path.exists(out):
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
@@ -376,7 +376,8 @@ class LlamaCppRunner:
         built = re.findall(r"(\w+) = 1", llama_cpp.llama_print_system_info().decode())  # its SIMD paths
         self.version = f"llama-cpp-python {llama_cpp.__version__} ({' '.join(built)})"
         if self.options.get("quant"):
-            self.gguf = requantized(llama_cpp, self.gguf, self.options["quant"])
+            # beside hybridkv's converted folder (this interpreter has no hybridkv)
+            self.gguf = requantized(llama_cpp, self.gguf, self.options["quant"], os.path.dirname(spec["model_dir"]))
         params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(self.gguf.encode(), params)
         self.llm = None
