@@ -32,7 +32,7 @@ from serving import free_port  # noqa: E402
 # Gemma-3's pool is small on purpose: 61 pages, so a second long prompt on a
 # replica evicts the sliding-window blocks the first one released early.
 OPTIONS = {"tiny-gemma3": dict(kv_cache_memory="248KiB", max_num_seqs=4, max_num_batched_tokens=256),
-           "tiny-jamba": dict(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=256)}
+           "tiny-jamba": dict(kv_cache_memory="8MiB", max_num_seqs=4, max_num_batched_tokens=256, block_size=16)}
 STATS_PERIOD_S = 0.2
 SETTLE_S = 1.0  # a few report periods: long enough for the routers to hear of what the replicas cached
 

@@ -139,7 +139,7 @@ def test_random_bytes_through_the_tokenizer():
 # -- tenant isolation ----------------------------------------------------------------
 
 def test_hybrid_cache_salt_isolates_tenants_in_the_engine():
-    engine = Engine(tiny_model_dir("tiny-jamba"), kv_cache_memory="16MiB", progress=False)
+    engine = Engine(tiny_model_dir("tiny-jamba"), kv_cache_memory="16MiB", progress=False, block_size=16)
     prompt = list(range(40, 90))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

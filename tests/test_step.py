@@ -125,7 +125,7 @@ def test_table_update_work_per_decode_step_does_not_grow_with_context(name):
 
     def written(context):
         engine = Engine(tiny_model_dir(name), kv_cache_memory="64MiB", progress=False, max_model_len=8192,
-                        max_num_batched_tokens=8192, enable_prefix_caching=False)
+                        max_num_batched_tokens=8192, enable_prefix_caching=False, block_size=16)
         layouts.append(engine.layout)
         engine.add_request([(7 * j) % 900 + 5 for j in range(context)],
                            SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
