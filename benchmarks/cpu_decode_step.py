@@ -30,6 +30,7 @@ the model's own Linear modules called in a row on one token (oneDNN's
 products, nothing else), and prints the step beside both.
 
     python -m benchmarks.cpu_decode_step            # batch 1, 16, 64; ~3 min
+    python -m benchmarks.cpu_decode_step --dtype bfloat16   # the weights in bfloat16
     python -m benchmarks.cpu_decode_step --quick    # CI smoke run
 """
 
@@ -72,7 +73,7 @@ def linears_alone(model, repeat: int) -> float:
     from hybridkv.layers.linear import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    inputs = [torch.randn(1, m.in_features) for m in linears]
+    inputs = [torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears]
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeat):
@@ -83,15 +84,17 @@ def linears_alone(model, repeat: int) -> float:
     return best
 
 
-def weights_read(model, repeat: int) -> float:
-    """Seconds to read as many bytes as the Linear weights, once, in
-    tensors of their sizes (a sum over each; oneDNN's packed copies cannot
-    be summed): what memory allows a batch-1 step."""
+def weights_read(model, repeat: int, dtype) -> float:
+    """Seconds to read as many bytes as the Linear weights in `dtype`,
+    once, in float32 tensors of their byte sizes (a sum over each; torch's
+    bfloat16 sum is far slower than memory, and oneDNN's packed copies
+    cannot be summed): what memory allows a batch-1 step."""
     import torch
 
     from hybridkv.layers.linear import Linear
 
-    copies = [torch.ones(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)]
+    copies = [torch.ones(m.out_features * m.in_features * dtype.itemsize // 4) for m in model.modules()
+              if isinstance(m, Linear)]
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeat):
@@ -111,7 +114,7 @@ def run(args) -> dict:
     batches, new_tokens, repeat = ([1, 2], 6, 1) if args.quick else ([1, 16, 64], 40, args.repeat)
     work = {b: real_gemma3.batch_prompts(b, 128) for b in batches}
     engine = Engine(real_gemma3.gguf_path(), kv_cache_memory=real_gemma3.kv_budget(work[batches[-1]], new_tokens),
-                    max_num_seqs=max(batches), progress=False)
+                    max_num_seqs=max(batches), progress=False, dtype=args.dtype)
     engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     model = engine.worker.model
     head, packed_head = model.lm_head, getattr(model.lm_head, "packed", None)
@@ -154,7 +157,7 @@ def run(args) -> dict:
         if len({tuple(v) for v in ids.values()}) != 1:
             raise SystemExit(f"batch {b}: the configurations gave different tokens: {ids}")
 
-    print(f"Gemma-3 270M (real weights, float32), {args.threads} threads; decode step ms, medians of "
+    print(f"Gemma-3 270M (real weights, {args.dtype}), {args.threads} threads; decode step ms, medians of "
           f"{repeat} run(s) (tokens/s)")
     print(f"{'batch':>5} " + " ".join(f"{name:>18}" for name in configs))
     rows = []
@@ -163,9 +166,10 @@ def run(args) -> dict:
         print(f"{b:>5} " + " ".join(f"{f'{s * 1e3:.1f} ({b / s:.0f})':>18}" for s in cells.values()))
         rows.append({"batch": b, **{f"{name.replace(' ', '_')}_s": s for name, s in cells.items()}})
 
-    weights = sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, Linear))
+    dtype = next(model.parameters()).dtype
+    weights = sum(m.in_features * m.out_features * dtype.itemsize for m in model.modules() if isinstance(m, Linear))
     products = linears_alone(model, 3 if args.quick else 20)
-    read = weights_read(model, 3 if args.quick else 20)
+    read = weights_read(model, 3 if args.quick else 20, dtype)
     step1 = statistics.median(steps[(1, "engine")])
     print(f"\nbatch 1: {weights / 1e9:.2f} GB of weights read per step. Reading them once (a sum over each) takes "
           f"{read * 1e3:.1f} ms ({weights / read / 1e9:.0f} GB/s): the floor of this design")
@@ -178,5 +182,11 @@ def run(args) -> dict:
             "first_ids": [{"batch": b, "ids": v["engine"]} for b, v in first_ids.items()]}
 
 
+def arguments(parser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the engine's weights and activations (default float32)")
+
+
 if __name__ == "__main__":
-    harness.main(run, repeat=3)
+    harness.main(run, arguments, repeat=3, out=lambda args: "cpu_decode_step.json" if args.dtype == "float32"
+                 else f"cpu_decode_step_{args.dtype}.json")

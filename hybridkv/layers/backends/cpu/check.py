@@ -172,17 +172,20 @@ def check_gated_activation(lib) -> None:
 
 
 def check_decode_layer(lib) -> None:
-    """One decoder layer over two decode rows, Gemma's shape (every norm,
+    """One decoder layer over five decode rows, Gemma's shape (every norm,
     offset 1, GELU) and Llama's (two norms, offset 0, SiLU) with attention
     sinks; in one call, and in the three parts a tensor-parallel rank runs.
     In bfloat16 (weights, pool, x, cos and sin) against the same rule in
     float32 from the same values, rounded where the kernel rounds: the K/V
-    stored, and x after each residual add. The second rounding sees a
+    stored, x after each residual add, and (where the CPU has its bfloat16
+    dot product) each product's input. The second rounding sees a
     float32 difference in the first's input, so the output is within two
     bfloat16 steps of the rule's."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
-    positions, firsts = [5, 12], [0, 4]
+    # Five rows: the products' tiles take four at a time, and a fifth alone.
+    positions, firsts = [5, 12, 2, 9, 15], [0, 4, 0, 8, 12]
+    R = len(positions)
     for dtype, offset, kind, every_norm in ((torch.float32, 1.0, 1, True), (torch.float32, 0.0, 0, False),
                                             (torch.bfloat16, 1.0, 1, True), (torch.bfloat16, 0.0, 0, False)):
         def rand(*shape, scale=0.2):
@@ -191,6 +194,9 @@ def check_decode_layer(lib) -> None:
         def rounded(t):  # as the kernel stores t in dtype
             return t.to(dtype).float()
 
+        def product_input(t):  # bfloat16 products on the CPU's dot product read their input rounded
+            return rounded(t) if dtype == torch.bfloat16 and lib.native_bf16_products else t
+
         w = {"qkv": rand((q_heads + 2 * kv_heads) * dim, hidden), "qkv_bias": rand((q_heads + 2 * kv_heads) * dim),
              "o": rand(hidden, q_heads * dim), "o_bias": None, "gate_up": rand(2 * inter, hidden),
              "down": rand(hidden, inter), "input_norm": rand(hidden), "pre_feedforward_norm": rand(hidden),
@@ -198,30 +204,30 @@ def check_decode_layer(lib) -> None:
         for name, size in (("post_attention_norm", hidden), ("post_feedforward_norm", hidden), ("q_norm", dim),
                            ("k_norm", dim)):
             w[name] = rand(size) if every_norm else None
-        cache, pages = _scattered_pool(gen, 24, bs, kv_heads, dim, positions, firsts)
+        cache, pages = _scattered_pool(gen, 32, bs, kv_heads, dim, positions, firsts)
         cache = rounded(cache)
-        store_pages = pages[torch.arange(2), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
+        store_pages = pages[torch.arange(R), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
         store_offsets = torch.tensor(positions) % bs
-        x = rand(2, hidden, scale=1.0)
-        angles = torch.randn(2, dim, generator=gen) * 3.0
+        x = rand(R, hidden, scale=1.0)
+        angles = torch.randn(R, dim, generator=gen) * 3.0
         cos, sin = rounded(angles.cos()), rounded(angles.sin())
         # torch, from the rules
         expected_cache = cache.clone()
-        qkv = F.linear(_norm(x, w["input_norm"], offset), w["qkv"], w["qkv_bias"])
+        qkv = F.linear(product_input(_norm(x, w["input_norm"], offset)), w["qkv"], w["qkv_bias"])
         q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], -1)
-        q, k, v = q.view(2, q_heads, dim), k.view(2, kv_heads, dim), v.view(2, kv_heads, dim)
+        q, k, v = q.view(R, q_heads, dim), k.view(R, kv_heads, dim), v.view(R, kv_heads, dim)
         if every_norm:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        for r in range(2):
+        for r in range(R):
             expected_cache[store_pages[r], 0, store_offsets[r]] = rounded(k[r])
             expected_cache[store_pages[r], 1, store_offsets[r]] = rounded(v[r])
-        attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"]).reshape(2, -1)
-        o = F.linear(attn, w["o"])
+        attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"]).reshape(R, -1)
+        o = F.linear(product_input(attn), w["o"])
         x1 = rounded(x + (_norm(o, w["post_attention_norm"], offset) if every_norm else o))
         h = _norm(x1, w["pre_feedforward_norm"], offset)
-        gate_up = F.linear(h, w["gate_up"])
-        d = F.linear(_act(gate_up[:, :inter], kind) * gate_up[:, inter:], w["down"])
+        gate_up = F.linear(product_input(h), w["gate_up"])
+        d = F.linear(product_input(_act(gate_up[:, :inter], kind) * gate_up[:, inter:]), w["down"])
         expected = x1 + (_norm(d, w["post_feedforward_norm"], offset) if every_norm else d)
         # C: the products' weights, the pool, x, cos and sin in dtype; the rest float32
         held = {name: None if t is None else t.to(dtype) if name in ("qkv", "o", "gate_up", "down") else t
@@ -231,7 +237,7 @@ def check_decode_layer(lib) -> None:
             dtype=STORAGE[dtype], eps=1e-6, norm_offset=offset, scale=0.25, softcap=0.0,
             **{name: None if t is None else t.data_ptr() for name, t in held.items()})
         first, last, store = torch.tensor(firsts), torch.tensor(positions), store_pages.contiguous()
-        rows = lib.structs["decode_rows"](rows=2, max_blocks=pages.shape[1], pages=pages.data_ptr(),
+        rows = lib.structs["decode_rows"](rows=R, max_blocks=pages.shape[1], pages=pages.data_ptr(),
                                           first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
                                           store_offsets=store_offsets.data_ptr())
         pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -670,6 +671,149 @@ static void gated_products(const float *x, int64_t rows, int64_t k, const void *
     }
 }
 
+#if defined(__AVX512BF16__)
+/* ---- bfloat16 products on the CPU's own dot product (AVX-512 BF16's
+ * vdpbf16ps: pairs of bfloat16 multiplied and added into float32 lanes).
+ * The inputs are rounded to bfloat16 first, as torch's modules hold them
+ * (a bfloat16 Linear reads a bfloat16 input), so a weight is read once and
+ * never widened: at four rows and up the widening products above spend
+ * more time converting weights than memory takes to deliver them, which
+ * kept the one-call layers below oneDNN's products at five rows and up. */
+#define NATIVE_BF16 1
+
+/* `count` (<= 4) elements of 16-bit type at p and up, zero past them. */
+static inline __m512i load_pairs(const uint16_t *p, int64_t count)
+{
+    return count >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << count) - 1), p);
+}
+
+/* out[b * stride + a] = xb row b . w row a (+ bias[a]) for `count` (<= 4)
+ * weight rows w[a] (k bfloat16 each) and rc (<= 4) rows of xb (bfloat16,
+ * k each; inlined once per rc, so that one row does one row's work). */
+INLINE void tile_rows(const uint16_t *xb, int64_t k, const uint16_t *const w[4], int64_t count,
+                      const float *bias, float *out, int64_t stride, int rc)
+{
+    __m512 acc[4][4];
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < rc; b++)
+            acc[a][b] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < k; d += 32) {
+        const int64_t left = k - d;
+        __m512bh wv[4], xv[4];
+        for (int a = 0; a < 4; a++)
+            wv[a] = (__m512bh)load_pairs(w[a] + d, left);
+        for (int b = 0; b < rc; b++)
+            xv[b] = (__m512bh)load_pairs(xb + b * k + d, left);
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < rc; b++)
+                acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv[b]);
+    }
+    for (int b = 0; b < rc; b++)
+        for (int64_t a = 0; a < count; a++)
+            out[b * stride + a] = _mm512_reduce_add_ps(acc[a][b]) + (bias != NULL ? bias[a] : 0.0f);
+}
+
+/* tile_rows over every row of xb [rows, k], four rows at a time: the
+ * weight rows read from memory once and from cache for each further four
+ * (sixteen float32 sums at most). */
+static void tile_bf16(const uint16_t *xb, int64_t rows, int64_t k, const uint16_t *const w[4], int64_t count,
+                      const float *bias, float *out, int64_t stride)
+{
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const uint16_t *x = xb + r0 * k;
+        float *o = out + r0 * stride;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: tile_rows(x, k, w, count, bias, o, stride, 1); break;
+        case 2: tile_rows(x, k, w, count, bias, o, stride, 2); break;
+        case 3: tile_rows(x, k, w, count, bias, o, stride, 3); break;
+        default: tile_rows(x, k, w, count, bias, o, stride, 4); break;
+        }
+    }
+}
+
+/* The four weight rows from row j of w [n, k] (rows past n repeat the last). */
+static void weight_rows(const uint16_t *w, int64_t j, int64_t n, int64_t k, const uint16_t *rows[4])
+{
+    for (int a = 0; a < 4; a++)
+        rows[a] = w + (j + a < n ? j + a : n - 1) * k;
+}
+
+/* xb [rows, k] = x [rows, k] rounded to bfloat16: each thread its own
+ * copy (a few KB), so that no barrier waits for a shared one. */
+static void rounded_rows(const float *x, int64_t rows, int64_t k, uint16_t *xb)
+{
+    for (int64_t r = 0; r < rows; r++)
+        copy_as(x + r * k, F32, xb + r * k, BF16, k);
+}
+#else
+#define NATIVE_BF16 0
+#endif
+
+/* A layer's product (as `products`): where the weights are bfloat16 and the
+ * CPU has its dot product, on it, the input rounded to bfloat16 first into
+ * the thread's xb (rows * k); else widening each weight to float32. */
+static void layer_products(const float *x, int64_t rows, int64_t k, const void *w, int wt, const float *bias,
+                           int64_t n, float *out, uint16_t *xb)
+{
+#if NATIVE_BF16
+    if (wt == BF16) {
+        rounded_rows(x, rows, k, xb);
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j += 4) {
+            const uint16_t *wr[4];
+            weight_rows((const uint16_t *)w, j, n, k, wr);
+            tile_bf16(xb, rows, k, wr, n - j < 4 ? n - j : 4, bias != NULL ? bias + j : NULL, out + j, n);
+        }
+        return;
+    }
+#endif
+    (void)xb;
+    products(x, rows, k, w, wt, bias, n, out);
+}
+
+/* The gated MLP's first half as layer_products does it: LANES columns of
+ * gate and of up at a time into gu [rows, 2 * inter] (scratch), then
+ * act(gate) * up for those columns, by the same thread (no barrier). */
+static void layer_gated_products(const float *x, int64_t rows, int64_t k, const void *gate_up, int wt,
+                                 int64_t inter, int kind, float *out, uint16_t *xb, float *gu)
+{
+#if NATIVE_BF16
+    if (wt == BF16) {
+        const uint16_t *w = (const uint16_t *)gate_up;
+        rounded_rows(x, rows, k, xb);
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < inter; j += LANES) {
+            const int64_t count = inter - j < LANES ? inter - j : LANES;
+            for (int64_t c = 0; c < count; c += 4) {
+                const int64_t part = count - c < 4 ? count - c : 4;
+                const uint16_t *wr[4];
+                weight_rows(w, j + c, inter, k, wr);
+                tile_bf16(xb, rows, k, wr, part, NULL, gu + j + c, 2 * inter);
+                weight_rows(w + inter * k, j + c, inter, k, wr);
+                tile_bf16(xb, rows, k, wr, part, NULL, gu + inter + j + c, 2 * inter);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float *g = gu + r * 2 * inter + j, *u = g + inter;
+                if (count == LANES)
+                    store(out + r * inter + j, activation(load(g), kind) * load(u));
+                else
+                    for (int64_t c = 0; c < count; c++)
+                        out[r * inter + j + c] = activation1(g[c], kind) * u[c];
+            }
+        }
+        return;
+    }
+#endif
+    (void)xb, (void)gu;
+    gated_products(x, rows, k, gate_up, wt, inter, kind, out);
+}
+
+/* 1 where bfloat16 products run on the CPU's dot product (the one-call
+ * layers then keep up with oneDNN's products to more rows: decoder.py
+ * reads it through library.py), else 0. A constant, not a function: no
+ * kernel to test. */
+const int native_bf16_products = NATIVE_BF16;
+
 /* x += norm(sub) (sub, float32, normed in place; no norm: x += sub), dim
  * elements; x of type t, rounded once per add (the residual stream as
  * the model holds it). */
@@ -718,7 +862,7 @@ enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_FEED_FORWARD = 2, LAYER_LAST_
  * region. A failed attention row sets *failed. */
 static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const void *x,
                            const void *cos, const void *sin, float *h, float *qkv, float *attn, float *sums,
-                           int *failed)
+                           uint16_t *xb, int *failed)
 {
     const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
     const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
@@ -732,7 +876,7 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         norm_x_row(at(x, r * H, t), t, L->input_norm, offset, eps, H, h + r * H);
-    products(h, rows, H, L->qkv, t, L->qkv_bias, qkv_width, qkv);
+    layer_products(h, rows, H, L->qkv, t, L->qkv_bias, qkv_width, qkv, xb);
 #pragma omp for schedule(static) collapse(2)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
@@ -773,12 +917,13 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
             }
         }
     }
-    products(attn, rows, q_width, L->o, t, L->o_bias, H, sums);
+    layer_products(attn, rows, q_width, L->o, t, L->o_bias, H, sums, xb);
 }
 
 /* x += post_norm(sums) (the attention's), then sums [rows, hidden] =
  * down(act(h Wg) * h Wu) with h = pre_norm(x): inside the caller's region. */
-static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, float *h, float *act, float *sums)
+static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, float *h, float *act, float *sums,
+                              uint16_t *xb, float *gu)
 {
     const int64_t H = L->hidden;
     const int t = (int)L->dtype;
@@ -787,8 +932,8 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, flo
         add_residual(at(x, r * H, t), t, sums + r * H, L->post_attention_norm, L->norm_offset, L->eps, H);
         norm_x_row(at(x, r * H, t), t, L->pre_feedforward_norm, L->norm_offset, L->eps, H, h + r * H);
     }
-    gated_products(h, rows, H, L->gate_up, t, L->inter, (int)L->activation, act);
-    products(act, rows, L->inter, L->down, t, NULL, H, sums);
+    layer_gated_products(h, rows, H, L->gate_up, t, L->inter, (int)L->activation, act, xb, gu);
+    layer_products(act, rows, L->inter, L->down, t, NULL, H, sums, xb);
 }
 
 /* x [rows, hidden] (in place: the residual stream) through one layer, each
@@ -820,20 +965,27 @@ int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows
         return -1;
     const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim;
     const int64_t q_width = L->q_heads * dim, qkv_width = q_width + 2 * L->kv_heads * dim;
-    float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * H + qkv_width + q_width + L->inter)));
+    /* Floats: h, qkv, attn, act, sub, gate_up's product; then each thread's
+     * copy of the products' inputs rounded to bfloat16 (layer_products),
+     * the widest of them. */
+    const int64_t widest = H > q_width ? (H > L->inter ? H : L->inter) : (q_width > L->inter ? q_width : L->inter);
+    const int64_t floats = rows * (2 * H + qkv_width + q_width + 3 * L->inter);
+    float *scratch = malloc(sizeof(float) * (size_t)floats + sizeof(uint16_t) * (size_t)(threads * rows * widest));
     if (scratch == NULL)
         return -1;
     float *h = scratch, *qkv = h + rows * H, *attn = qkv + rows * qkv_width, *act = attn + rows * q_width,
-          *sub = act + rows * L->inter;
+          *sub = act + rows * L->inter, *gu = sub + rows * H;
+    uint16_t *const xbs = (uint16_t *)(scratch + floats);
     if (sums == NULL)
         sums = sub;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        uint16_t *xb = xbs + (int64_t)omp_get_thread_num() * rows * widest;
         if (part == LAYER_WHOLE || part == LAYER_ATTENTION)
-            attention_part(L, c, d, x, cos, sin, h, qkv, attn, sums, &failed);
+            attention_part(L, c, d, x, cos, sin, h, qkv, attn, sums, xb, &failed);
         if (part == LAYER_WHOLE || part == LAYER_FEED_FORWARD)
-            feed_forward_part(L, rows, x, h, act, sums);
+            feed_forward_part(L, rows, x, h, act, sums, xb, gu);
         if (part == LAYER_WHOLE || part == LAYER_LAST_RESIDUAL) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)

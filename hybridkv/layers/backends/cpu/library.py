@@ -90,6 +90,8 @@ class Kernels:
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name, fn)
+        # Whether bfloat16 products run on the CPU's dot product (kernels.c's constant of that name).
+        self.native_bf16_products = bool(ctypes.c_int.in_dll(self.lib, "native_bf16_products").value)
         sizes = (ctypes.c_int64 * len(self.structs))()
         self.lib.struct_sizes(sizes)
         for (name, struct), size in zip(self.structs.items(), sizes):
