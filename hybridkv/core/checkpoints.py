@@ -179,11 +179,14 @@ class PrefixSightings:
 
 class CheckpointPlanner:
     """Where one model's requests save Mamba states: planned at a request's
-    first allocation (`plan`), and told to the scheduler as the positions a
-    prefill chunk must end at (`next_checkpoint`), so the state exists
-    there. One planner serves all the Mamba groups of a model: they save at
-    the same positions. `extend_keys(req, n)` makes the request's first n
-    block keys."""
+    first allocation (`plan`), and told to the scheduler (`next_checkpoint`)
+    and to the recurrent managers (`inside`). A runner that saves states
+    inside a prefill chunk (the mixers scan up to a checkpoint, copy the
+    state there, go on) gets a state block for each planned position inside
+    the chunk; for one that does not, a chunk ends at the next checkpoint,
+    so the state exists there. One planner serves all the Mamba groups of a
+    model: they save at the same positions. `extend_keys(req, n)` makes the
+    request's first n block keys."""
 
     def __init__(self, policy: CheckpointPolicy, block_size: int, extend_keys: Callable):
         self.policy = policy
@@ -216,9 +219,10 @@ class CheckpointPlanner:
         last = (len(req.tokens) - 1) // bs * bs
         req.probation_at = last if self.policy.on_probation(last, len(req.tokens), bs, shared) else -1
 
-    def next_checkpoint(self, req, hit: int) -> int | None:
+    def next_checkpoint(self, req, hit: int, skip: int = 0) -> int | None:
         """The next checkpoint after the computed tokens (or, before the
-        first allocation, after the hit it will take). Past the prompt, with
+        first allocation, after the hit it will take), past the first `skip`
+        planned ones (those a chunk may hold inside). Past the prompt, with
         rolling checkpoints, the next block boundary: a speculative step must
         not jump over it, or the state there would never exist."""
         if not req.started:
@@ -228,10 +232,18 @@ class CheckpointPlanner:
             done = req.num_computed
         for position in req.checkpoints:
             if position > done:
+                if skip:
+                    skip -= 1
+                    continue
                 return position
         if req.started and self.policy.rolling and done >= req.num_prompt_tokens:
             return (done // self.block_size + 1) * self.block_size
         return None
+
+    def inside(self, req, start: int, end: int) -> list[int]:
+        """The planned checkpoints strictly inside tokens (start, end): the
+        states a chunk over them saves on its way."""
+        return [p for p in req.checkpoints if start < p < end]
 
     def is_checkpoint(self, req, n: int) -> bool:
         """Does the state after `n` tokens get saved?"""

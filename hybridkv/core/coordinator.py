@@ -47,8 +47,8 @@ class Coordinator:
         self.hasher = hasher
         self.known_chains = KnownChains(layout.block_size)
         self.block_cache = BlockCache(layout.num_pages, len(layout.groups))
-        # Positions where recurrent groups save states, and so where a
-        # prefill chunk must end (None: no group saves any).
+        # Positions where recurrent groups save states (None: no group
+        # saves any).
         recurrent = any(g.recurrent for g in layout.groups)
         self.checkpoints = CheckpointPlanner(policy, self.block_size, self.extend_keys) \
             if caching and recurrent else None
@@ -274,11 +274,11 @@ class Coordinator:
             quiet_until = req.fast.quiet_until
         req.fast = FastPath(room, quiet_until)
 
-    def next_checkpoint(self, req: CacheRequest, hit: int) -> int | None:
-        """The next position where a prefill chunk must end (a checkpoint),
-        after the computed tokens or, before the first allocation, after
-        the hit it will take; None if there is none ahead."""
-        return None if self.checkpoints is None else self.checkpoints.next_checkpoint(req, hit)
+    def next_checkpoint(self, req: CacheRequest, hit: int, skip: int = 0) -> int | None:
+        """The next checkpoint after the computed tokens or, before the
+        first allocation, after the hit it will take, past the first `skip`
+        planned ones; None if there is none ahead."""
+        return None if self.checkpoints is None else self.checkpoints.next_checkpoint(req, hit, skip)
 
     # -- progress ------------------------------------------------------------
     def mark_computed(self, req: CacheRequest, num_tokens: int) -> None:

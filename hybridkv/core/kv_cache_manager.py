@@ -169,6 +169,11 @@ def _count(value, what: str) -> int:
     return value
 
 
+# At most this many planned checkpoints inside one prefill chunk (each costs
+# a state block while the chunk runs, and a pass of the recurrent scans).
+MAX_CHECKPOINTS_INSIDE = 16
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -177,6 +182,7 @@ class KVCacheManager:
         hash_function="sha256",
         checkpoint_policy: str | CheckpointPolicy = "hybridkv",
         enable_kv_events: bool = False,
+        checkpoints_inside_chunks: bool = False,
     ):
         if not isinstance(layout, KVCacheLayout):
             raise ValueError(f"KVCacheManager needs a KVCacheLayout (from plan_layout), got {type(layout).__name__}")
@@ -187,6 +193,13 @@ class KVCacheManager:
         self.coordinator = make_coordinator(layout, self.enable_prefix_caching, self.hasher,
                                             get_policy(checkpoint_policy))
         self.block_cache = self.coordinator.block_cache
+        # The runner saves recurrent states at checkpoints inside a prefill
+        # chunk (get_checkpoint_pages): chunks no longer end at checkpoints.
+        self.checkpoints_inside_chunks = bool(checkpoints_inside_chunks) and self.coordinator.checkpoints is not None
+        recurrent = [m for m in self.coordinator.managers if m.recurrent]
+        for manager in recurrent:
+            manager.inside = self.checkpoints_inside_chunks
+        self._state_pages = sum(m.width for m in recurrent)  # one state of every recurrent group
         if enable_kv_events:
             self.block_cache.events = []
         self._requests: dict[str, CacheRequest] = {}
@@ -209,8 +222,12 @@ class KVCacheManager:
         return len(self._requests)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    cache_salt: str | None = None, extra_keys: Sequence | None = None) -> None:
-        """Register a request with its prompt; no blocks are taken yet."""
+                    cache_salt: str | None = None, extra_keys: Sequence | None = None,
+                    read_cache: bool = True) -> None:
+        """Register a request with its prompt; no blocks are taken yet.
+        `read_cache=False`: it takes no prefix hit and computes every token
+        (an engine request that wants every prompt row's logits); the blocks
+        it computes are cached for others all the same."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
@@ -222,6 +239,7 @@ class KVCacheManager:
             raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         root = self.hasher.root(cache_salt, extra_keys) if self.enable_prefix_caching else None
         req = self.coordinator.new_request(request_id, tokens, root)
+        req.reads_cache = bool(read_cache)
         if self.enable_prefix_caching:
             req.prompt_bytes = data  # hashed later without converting again
         self.coordinator.sight(req)
@@ -242,6 +260,9 @@ class KVCacheManager:
         if memo is not None and memo.version == self.block_cache.version and memo.num_tokens == len(req.tokens):
             return memo.hit
         coordinator = self.coordinator
+        if not req.reads_cache:
+            req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), 0, None, {})
+            return 0
         while True:
             hit = coordinator.find_hit(req)
             if coordinator.tier is None:
@@ -481,23 +502,43 @@ class KVCacheManager:
         return self.coordinator.take_copies()
 
     def next_checkpoint(self, request_id: str) -> int | None:
-        """The next position where the request saves a Mamba state: a prefill
-        chunk must end there (also before the first allocation: the first
-        chunk starts at the hit). None if there is none ahead."""
+        """The next position where the request saves a Mamba state (also
+        before the first allocation: the first chunk starts at the hit).
+        None if there is none ahead. A prefill chunk must end there unless
+        `checkpoints_inside_chunks`; a speculative step never passes it."""
         req = self._get(request_id)
         return self.coordinator.next_checkpoint(req, 0 if req.started else self._hit(req))
 
     def next_chunk(self, request_id: str, budget: int) -> int:
         """How many tokens to compute next: what is left of the known tokens
         (after the prefix hit, before the first allocation), at most `budget`,
-        and ending at the next Mamba checkpoint."""
+        and ending at the next Mamba checkpoint. With
+        `checkpoints_inside_chunks` the chunk runs on past up to
+        MAX_CHECKPOINTS_INSIDE planned checkpoints, as many as the free pages
+        hold a state for beside the chunk's own (else it ends at the next
+        one, as without: a full pool never fails for want of them)."""
         req = self._get(request_id)
         done = req.num_computed if req.started else self._hit(req)
         count = min(len(req.tokens) - done, _count(budget, "budget"))
-        checkpoint = self.coordinator.next_checkpoint(req, done)
+        skip = 0
+        if self.checkpoints_inside_chunks:
+            spare = self.block_cache.num_free_pages - self.layout.pages_per_request(done + count, count)
+            skip = max(0, min(MAX_CHECKPOINTS_INSIDE, spare // self._state_pages))
+        checkpoint = self.coordinator.next_checkpoint(req, done, skip)
         if checkpoint is not None and done < checkpoint < done + count:
             count = checkpoint - done
         return count
+
+    def get_checkpoint_pages(self, request_id: str) -> dict[int, list[tuple[int, tuple]]]:
+        """Per recurrent group, (position, pages) of each checkpoint strictly
+        inside the request's allocated tokens (only with
+        `checkpoints_inside_chunks`; an empty dict when there is none): the
+        next pass writes the state after `position` tokens there, as a chunk
+        ending at the position would leave it in its write pages; the
+        manager caches it when the tokens are marked computed."""
+        req = self._get(request_id)
+        return {m.index: m.saving_pages(req) for m in self.coordinator.managers
+                if m.recurrent and req.saving[m.index]}
 
     def block_keys(self, request_id: str, start: int, end: int) -> list:
         """Cache keys of the request's full blocks whose last token lies in

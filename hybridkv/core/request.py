@@ -82,6 +82,7 @@ class CacheRequest:
     num_allocated: int = 0  # tokens that have slots: computed + scheduled
     lookahead: int = 0  # of those, draft tokens past the known ones (speculative decoding)
     started: bool = False  # the first allocation (which takes the hit) happened
+    reads_cache: bool = True  # False: takes no prefix hit, computes every token (its blocks are still cached)
     keys: list = field(default_factory=list)  # chained cache keys of the full blocks of known tokens
     prompt_bytes: bytes | None = None  # canonical bytes of the prompt, for hashing
     # Per attention group: leading blocks already offered to the cache, and
@@ -94,6 +95,9 @@ class CacheRequest:
     planned_for: tuple | None = None  # what the plan was made from (CheckpointPlanner.plan)
     rolling: list = None  # per Mamba group: (block, key) of its latest decode checkpoint
     probation: list[int] = None  # per Mamba group: the probation checkpoint's block once saved
+    # per Mamba group: (position, block) of the checkpoints inside the
+    # allocated tokens, each written by the pass that computes past it
+    saving: list = None
     hit_memo: HitMemo | None = None
     scan: ScanMemo | None = None
     lookup: Lookup | None = None
@@ -107,6 +111,7 @@ class CacheRequest:
         self.num_released = [0] * groups
         self.rolling = [None] * groups
         self.probation = [0] * groups
+        self.saving = [()] * groups
         self.table_version = next(_versions)
 
     def tables_changed(self) -> None:
@@ -123,12 +128,14 @@ class CacheRequest:
 INHERITED = ("num_prompt_tokens", "num_computed", "num_allocated", "started", "keys",
              "num_cached", "num_released", "checkpoints", "probation_at", "lookup")
 # What it does not, and why: its id; tokens and root (given to the child as
-# it is made); tables (the managers share the blocks, counting references);
+# it is made); reads_cache (a started request looks nothing up); tables
+# (the managers share the blocks, counting references);
 # table_version (its own); lookahead (none between steps, where forks
 # happen); prompt_bytes (the keys are inherited); the lookup memos hit_memo
 # and scan (a started request looks nothing up), and planned_for (it
 # plans nothing more; its plan, checkpoints, is inherited); fast (the child's first
 # step takes the slow path, which copies a shared partly filled block);
-# rolling and probation (checkpoints this request saved: the child saved none).
-NOT_INHERITED = ("request_id", "tokens", "root", "tables", "table_version", "lookahead", "prompt_bytes",
-                 "hit_memo", "scan", "fast", "rolling", "probation", "planned_for")
+# rolling and probation (checkpoints this request saved: the child saved none);
+# saving (a checkpoint being written: none between steps, where forks happen).
+NOT_INHERITED = ("request_id", "tokens", "root", "reads_cache", "tables", "table_version", "lookahead", "prompt_bytes",
+                 "hit_memo", "scan", "fast", "rolling", "probation", "planned_for", "saving")

@@ -54,7 +54,7 @@ from .seeding import engine_stream, request_stream
 from .speculative import PromptLookup, accept_drafts
 from .step_plan import StepPlan, plan_step
 from .tables import TableRows
-from .worker import Worker
+from .worker import PromptLogprobs, Worker
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """A prompt must leave one token of the context to generate."""
@@ -81,11 +81,13 @@ class Engine:
         self._load_model(config)
         self.layout = plan_layout(specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype)),
                                   self._kv_budget(config.kv_cache_memory), block_size=config.block_size)
-        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
-                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events)
         self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
+        # Where its recurrent side saves states inside prefill chunks, chunks run past checkpoints.
+        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
+                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events,
+                                 checkpoints_inside_chunks=self.backend.capabilities.checkpoints_inside_chunks)
         tiers = self._tier_options(config) if config.tiers else None
         self._start_workers(config, tiers)
         self.tables = TableRows(self.layout, self.kv, config.max_num_seqs, self.max_model_len)
@@ -326,20 +328,24 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule it (the scheduler decides what runs and
         allocates its slots), plan it, execute it (the executor, on every
-        worker), apply its outputs (`_apply`). Returns the outputs of the
-        requests it advanced."""
+        worker), record the prompt logprobs it computed, apply its outputs
+        (`_apply`). Returns the outputs of the requests it advanced."""
         tiers = self.tiers
         loading = tiers.load_seconds if tiers is not None else 0.0
         steps = self._schedule()
         if steps:
             # The workers make the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
-            logits = self.executor.execute(self._plan(steps))
+            logits, scored = self.executor.execute(self._plan(steps))
             self.num_steps += 1
         elif tiers is not None:  # stores decided by a step that schedules nothing: made now, on every rank
             self.executor.copy_tiers(tiers.take_log() if tiers.log is not None else [])
         if tiers is not None:
             self.last_step_tier_load_seconds = tiers.load_seconds - loading
-        return self._apply(steps, logits) if steps else []
+        if not steps:
+            return []
+        if scored is not None:  # before _apply: its outputs carry them
+            self._record_prompt_logprobs(steps, scored)
+        return self._apply(steps, logits)
 
     def _schedule(self) -> list[Scheduled]:
         steps = self.scheduler.schedule()  # admissions take their tier hits here
@@ -353,11 +359,25 @@ class Engine:
         """The step for the workers: its arrays, and what comes first (page
         copies of forks, table changes, the tiers' calls for other ranks)."""
         plan = plan_step(steps, [self.tables.row(s.seq.seq_id) for s in steps])
+        if self.kv.checkpoints_inside_chunks:
+            plan.checkpoint_saves = self._checkpoint_saves(steps)
         plan.copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
         plan.table_changes = self.tables.changes()
         if self.tiers is not None and self.tiers.log is not None:
             plan.tier_log = self.tiers.take_log()
         return plan
+
+    def _checkpoint_saves(self, steps: list[Scheduled]) -> list[tuple]:
+        """The recurrent states the step saves inside its prefill chunks:
+        (sequence index, tokens of its chunk before the checkpoint, group,
+        pages) for each checkpoint the manager gave a block inside the
+        chunk's tokens."""
+        saves = []
+        for i, s in enumerate(steps):
+            if s.count > 1 and not s.drafts:
+                for g, entries in self.kv.get_checkpoint_pages(s.seq.seq_id).items():
+                    saves.extend((i, position - s.start, g, pages) for position, pages in entries)
+        return saves
 
     def _apply(self, steps: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
         """After the forward pass: the computed tokens join the cache, a
@@ -372,6 +392,25 @@ class Engine:
         if verifying:
             self._verify_drafts(verifying, logits, touched, steps)
         return self._outputs(touched)
+
+    @staticmethod
+    def _record_prompt_logprobs(steps: list[Scheduled], scored: PromptLogprobs) -> None:
+        """The step's prompt-logprob rows (in the plan's order: step_plan.py)
+        join their requests' lists: for each position, the prompt's token
+        first, then the request's top tokens in order."""
+        token, top, top_ids = scored.token.tolist(), scored.top.tolist(), scored.top_ids.tolist()
+        row = 0
+        for s in steps:
+            request = s.seq.request
+            positions = request.scored_positions(s.start, s.count)
+            if not positions:
+                continue
+            k, prompt, entries = request.params.prompt_logprobs, request.prompt_token_ids, request.prompt_logprobs
+            for position in positions:
+                entry = {prompt[position + 1]: token[row]}
+                entry.update(zip(top_ids[row][:k], top[row][:k]))
+                entries.append(entry)
+                row += 1
 
     def _mark_computed(self, steps: list[Scheduled]) -> None:
         """Decodes in one call; prefill chunks one by one. A step that
@@ -568,7 +607,7 @@ class Engine:
                 text = text or ""
             completions.append(CompletionOutput(seq.index, text, token_ids, seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics)
+                             request.finished, request.metrics, request.prompt_logprobs)
 
     # -- batch API -------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

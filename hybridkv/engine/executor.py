@@ -1,6 +1,7 @@
 """The executor: how the engine's steps reach its workers. The engine
 builds each step's plan (step_plan.py) and hands it to its executor, which
-runs it on every worker and returns the driver's logits.
+runs it on every worker and returns the driver's logits (and prompt
+logprobs: worker.Worker.execute).
 
 * `LocalExecutor`: one worker, in this process;
 * `tensor_parallel.TensorParallelExecutor`: N workers on torch.distributed,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .step_plan import StepPlan
-from .worker import Worker
+from .worker import PromptLogprobs, Worker
 
 
 class LocalExecutor:
@@ -25,7 +26,7 @@ class LocalExecutor:
     def __init__(self, worker: Worker):
         self.worker = worker
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None]:
         return self.worker.execute(plan)
 
     def keep_accepted(self, accepted: dict[int, int]) -> None:

@@ -65,3 +65,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs=k: one entry per prompt token, the first
+    # None, then {token id: logprob} holding the prompt's token at that
+    # position and the k most likely ones (vLLM's shape). Complete in every
+    # output (a request's outputs begin once its prompt is computed); None
+    # when not asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

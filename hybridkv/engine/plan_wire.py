@@ -6,8 +6,10 @@ The array, in order (every part int64):
 
     header   T tokens, S sequences, K sampled rows, C page copies,
              V (1: a verifying mask follows), A accepted entries (-1: none),
-             N table changes, L tier calls, D (1: a decode step)
+             N table changes, L tier calls, D (1: a decode step),
+             P prompt-logprob rows, B top tokens for them
     ids[T] first_positions[S] counts[S] rows[S] verifying[S if V] sampled[K]
+    logprob_rows[P] logprob_tokens[P]
     copies[2C]   (source page, destination page) pairs
     accepted[2A] (sequence index in the previous plan, drafts kept) pairs
     N table changes (one per group that changed), each: g, m, rows[m], then
@@ -18,6 +20,8 @@ The array, in order (every part int64):
         load 3, the fetch's place in the calls, n, pages[n] | clear 4 |
         write 5, group, key, n, pages[n] (a flush: a cached block to disk)
         (a key: its length in bytes, then its bytes in int64 words)
+    W, then W checkpoint saves, each: sequence index, offset, group,
+        pages[width] (a recurrent state saved inside a prefill chunk)
 
 Besides plans, two smaller messages use the same words: tier calls alone
 (`encode_tier_calls`: L, then the calls; the calls a flush or a step that
@@ -36,7 +40,7 @@ import numpy as np
 from ..core.layout import KVCacheLayout
 from .step_plan import StepPlan
 
-HEADER = 9
+HEADER = 11
 TIERS = ("host", "disk")
 
 
@@ -44,11 +48,12 @@ def encode(plan: StepPlan) -> np.ndarray:
     accepted = plan.accepted
     parts = [np.array([len(plan.ids), len(plan.counts), len(plan.sampled), len(plan.copies),
                        plan.verifying is not None, -1 if accepted is None else len(accepted),
-                       len(plan.table_changes), len(plan.tier_log), plan.decode], dtype=np.int64),
+                       len(plan.table_changes), len(plan.tier_log), plan.decode, len(plan.logprob_rows),
+                       plan.logprob_top], dtype=np.int64),
              plan.ids, plan.first_positions, plan.counts, plan.rows]
     if plan.verifying is not None:
         parts.append(plan.verifying)
-    parts.append(plan.sampled)
+    parts += [plan.sampled, plan.logprob_rows, plan.logprob_tokens]
     if plan.copies:
         parts.append(np.asarray(plan.copies, dtype=np.int64).reshape(-1))
     if accepted:
@@ -59,6 +64,9 @@ def encode(plan: StepPlan) -> np.ndarray:
         parts.extend(change[1:])
     for call in plan.tier_log:
         parts.append(_tier_call(call))
+    parts.append([len(plan.checkpoint_saves)])
+    for sequence, offset, group, pages in plan.checkpoint_saves:
+        parts.append([sequence, offset, group, *pages])
     return np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
 
 
@@ -144,13 +152,14 @@ class _Reader:
 
 def decode(data: np.ndarray, layout: KVCacheLayout) -> StepPlan:
     """The plan `encode` wrote."""
-    t, s, k, c, v, a, n, calls, is_decode = (int(x) for x in data[:HEADER])
+    t, s, k, c, v, a, n, calls, is_decode, p, top = (int(x) for x in data[:HEADER])
     reader = _Reader(data)
     reader.take(HEADER)
     take = reader.take
     ids, first_positions, counts, rows = take(t), take(s), take(s), take(s)
     verifying = take(s).astype(bool) if v else None
     sampled = take(k)
+    logprob_rows, logprob_tokens = take(p), take(p)
     copies = [tuple(pair) for pair in take(2 * c).reshape(c, 2).tolist()]
     accepted = None if a < 0 else dict(take(2 * a).reshape(a, 2).tolist())
     changes = []
@@ -165,6 +174,12 @@ def decode(data: np.ndarray, layout: KVCacheLayout) -> StepPlan:
         else:
             changes.append((g, changed, take(m).copy(), take(width * m).reshape(width, m).copy()))
     tier_log = reader.tier_calls(calls)
+    saves = []
+    for _ in range(int(take(1)[0])):
+        sequence, offset, g = (int(x) for x in take(3))
+        saves.append((sequence, offset, g, tuple(take(layout.groups[g].pages_per_block).tolist())))
     reader.end()
-    return StepPlan(ids, first_positions, counts, rows, verifying, sampled, bool(is_decode), copies, changes,
-                    accepted, tier_log)
+    plan = StepPlan(ids, first_positions, counts, rows, verifying, sampled, bool(is_decode), copies, changes,
+                    accepted, tier_log, logprob_rows=logprob_rows, logprob_tokens=logprob_tokens, logprob_top=top)
+    plan.checkpoint_saves = saves
+    return plan

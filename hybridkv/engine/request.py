@@ -58,6 +58,25 @@ class Request:
         self.sequences: list[Sequence] = []
         # n > 1: the n - 1 children are still to be made (once the prompt is computed)
         self.fork_pending = params.n > 1
+        # SamplingParams.prompt_logprobs: the entries recorded so far (the first,
+        # position 0's, is None); the prompt's chunks add theirs in order.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = \
+            None if params.prompt_logprobs is None else [None]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A prefix hit skips computing its rows: a request that wants prompt
+        logprobs takes none until it has them all (after a preemption it may)."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_token_ids)
+
+    def scored_positions(self, start: int, count: int) -> range:
+        """Of the positions [start, start + count) a step computes, those
+        whose logits give a prompt logprob not recorded yet (position q's
+        logits score prompt token q + 1; a recomputed position, after a
+        preemption, is not scored twice)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + count, len(self.prompt_token_ids) - 1))
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,9 @@ GREEDY_BELOW = 1e-5  # temperatures this small sample greedily
 # they bound the automaton's memory (one node a character) and its build.
 MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 1 << 16  # all the stop strings together
+# The most top tokens a prompt position reports (vLLM's default max_logprobs):
+# each costs a column of a top-k over the vocabulary for every prompt row.
+MAX_LOGPROBS = 20
 # Clients send the same stop strings with request after request: their
 # automaton is built once (30 ms at the bounds), and shared (it never changes).
 _stop_strings = functools.lru_cache(maxsize=16)(StopStrings)
@@ -29,6 +32,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Prompt logprobs (vLLM's): for every prompt position p >= 1, the logprob
+    # of the prompt's token there and of the k most likely tokens, in
+    # RequestOutput.prompt_logprobs. None: off. Such a request computes its
+    # whole prompt (it takes no prefix-cache hit; its blocks still serve others).
+    prompt_logprobs: int | None = None
     # The automaton that finds the stop strings, built here (in the caller's
     # thread, never the engine's): read `stop` once, at construction.
     stop_strings: StopStrings = field(init=False, repr=False, compare=False)
@@ -39,6 +47,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
         integer("n", self.n, 1)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS} (top tokens per prompt position), "
+                                 f"got {self.prompt_logprobs}")
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens, 1)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -6,9 +6,12 @@ decoding one takes one token (consecutive decoding sequences get their
 slots in one `allocate_slots_many` call), one still in prefill takes the
 next chunk. Then waiting sequences are admitted first come, first served,
 while the budget, `max_num_seqs` and the KV cache allow; a prompt longer than
-what is left of the budget is prefilled in chunks over several steps. Every
-prefill chunk ends at the next Mamba checkpoint position, so the state there
-exists.
+what is left of the budget is prefilled in chunks over several steps. A
+prefill chunk runs past Mamba checkpoint positions where the backend's
+recurrent side saves states inside a chunk (the manager gives each a state
+block, and the worker writes it); where it does not, every prefill chunk
+ends at the next checkpoint, so the state there exists
+(`KVCacheManager.next_chunk` decides).
 
 A waiting prompt whose next block is being computed in this very step by
 another sequence (two requests with the same system prompt arriving
@@ -67,7 +70,8 @@ class Scheduler:
     def add(self, seq: Sequence, token_ids) -> None:
         """Queue a sequence with its prompt (the manager keeps the tokens;
         the sequence reads them from there)."""
-        self.kv.add_request(seq.seq_id, token_ids, cache_salt=seq.request.cache_salt)
+        self.kv.add_request(seq.seq_id, token_ids, cache_salt=seq.request.cache_salt,
+                            read_cache=seq.request.reads_prefix_cache)
         seq.token_ids = self.kv.token_ids(seq.seq_id)
         self.waiting.append(seq)
 
@@ -89,7 +93,8 @@ class Scheduler:
         tokens = seq.token_ids
         self._drop(seq)
         self.running.remove(seq)
-        self.kv.add_request(seq.seq_id, tokens, cache_salt=seq.request.cache_salt)
+        self.kv.add_request(seq.seq_id, tokens, cache_salt=seq.request.cache_salt,
+                            read_cache=seq.request.reads_prefix_cache)
         seq.token_ids = self.kv.token_ids(seq.seq_id)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -192,7 +197,7 @@ class Scheduler:
             done = kv.get_computed_tokens(seq.seq_id)
             count = kv.next_chunk(seq.seq_id, budget)
             upcoming = kv.block_keys(seq.seq_id, done, done + count)
-            if upcoming and upcoming[0] in computing:
+            if upcoming and upcoming[0] in computing and seq.request.reads_prefix_cache:
                 deferred.append(self.waiting.popleft())  # its prefix is being computed: reuse it next step
                 continue
             if not kv.allocate_slots(seq.seq_id, count):

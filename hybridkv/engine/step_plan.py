@@ -5,7 +5,8 @@ all a worker needs to run the step, in process or on another rank
 The driver builds it (`plan_step`) from the scheduler's steps and each
 sequence's table row; the engine adds what must happen before the forward
 pass: page copies (forks' copy-on-write), table changes, the drafts the
-last step kept, the tiers' decisions for other ranks to replay.
+last step kept, the tiers' decisions for other ranks to replay, the
+recurrent states to save inside prefill chunks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ class StepPlan:
     table_changes: list = field(default_factory=list)  # tables.TableRows.changes()
     accepted: dict | None = None  # the previous plan's kept drafts by sequence index (Worker.keep_accepted)
     tier_log: list = field(default_factory=list)  # the driver's tier calls, replayed by other ranks' tiers
+    # Recurrent states saved at checkpoints inside prefill chunks: (sequence
+    # index, tokens of its chunk before the checkpoint, group, pages).
+    checkpoint_saves: list = field(default_factory=list)
+    # Prompt logprobs (SamplingParams.prompt_logprobs): token rows whose logits
+    # are reduced to the logprob of the next prompt token (`logprob_tokens`)
+    # and the `logprob_top` most likely tokens' (the most any of them asks).
+    logprob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    logprob_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    logprob_top: int = 0
 
 
 def plan_step(steps: list[Scheduled], rows: list[int]) -> StepPlan:
@@ -48,10 +58,22 @@ def plan_step(steps: list[Scheduled], rows: list[int]) -> StepPlan:
     starts = np.zeros(n, dtype=np.int64)
     np.cumsum(counts[:-1], out=starts[1:])
     sampled = []
+    scored, targets, top = [], [], 0
     for i, s in enumerate(steps):
         if s.drafts:  # every token of a verified step gives a row: what follows it
             sampled.extend(range(int(starts[i]), int(starts[i] + counts[i])))
         elif s.completes:
             sampled.append(int(starts[i] + counts[i] - 1))
-    return StepPlan(ids, first_positions, counts, table_rows, verifying if verifying.any() else None,
+        positions = s.seq.request.scored_positions(s.start, s.count)
+        if positions:  # a prompt chunk of a request that wants prompt logprobs
+            first = int(starts[i]) - s.start
+            scored.extend(range(first + positions.start, first + positions.stop))
+            targets.extend(s.seq.request.prompt_token_ids[positions.start + 1:positions.stop + 1])
+            top = max(top, s.seq.request.params.prompt_logprobs)
+    plan = StepPlan(ids, first_positions, counts, table_rows, verifying if verifying.any() else None,
                     np.asarray(sampled, dtype=np.int64))
+    if scored:
+        plan.logprob_rows = np.asarray(scored, dtype=np.int64)
+        plan.logprob_tokens = np.asarray(targets, dtype=np.int64)
+        plan.logprob_top = top
+    return plan

@@ -15,9 +15,10 @@ backend run the same step, by the same route.
 So a layer costs two all-reduces of [tokens, hidden], and a step one
 message of its plan (step_plan.py: token ids, positions, table rows, the
 block-table entries that changed, page copies) and one gather of the
-sampled rows' logits. The plan travels as one int64 array (plan_wire.py),
-never pickled, written into a pipe to each worker (`PlanWire`: the
-ranks share a host; a collective would cost the driver ~200 us a step).
+sampled rows' logits (and of prompt-logprob rows, a slice at a time). The
+plan travels as one int64 array (plan_wire.py), never pickled, written
+into a pipe to each worker (`PlanWire`: the ranks share a host; a
+collective would cost the driver ~200 us a step).
 
 Tiers: each rank has its own host and disk tiers, holding its slices of
 the blocks, and replays the driver's tier calls, which go with the plans
@@ -228,7 +229,7 @@ class TensorParallelExecutor:
                 worker.terminate()
             worker.join(30)
 
-    def execute(self, plan) -> torch.Tensor:
+    def execute(self, plan) -> tuple:
         """Send the plan, then run rank 0's part of it (the others run
         theirs meanwhile; the layers' all-reduces keep them in step)."""
         self.check_workers()

@@ -1,6 +1,8 @@
 """The worker: one rank's model, backend, paged pool, device tables and
 tier copies; it runs a step from its plan (step_plan.StepPlan) and
-returns the logits to sample from. One process runs one worker in process
+returns the logits to sample from, and the prompt logprobs the plan asks
+for (`PromptLogprobs`: each asked row's logits reduced at once to a few
+numbers, never kept whole). One process runs one worker in process
 (executor.py); a tensor-parallel engine runs one per rank, the same class
 (tensor_parallel.py).
 
@@ -39,6 +41,7 @@ import contextlib
 import gc
 import logging
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +53,20 @@ from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
 from .step_plan import StepPlan
 from .tables import DeviceTables
+
+
+# Prompt logprobs reduce the logits of this many bytes of rows at a time
+# (float32 [rows, vocab]): 32 rows of a 262,144-word vocabulary.
+LOGPROB_SLICE_BYTES = 32 << 20
+
+
+class PromptLogprobs(NamedTuple):
+    """The plan's prompt-logprob rows, reduced (float32, on the host):
+    log-softmax of each row's logits at its next prompt token, and its
+    `plan.logprob_top` largest values with their token ids."""
+    token: torch.Tensor  # [P]
+    top: torch.Tensor  # [P, B]
+    top_ids: torch.Tensor  # [P, B]
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -131,10 +148,11 @@ class Worker:
                 self._capture(size)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; logits [sampled rows, vocab] (float32), in order
-        (under tensor parallelism the driver's rank gets them, the others an
-        empty tensor)."""
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        """Run one step: logits [sampled rows, vocab] (float32), in order, and
+        the prompt logprobs of the plan's `logprob_rows` (None when it has
+        none). Under tensor parallelism the driver's rank gets them, the
+        others an empty tensor and None."""
         if plan.accepted:
             self.keep_accepted(plan.accepted)
         self.copy_tiers(plan.tier_log)
@@ -143,7 +161,7 @@ class Worker:
         self.tables.apply(plan.table_changes)
         if plan.decode and self.fixed_shape_decode:
             self.count_route("graph" if self.use_graphs else "fixed-shape")
-            return self._decode(plan)
+            return self._decode(plan), None
         return self._eager(plan)
 
     def copy_tiers(self, tier_log: list) -> None:
@@ -212,18 +230,41 @@ class Worker:
         self.graphs[size] = (graph, logits)
 
     # -- any step, eagerly -------------------------------------------------------
-    def _eager(self, plan: StepPlan) -> torch.Tensor:
+    def _eager(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None]:
         inputs = StepInputs.from_host(plan.ids, plan.first_positions, plan.counts, plan.rows, self.device,
                                       plan.verifying)
-        batch = self._batch(inputs)
+        batch = self._batch(inputs, plan.checkpoint_saves)
         batch.route = self.backend.route(batch)  # once per step, here
         self.count_route(batch.route)
         hidden = self._run(batch, all_rows=False)
         self._verified = [m for m in self._recurrent_metadata if m.verifies] if plan.verifying is not None else []
         self._recurrent_metadata = []  # (its gathered states are not kept past the step)
+        scored = self._prompt_logprobs(hidden, plan) if len(plan.logprob_rows) else None
         if not len(plan.sampled):
-            return torch.empty(0, device=self.device)
-        return self.model.compute_logits(hidden[torch.from_numpy(plan.sampled).to(self.device)])
+            return torch.empty(0, device=self.device), scored
+        return self.model.compute_logits(hidden[torch.from_numpy(plan.sampled).to(self.device)]), scored
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> PromptLogprobs | None:
+        """The logits of the plan's prompt-logprob rows, a slice of rows at a
+        time, each slice reduced at once to what is kept: log-softmax at the
+        next prompt token and at the top tokens (logits - logsumexp). On
+        every rank alike (the LM head gathers the logits on the driver)."""
+        rows = torch.from_numpy(plan.logprob_rows).to(self.device)
+        tokens = torch.from_numpy(plan.logprob_tokens).to(self.device)
+        top = plan.logprob_top
+        step = max(1, LOGPROB_SLICE_BYTES // (4 * self.model.config.vocab_size))
+        parts = []
+        for start in range(0, len(rows), step):
+            logits = self.model.compute_logits(hidden[rows[start:start + step]])
+            if not logits.numel():  # another rank's: the driver reduces
+                continue
+            norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+            token = logits.gather(1, tokens[start:start + step, None]) - norm
+            best, ids = logits.topk(top, dim=-1) if top else (logits[:, :0], logits[:, :0].long())
+            parts.append((token[:, 0], best - norm, ids))
+        if not parts:
+            return None
+        return PromptLogprobs(*(torch.cat(column).cpu() for column in zip(*parts)))
 
     def keep_accepted(self, accepted: dict[int, int]) -> None:
         """After a step that verified drafts: for each such sequence (its
@@ -235,17 +276,19 @@ class Worker:
             self.backend.recurrent.keep_accepted(meta, [accepted[v.sequence] for v in meta.verifies])
         self._verified = []
 
-    def _batch(self, inputs: StepInputs) -> StepBatch:
+    def _batch(self, inputs: StepInputs, checkpoint_saves: list = ()) -> StepBatch:
         """Each group's metadata, built by the backend (an attention
-        group's from its `attention_step`)."""
+        group's from its `attention_step`; a recurrent group's with the
+        states it saves inside prefill chunks)."""
         batch = StepBatch(inputs, self.buffers)
         tables = self.tables
         backend = self.backend
         for group in self.layout.groups:
             g = group.index
             if group.recurrent:
+                saves = [(i, offset, pages) for i, offset, h, pages in checkpoint_saves if h == g]
                 batch.recurrent[g] = backend.recurrent.build(inputs, self.buffers, tables.read[g], tables.write[g],
-                                                             tables.zero[g], kind=group.kind)
+                                                             tables.zero[g], kind=group.kind, saves=saves)
             else:
                 step = attention_step(inputs, tables.attention[g], group.spec, group.block_size)
                 batch.attention[g] = backend.attention.build(step)

@@ -12,6 +12,13 @@ A state is parts (the spec's shapes): part 0 is the causal conv's window
 for every kind here (the K-1 inputs before the next token), part 1 the
 recurrent state where the kind has one (Mamba-1 [I, N], Mamba-2 [H, P, N]).
 
+A checkpoint inside a prefill chunk (the manager's `get_checkpoint_pages`,
+the build's `saves`) gets a gathered row of its own after the others and
+its pages among the write pages; the chunk runs in pieces cut at its
+checkpoints, one pass of the layers' prefill ops per piece (`passes`), and
+after the pass that ends at a checkpoint each layer copies its state to
+that row (`save_states`): the state a chunk ending there would leave.
+
 Per request the manager gives a read block (None: the zero state, read as
 the null page, which stays zero) and a write block (the same block when the
 update is in place); the worker keeps them per running sequence in
@@ -58,6 +65,11 @@ class MambaMetadata:
     verifies: list["Verified"] = field(default_factory=list)
     # layer name -> [the conv window over the chunk, the recurrent state after each token (or None)]
     verify_states: dict = field(default_factory=dict)
+    # What the layers' prefill ops run, pass after pass: (chunks as
+    # `prefills`, keep, None or (state rows, checkpoint rows) to copy after
+    # the pass with `save_states`). `prefills` whole in one pass when no
+    # checkpoint falls inside a chunk; the verified chunks last, with keep.
+    passes: list = field(default_factory=list)
 
     def state_views(self, layer_name: str) -> list[torch.Tensor]:
         """The layer's state parts inside `states` (typed views)."""
@@ -104,17 +116,63 @@ def chunk_lists(host, state_rows) -> tuple[list[tuple[int, int, int]], list[Veri
     return [c for c, v in zip(chunks, verifying) if not v], sorted(verified, key=lambda v: -v.count)
 
 
-def metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows) -> MambaMetadata:
+def metadata(inputs: StepInputs, buffers: KVBuffers, read, write, gathered, chunk_rows, saves=()) -> MambaMetadata:
     """What both backends share: the states of table rows `gathered` (their
     read pages) and where they go, the decodes' token rows, the chunks, each
-    at its row `chunk_rows[i]` of the gathered states (host)."""
+    at its row `chunk_rows[i]` of the gathered states (host), and the
+    checkpoints inside them (`saves`: (sequence index, tokens of its chunk
+    before the checkpoint, pages)), each a row after the gathered ones."""
     decodes = inputs.decodes
-    meta = MambaMetadata(buffers, gather(buffers, read[gathered]), write[gathered],
-                         None if decodes is None else decodes.tokens,
+    states, pages = gather(buffers, read[gathered]), write[gathered]
+    if saves:
+        states = torch.cat([states, states.new_zeros(len(saves), states.shape[1])])
+        pages = torch.cat([pages, torch.tensor([list(p) for _, _, p in saves], dtype=pages.dtype,
+                                               device=pages.device)])
+    meta = MambaMetadata(buffers, states, pages, None if decodes is None else decodes.tokens,
                          0 if decodes is None else decodes.tokens.shape[0])
     if not inputs.fixed_shape:
         meta.prefills, meta.verifies = chunk_lists(inputs.host, chunk_rows)
+        meta.passes = prefill_passes(meta.prefills, meta.verifies, inputs.host, chunk_rows, saves,
+                                     int(gathered.shape[0]), states.device)
+    elif saves:
+        raise ValueError("a fixed-shape step has no prefill chunk to save a state inside")
     return meta
+
+
+def prefill_passes(prefills, verifies, host, chunk_rows, saves, first_save_row: int, device) -> list:
+    """`MambaMetadata.passes`: each prefill chunk cut at its checkpoints
+    into pieces, pass j running the j-th piece of every chunk that has one
+    and then copying the state of each chunk cut at that piece's end to its
+    checkpoint's row (checkpoint k's row: first_save_row + k); then the
+    verified chunks."""
+    passes = [(prefills, False, None)] if prefills else []
+    if saves:
+        row_of = {int(i): int(r) for r, i in zip(chunk_rows, host.chunks)}
+        cuts: dict[int, list[tuple[int, int]]] = {}  # state row -> (offset, checkpoint row), ascending
+        for k, (sequence, offset, _) in enumerate(saves):
+            row = row_of.get(int(sequence))
+            count = int(host.counts[sequence])
+            if row is None or not 0 < offset < count or \
+                    (host.verifying is not None and host.verifying[sequence]):
+                raise ValueError(f"a state saved after {offset} tokens of sequence {sequence}: not inside a "
+                                 f"prefill chunk of the step")
+            cuts.setdefault(row, []).append((int(offset), first_save_row + k))
+        pieces = []  # per chunk: its pieces (state row, first token row, count) and the rows saved after each
+        for row, start, count in prefills:
+            ends = sorted(cuts.get(row, ()))
+            bounds = [0] + [offset for offset, _ in ends] + [count]
+            pieces.append([((row, start + a, b - a), ends[j][1] if j < len(ends) else None)
+                           for j, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        passes = []
+        for j in range(max(len(p) for p in pieces)):
+            now = [p[j] for p in pieces if len(p) > j]
+            copies = [(chunk[0], save) for chunk, save in now if save is not None]
+            passes.append(([chunk for chunk, _ in now], False,
+                           (torch.tensor([r for r, _ in copies], device=device),
+                            torch.tensor([s for _, s in copies], device=device)) if copies else None))
+    if verifies:
+        passes.append(([v[:3] for v in verifies], True, None))
+    return passes
 
 
 def finish(meta: MambaMetadata) -> None:
@@ -130,6 +188,11 @@ class GatheredPrefill:
     `finish`, and the rollback after verified drafts."""
 
     finish = staticmethod(finish)
+
+    def save_states(self, meta: MambaMetadata, layer_name: str, saves) -> None:
+        source, checkpoint = saves
+        for part in meta.state_views(layer_name):
+            part[checkpoint] = part[source]
 
     def _conv(self, meta: MambaMetadata, layer_name: str, rows, x, lengths, weight, bias, keep):
         """The causal conv of chunks from the windows of `rows`, before any

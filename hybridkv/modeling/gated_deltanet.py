@@ -110,12 +110,12 @@ class GatedDeltaNet(CacheLayer, nn.Module):
             t = meta.step_tokens
             q, k, v = self._heads(ops.conv_step(meta, name, qkv[t], weight, None))
             o[t] = ops.gated_delta_step(meta, name, q, k, v, g[t], beta[t])
-        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
-            if not chunks:  # (verified chunks also keep each token's state)
-                continue
+        for chunks, keep, saves in meta.passes:  # (verified chunks also keep each token's state)
             rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
             q, k, v = self._heads(ops.conv_prefill(meta, name, rows, qkv[tokens], lengths, weight, None, keep))
             y = ops.gated_delta_prefill(meta, name, rows, q, k, v, g[tokens], beta[tokens], lengths, keep)
             o[tokens[valid]] = y[valid]
+            if saves is not None:  # states at checkpoints inside chunks
+                ops.save_states(meta, name, saves)
         o = self.norm(o, z.unflatten(-1, (self.v_heads, self.v_dim)))
         return self.out_proj(o.flatten(1).to(h.dtype))

@@ -90,10 +90,13 @@ class JambaMamba(CacheLayer, nn.Module):
             x = ops.conv_step(meta, self.layer_name, x_all[tokens], weight, self.conv1d.bias)
             dt, B, C = self._ssm_inputs(x)
             y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
-        if meta.prefills:  # chunks of several tokens, side by side
-            self._chunks(meta, meta.prefills, x_all, gate_all, weight, A, D, y_all)
-        if meta.verifies:  # chunks that verify drafts: also keep each token's state
-            self._chunks(meta, [v[:3] for v in meta.verifies], x_all, gate_all, weight, A, D, y_all, keep=True)
+        # Chunks of several tokens, side by side (those that verify drafts
+        # also keep each token's state); states at checkpoints inside them
+        # saved after the pass that ends there.
+        for chunks, keep, saves in meta.passes:
+            self._chunks(meta, chunks, x_all, gate_all, weight, A, D, y_all, keep)
+            if saves is not None:
+                ops.save_states(meta, self.layer_name, saves)
         return self.out_proj(y_all.to(h.dtype))
 
     def _chunks(self, meta, chunks, x_all, gate_all, weight, A, D, y_all, keep=False):

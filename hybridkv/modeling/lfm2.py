@@ -56,12 +56,13 @@ class ShortConv(CacheLayer, nn.Module):
         if meta.num_steps:
             t = meta.step_tokens
             y[t] = ops.short_conv_step(meta, name, b[t], c[t], x[t], weight, bias)
-        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
-            if chunks:  # (verified chunks also keep their windows)
-                rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
-                out = ops.short_conv_prefill(meta, name, rows, b[tokens], c[tokens], x[tokens], lengths, weight,
-                                             bias, keep)
-                y[tokens[valid]] = out[valid].to(y.dtype)
+        for chunks, keep, saves in meta.passes:  # (verified chunks also keep their windows)
+            rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
+            out = ops.short_conv_prefill(meta, name, rows, b[tokens], c[tokens], x[tokens], lengths, weight,
+                                         bias, keep)
+            y[tokens[valid]] = out[valid].to(y.dtype)
+            if saves is not None:  # windows at checkpoints inside chunks
+                ops.save_states(meta, name, saves)
         return self.out_proj(y)
 
 

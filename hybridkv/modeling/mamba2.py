@@ -106,15 +106,15 @@ class Mamba2Mixer(CacheLayer, nn.Module):
             y = ops.ssd_step(meta, name, x.reshape(-1, heads, dim), self._dt(dt_all[t]), A,
                              B.reshape(-1, groups, state), C.reshape(-1, groups, state), D)
             y_all[t] = y.reshape(-1, self.inner)
-        for chunks, keep in ((meta.prefills, False), ([v[:3] for v in meta.verifies], True)):
-            if not chunks:  # (verified chunks also keep each token's state)
-                continue
+        for chunks, keep, saves in meta.passes:  # (verified chunks also keep each token's state)
             rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
             r, n = tokens.shape
             x, B, C = self._split(ops.conv_prefill(meta, name, rows, xbc_all[tokens], lengths, weight, bias, keep))
             y = ops.ssd_prefill(meta, name, rows, x.reshape(r, n, heads, dim), self._dt(dt_all[tokens]), A,
                                 B.reshape(r, n, groups, state), C.reshape(r, n, groups, state), D, lengths, keep)
             y_all[tokens[valid]] = y.reshape(r, n, self.inner)[valid]
+            if saves is not None:  # states at checkpoints inside chunks
+                ops.save_states(meta, name, saves)
         if self.norm is not None:
             y_all = self.norm(y_all, z)
         else:

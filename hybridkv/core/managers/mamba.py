@@ -12,9 +12,15 @@ writes a fresh one, so saving or sharing a state never costs a copy.
 
 A checkpoint is the state block at a block-aligned position, cached under
 the chained key of the prefix it summarises. The checkpoint planner
-(`core/checkpoints.py`) says where; the scheduler ends prefill chunks there.
-What the runner reads of a request is its state pages (`state_pages`):
-where to read the state from, where to write the next one.
+(`core/checkpoints.py`) says where. A checkpoint at the end of a chunk is
+the write block itself. With `inside` (the runner saves states inside a
+chunk), a planned checkpoint strictly inside the allocated tokens gets a
+block of its own (`req.saving`), which the pass writes the state at that
+position into on its way and `on_computed` caches and lets go; without,
+the scheduler ends prefill chunks at checkpoints. What the runner reads of
+a request is its state pages (`state_pages`): where to read the state
+from, where to write the next one, and where to save the states inside
+the chunk (`saving_pages`).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class MambaManager(GroupManager):
         super().__init__(group, block_cache, caching, verify)
         self.kind = group.kind
         self.planner = planner  # None without prefix caching: no checkpoints
+        self.inside = False  # the runner saves states at checkpoints inside a chunk (set by the coordinator)
 
     def empty_table(self):
         return [NULL, NULL]  # [read, write]; NULL read = the zero state
@@ -115,45 +122,87 @@ class MambaManager(GroupManager):
     def _in_place(self, read) -> bool:
         return read != NULL and self.block_cache.ref[read] == 1 and self.block_cache.key[read] is None
 
+    def _unsaved(self, req, target) -> list[int]:
+        """Checkpoints strictly inside the tokens up to `target` that have
+        no block yet (only where the runner saves states inside a chunk)."""
+        if not self.inside:
+            return []
+        saving = req.saving[self.index]
+        after = saving[-1][0] if saving else req.num_computed
+        return self.planner.inside(req, after, target)
+
     def pages_needed(self, req, target):
         read, write = req.tables[self.index]
+        inside = len(self._unsaved(req, target)) * self.width
         if target <= req.num_computed or write or self._in_place(read):
-            return 0
-        return self.width
+            return inside
+        return self.width + inside
 
     def blocks_for_start(self, req, target, hit):
         # The first pass writes a fresh block: there is no state yet, or the
-        # hit's checkpoint is cached and must stay as it is.
-        return 1 if target > req.num_computed else 0
+        # hit's checkpoint is cached and must stay as it is. (The planner
+        # plans once per lookup: the one the scheduler's next_chunk made.)
+        if target <= req.num_computed:
+            return 0
+        if self.inside:
+            self.planner.plan(req, req.num_computed)
+        return 1 + len(self._unsaved(req, target))
 
     def start(self, req, blocks):
         if blocks:
             req.tables[self.index][1] = blocks[0]
             req.tables_changed()
+            if len(blocks) > 1:  # the first checkpoints past the hit, as blocks_for_start counted them
+                positions = [p for p in req.checkpoints if p > req.num_computed]
+                req.saving[self.index] = tuple(zip(positions, blocks[1:]))
 
     def allocate(self, req, target, copies):
         state = req.tables[self.index]
         read, write = state
+        unsaved = self._unsaved(req, target)
+        if unsaved:
+            blocks = self.block_cache.allocate([(self.width, len(unsaved))])[0]
+            req.saving[self.index] += tuple(zip(unsaved, blocks))
         if target <= req.num_computed or write:
             return
         state[1] = read if self._in_place(read) else self.block_cache.allocate([(self.width, 1)])[0][0]
         req.tables_changed()
 
+    def _store_checkpoint(self, req, n: int, block: int) -> bool:
+        """Cache `block`, the state after `n` tokens, under the key of
+        block n / block_size - 1 (False: that key is cached already)."""
+        tokens = [tuple(req.tokens[:n])] if self.verify else None
+        j = n // self.block_size - 1
+        token_ids = None
+        if self.block_cache.events is not None:
+            token_ids = req.tokens[j * self.block_size:(j + 1) * self.block_size]
+        return bool(self.block_cache.store(self.index, [block], [req.keys[j]], tokens,
+                                           parent=req.keys[j - 1] if j else req.root, token_ids=token_ids))
+
+    def _settle_saving(self, req) -> None:
+        """After a pass: the states it saved inside its chunk are cached
+        (if no other block holds their key) and let go at once, the
+        prompt-end one on probation (see core/checkpoints.py); one the
+        computed tokens did not reach (the pass stopped short of it) is
+        dropped unread."""
+        g = self.index
+        n = req.num_computed
+        for position, block in req.saving[g]:
+            cached = position <= n and self._store_checkpoint(req, position, block)
+            self.block_cache.release(block, probation=cached and position == req.probation_at)
+        req.saving[g] = ()
+
     def on_computed(self, req):
         g = self.index
+        if req.saving[g]:
+            self._settle_saving(req)
         state = req.tables[g]
         read, write = state
         if not write:
             return
         n = req.num_computed
         if self.caching and self.planner.is_checkpoint(req, n):
-            tokens = [tuple(req.tokens[:n])] if self.verify else None
-            j = n // self.block_size - 1
-            token_ids = None
-            if self.block_cache.events is not None:
-                token_ids = req.tokens[j * self.block_size:(j + 1) * self.block_size]
-            if self.block_cache.store(g, [write], [req.keys[j]], tokens, parent=req.keys[j - 1] if j else req.root,
-                                      token_ids=token_ids):
+            if self._store_checkpoint(req, n, write):
                 if self.planner.is_rolling(req, n):
                     self._supersede(req, write)
                 if n == req.probation_at:
@@ -181,7 +230,15 @@ class MambaManager(GroupManager):
             if self.block_cache.ref[block] == 0 and self.block_cache.key[block] == key:
                 self.block_cache.evict([block], "superseded")
 
+    def trim(self, req):
+        # (A speculative step saves nothing inside: its drafts stop at a checkpoint.)
+        if req.saving[self.index]:
+            self._settle_saving(req)
+
     def free(self, req):
+        for _, block in req.saving[self.index]:  # never written: not cached
+            self.block_cache.release(block)
+        req.saving[self.index] = ()
         read, write = req.tables[self.index]
         if write and write != read:
             self.block_cache.release(write)
@@ -211,8 +268,17 @@ class MambaManager(GroupManager):
 
     def room(self, req):
         # With a write block assigned the next pass has its state block
-        # whatever its length; without one, allocate must assign it.
-        return NEVER if req.tables[self.index][1] != NULL else req.num_computed
+        # whatever its length; without one, allocate must assign it. Where
+        # states are saved inside a chunk, tokens past the next checkpoint
+        # without a block need one.
+        room = NEVER if req.tables[self.index][1] != NULL else req.num_computed
+        if self.inside:
+            saving = req.saving[self.index]
+            after = saving[-1][0] if saving else req.num_computed
+            for position in req.checkpoints:
+                if position > after:
+                    return min(room, position)
+        return room
 
     def state_pages(self, req) -> tuple:
         """(pages to read the state from, or None for the zero state; pages
@@ -221,6 +287,13 @@ class MambaManager(GroupManager):
         read, write = req.tables[self.index]
         pages = self.block_cache.pages
         return (tuple(pages(read)) if read else None, tuple(pages(write)) if write else None)
+
+    def saving_pages(self, req) -> list[tuple[int, tuple]]:
+        """(position, pages) of each checkpoint inside the allocated tokens:
+        the pass that computes past the position writes the state after it
+        there."""
+        pages = self.block_cache.pages
+        return [(position, tuple(pages(block))) for position, block in req.saving[self.index]]
 
     def page_table(self, req):
         # The pages of the block holding the state (the write block once
@@ -234,4 +307,5 @@ class MambaManager(GroupManager):
         held = [read] if read else []
         if write and write != read:
             held.append(write)
+        held.extend(block for _, block in req.saving[self.index])
         return held

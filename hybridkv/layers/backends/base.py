@@ -15,9 +15,11 @@ mamba-ssm), one package each under `backends/`. It has two sides:
   but the short conv opens with: `conv_step` / `conv_prefill`; Mamba-1's
   `ssm_step` / `ssm_prefill`, Mamba-2's `ssd_step` / `ssd_prefill`, the
   gated short conv's `short_conv_step` / `short_conv_prefill`, Gated
-  DeltaNet's `gated_delta_step` / `gated_delta_prefill`), `finish`
-  (the states go to their write pages: the copy that makes a checkpoint)
-  and `keep_accepted` (speculative rollback). It declares the kinds whose
+  DeltaNet's `gated_delta_step` / `gated_delta_prefill`), `save_states`
+  (a layer's states at a checkpoint inside a chunk, copied aside between
+  the passes of its prefill ops), `finish` (the states go to their write
+  pages: the copy that makes a checkpoint) and `keep_accepted`
+  (speculative rollback). It declares the kinds whose
   state updates it runs its own way (`kinds`); every other kind's layers
   run the reference's ops on gathered states, and `prepare` says so.
 
@@ -65,6 +67,11 @@ class Capabilities:
     # whole blocks and masks them (the reference), so the slots it masks
     # must hold finite values, which the stores keep so (reference attention.store).
     reads_only_visible_keys: bool = False
+    # Its recurrent side saves the state at a checkpoint inside a prefill
+    # chunk (`RecurrentOps.build(saves=...)`, `save_states`), so the
+    # scheduler need not end chunks there; False: every chunk ends at the
+    # next checkpoint (an engine step more per checkpoint), and prepare says so.
+    checkpoints_inside_chunks: bool = True
 
 
 class AttentionOps(ABC):
@@ -107,6 +114,14 @@ class RecurrentOps(ABC):
     all of them in one call, in `meta.verifies` order) a prefill op also
     keeps what `keep_accepted` needs to go back to any of their tokens.
 
+    A chunk with checkpoints inside (`build`'s `saves`) runs in pieces cut
+    at them, one pass of the layer's prefill ops per piece (the first pieces
+    of every chunk side by side, then the second ones, ...: `meta.passes`);
+    after a pass, `save_states` copies the layer's state of each chunk cut
+    there to the checkpoint's rows, which `finish` writes to its pages. A
+    piece is the computation a chunk ending there would run, so the saved
+    state is the one it would leave.
+
     A new recurrent kind adds its two ops here (one token, chunks), their
     reference on gathered states (layers/recurrent_state.py and
     backends/reference/recurrent.py), and its name to core/specs.py's
@@ -120,9 +135,17 @@ class RecurrentOps(ABC):
     kinds: frozenset = frozenset(RECURRENT_KINDS)
 
     @abstractmethod
-    def build(self, inputs, buffers, read, write, zero, kind: str = "mamba"):
+    def build(self, inputs, buffers, read, write, zero, kind: str = "mamba", saves=()):
         """The metadata of one recurrent group of `kind` for one step
-        (layers/recurrent_state.py)."""
+        (layers/recurrent_state.py). `saves`: (sequence index in the step,
+        tokens of its chunk before the checkpoint, pages) of each state to
+        save inside a prefill chunk (a backend that declares
+        `checkpoints_inside_chunks` False never gets any)."""
+
+    @abstractmethod
+    def save_states(self, meta, layer_name: str, saves) -> None:
+        """After a pass of the layer's prefill ops (`meta.passes`): its
+        state parts of rows `saves[0]` copied to rows `saves[1]`."""
 
     @abstractmethod
     def finish(self, meta) -> None:
@@ -279,6 +302,9 @@ class Backend:
         for side, n in counts.items():
             if n:
                 report.done.append(f"{n} {side} layers call {getattr(self, side).name}")
+        if not self.capabilities.checkpoints_inside_chunks and any(g.recurrent for g in layout.groups):
+            report.declined.append("recurrent states at checkpoints inside prefill chunks: every prefill chunk "
+                                   "ends at the next checkpoint (an engine step more for each)")
         for kind in sorted({g.kind for g in layout.groups if g.recurrent} - self.recurrent.kinds):
             report.declined.append(f"{self.recurrent.name} kernels for {kind} layers (it has none): their states "
                                    f"are gathered and stepped by the reference's ops")

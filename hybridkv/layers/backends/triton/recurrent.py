@@ -4,7 +4,8 @@ kernels read their read pages and write their write pages); prefill rows
 are gathered and written back, Mamba-1's scanned by a kernel (one program
 per chunk and channel tile walking the tokens; the reference launches a
 few ops per token), the conv and verified chunks (which keep every
-token's state) by the reference. Groups of other
+token's state) by the reference; a chunk with checkpoints inside runs
+in pieces, the kernel scanning each (layers/recurrent_state.py). Groups of other
 kinds (Mamba-2, the short conv, Gated DeltaNet) are gathered whole, decode
 rows too, and run the reference's ops (the prepare report says so)."""
 
@@ -23,13 +24,14 @@ class TritonRecurrent(ReferenceRecurrent):
     def __init__(self, ops):
         self.ops = ops
 
-    def build(self, inputs: StepInputs, buffers, read, write, zero, kind: str = "mamba") -> MambaMetadata:
+    def build(self, inputs: StepInputs, buffers, read, write, zero, kind: str = "mamba", saves=()) -> MambaMetadata:
         if kind not in self.kinds:
-            return gathered_build(inputs, buffers, read, write)
+            return gathered_build(inputs, buffers, read, write, saves)
         decodes, chunks = inputs.decodes, inputs.chunks
-        # Only the chunks run on gathered states (the reference scan).
+        # Only the chunks run on gathered states (the reference scan), and
+        # the checkpoints inside them after them.
         gathered = inputs.table_rows[:0] if chunks is None else chunks.table_rows
-        meta = metadata(inputs, buffers, read, write, gathered, range(gathered.shape[0]))
+        meta = metadata(inputs, buffers, read, write, gathered, range(gathered.shape[0]), saves)
         if decodes is not None:
             rows = decodes.table_rows
             meta.step_pages = (read[rows], write[rows], zero[rows])
