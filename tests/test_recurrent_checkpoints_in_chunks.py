@@ -156,8 +156,10 @@ def test_hybrid_a_state_saved_inside_a_chunk_is_bit_for_bit_the_one_a_chunk_stop
                 f"part {part} after {offset} tokens: max |diff| {(got - wanted).abs().max().item()}"
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Triton's engine run (under its interpreter here, slow) takes Jamba, whose
+# Mamba-1 scan is Triton's own kernel; the other kinds' Triton states are
+# the shared gather path, held bit for bit by the ops case above.
+@pytest.mark.parametrize("family, backend", [(f, b) for f in FAMILIES for b in ("torch", "cpu")] + [("jamba", "triton")])
 def test_hybrid_states_saved_inside_a_chunk_equal_those_of_chunks_stopping_there(family, backend, tmp_path_factory,
                                                                                  monkeypatch):
     # Checkpoints at every block boundary (the "every_block" policy): one

@@ -509,21 +509,24 @@ class KVCacheManager:
         req = self._get(request_id)
         return self.coordinator.next_checkpoint(req, 0 if req.started else self._hit(req))
 
-    def next_chunk(self, request_id: str, budget: int) -> int:
+    def next_chunk(self, request_id: str, budget: int, inside: bool = True) -> int:
         """How many tokens to compute next: what is left of the known tokens
         (after the prefix hit, before the first allocation), at most `budget`,
         and ending at the next Mamba checkpoint. With
         `checkpoints_inside_chunks` the chunk runs on past up to
         MAX_CHECKPOINTS_INSIDE planned checkpoints, as many as the free pages
         hold a state for beside the chunk's own (else it ends at the next
-        one, as without: a full pool never fails for want of them)."""
+        one, as without: a full pool never fails for want of them).
+        `inside=False`: the chunk ends at the next checkpoint regardless."""
         req = self._get(request_id)
         done = req.num_computed if req.started else self._hit(req)
         count = min(len(req.tokens) - done, _count(budget, "budget"))
         skip = 0
-        if self.checkpoints_inside_chunks:
+        if self.checkpoints_inside_chunks and inside:
+            # Beside the chunk's own pages, and one more state: a request whose hit is a checkpoint
+            # holds that state's block and its live one while it runs (pages_per_request counts one).
             spare = self.block_cache.num_free_pages - self.layout.pages_per_request(done + count, count)
-            skip = max(0, min(MAX_CHECKPOINTS_INSIDE, spare // self._state_pages))
+            skip = max(0, min(MAX_CHECKPOINTS_INSIDE, spare // self._state_pages - 1))
         checkpoint = self.coordinator.next_checkpoint(req, done, skip)
         if checkpoint is not None and done < checkpoint < done + count:
             count = checkpoint - done

@@ -201,10 +201,13 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # its prefix is being computed: reuse it next step
                 continue
             if not kv.allocate_slots(seq.seq_id, count):
-                if not self.running:
-                    raise RuntimeError(
-                        f"sequence {seq.seq_id} does not fit an empty KV cache; the engine checks this at admission")
-                break
+                count = self._cut_at_checkpoint(seq, budget, count)
+                if not count:
+                    if not self.running:
+                        raise RuntimeError(f"sequence {seq.seq_id} does not fit an empty KV cache; the engine "
+                                           f"checks this at admission")
+                    break
+                upcoming = kv.block_keys(seq.seq_id, done, done + count)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -230,6 +233,14 @@ class Scheduler:
             return False
         out.append(Scheduled(seq, len(seq.token_ids) - 1, 1 + len(drafts), drafts))
         return True
+
+    def _cut_at_checkpoint(self, seq: Sequence, budget: int, count: int) -> int:
+        """A chunk that saves recurrent states inside it takes a state block
+        per checkpoint; where the pool cannot hold them beside the hit, the
+        chunk ending at the next checkpoint, allocated (0: that does not fit
+        either)."""
+        cut = self.kv.next_chunk(seq.seq_id, budget, inside=False)
+        return cut if cut < count and self.kv.allocate_slots(seq.seq_id, cut) else 0
 
     def _keys_computed(self, steps: list[Scheduled]) -> set:
         """Keys of the blocks this step's prefill chunks complete."""
