@@ -154,7 +154,9 @@ def run(args) -> dict:
     finally:
         switch()
     for b, ids in first_ids.items():
-        if len({tuple(v) for v in ids.values()}) != 1:
+        # In bfloat16 each choice rounds its sums in its own order, and greedy tokens part after a few
+        # steps (the engine's own bfloat16 accuracy is tests/test_real_gemma3_bfloat16.py's subject).
+        if len({tuple(v) for v in ids.values()}) != 1 and args.dtype == "float32":
             raise SystemExit(f"batch {b}: the configurations gave different tokens: {ids}")
 
     print(f"Gemma-3 270M (real weights, {args.dtype}), {args.threads} threads; decode step ms, medians of "

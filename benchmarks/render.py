@@ -361,19 +361,24 @@ TABLES: dict[str, Table] = {
     "prefill-tiles": Table(("prefill_tiles.json", "prefill_tiles_gemma3_270m.json"), rows_of("models"), {
         "model": key("model"), "prompts": key("prompts"), "one masked call": key("one_call_s", seconds),
         "query tiles": key("query_tiles_s", seconds), "speedup": key("speedup", times)}),
-    "real-gemma3": real_gemma3_table(["hybridkv", "vllm", "vllm (default)", "llama.cpp", "llama.cpp (default)"],
-                                     ["vllm", "vllm (default)", "llama.cpp"]),
-    "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm"], ["vllm"], "real_gemma3_bfloat16.json"),
+    "real-gemma3": real_gemma3_table(["hybridkv", "vllm"], ["vllm"]),
+    "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm", "llama.cpp", "llama.cpp Q8_0"],
+                                              ["vllm", "llama.cpp", "llama.cpp Q8_0"], "real_gemma3_bfloat16.json"),
+    "real-gemma3-bound": Table("real_gemma3_bfloat16.json", lambda t: t["weights_read_bound"]["engines"], {
+        "engine": key("engine"), "weights a step reads": key("weights_mib", lambda v: f"{num(v)} MiB"),
+        "bound (memory read / weights)": key("bound_tokens_per_s", lambda v: f"{num(v, 1)} tok/s"),
+        "batch 1, prefill included": key("tokens_per_s", lambda v: f"{num(v, 1)} tok/s"),
+        "of the bound": key("fraction", lambda v: f"{100 * v:.0f}%")}),
     "real-gemma3-engines": Table("real_gemma3.json", rows_of("engines"), {
         "engine": key("engine"), "version": lambda r: r["version"] or "not recorded",
         "settings": lambda r: ", ".join(f"{k}={v}" for k, v in {**r["env"], **r["options"]}.items()
                                         if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"))
         or ("its defaults" if r["runner"] != "hybridkv" else "-"),
         "load": key("load_s", seconds), "peak RSS": key("peak_rss_mib", lambda v: f"{num(v)} MiB")}),
-    "readme-real-gemma3": Table("real_gemma3.json", readme_rows, {
+    "readme-real-gemma3": Table("real_gemma3_bfloat16.json", readme_rows, {
         "workload": lambda r: WORKLOADS.get(r["workload"]["workload"], r["workload"]["workload"]),
-        "hybridkv": readme_cell("hybridkv"), "vLLM at its best here": readme_cell("vllm"),
-        "vLLM as it comes": readme_cell("vllm (default)"), "llama.cpp at its best here": readme_cell("llama.cpp")}),
+        "hybridkv, bfloat16": readme_cell("hybridkv"), "vLLM's CPU build, bfloat16": readme_cell("vllm"),
+        "llama.cpp, Q4_K_M": readme_cell("llama.cpp"), "llama.cpp, Q8_0": readme_cell("llama.cpp Q8_0")}),
     "cpu-decode-step": Table("cpu_decode_step.json", rows_of("steps"), {
         "batch": key("batch"), "engine": cpu_step_cell("engine_s"),
         "layers through the modules": cpu_step_cell("layer_modules_s"),
