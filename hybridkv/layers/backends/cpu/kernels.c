@@ -700,8 +700,11 @@ INLINE void tile_rows(const uint16_t *xb, int64_t k, const uint16_t *const w[4],
     for (int64_t d = 0; d < k; d += 32) {
         const int64_t left = k - d;
         __m512bh wv[4], xv[4];
-        for (int a = 0; a < 4; a++)
+        for (int a = 0; a < 4; a++) {
+            /* the next tile's same line (four rows on: the rows are contiguous) */
+            _mm_prefetch((const char *)(w[a] + d + 4 * k), _MM_HINT_T0);
             wv[a] = (__m512bh)load_pairs(w[a] + d, left);
+        }
         for (int b = 0; b < rc; b++)
             xv[b] = (__m512bh)load_pairs(xb + b * k + d, left);
         for (int a = 0; a < 4; a++)
