@@ -6,7 +6,8 @@ Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
   engine         as shipped: the "cpu" backend. Steps of up to
-                 decoder.MAX_ROWS sequences run each decoder layer as
+                 decoder.max_rows sequences (4; 16 in bfloat16 on
+                 the CPU's bfloat16 dot product) run each decoder layer as
                  one C call (layers/backends/cpu/decoder.py, the route
                  "cpu:decoder-layers"); bigger ones run the
                  modules, with decode attention, norms, rotary and the
@@ -123,7 +124,8 @@ def run(args) -> dict:
 
     def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False):
         """Undo the chosen parts of the shipped engine (none: as shipped)."""
-        decoder.MAX_ROWS = 0 if layer_modules or gathered or elementwise else shipped_rows
+        if native:
+            engine.backend.decoder_rows = 0 if layer_modules or gathered or elementwise else shipped_rows
         if packed_head is not None:
             head.packed = None if dense_head else packed_head
         modules.usable = (lambda x: False) if elementwise else shipped_usable  # the C norms, rotary, activation
@@ -131,7 +133,7 @@ def run(args) -> dict:
             engine.backend.attention.supports = (lambda q, cache: False) if gathered else cpu_attention_supports
 
     cpu_attention_supports = engine.backend.attention.supports if native else None
-    shipped_rows = decoder.MAX_ROWS
+    shipped_rows = engine.backend.decoder_rows if native else 0
     configs = {"engine": {}, "layer modules": {"layer_modules": True}, "gathered decode": {"gathered": True},
                "torch elementwise": {"elementwise": True}, "dense LM head": {"dense_head": True}}
     if not native:  # no C kernels here: nothing to undo

@@ -14,26 +14,48 @@ from hybridkv.engine.seeding import engine_stream, pick, request_stream
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def draw(logits, params, streams=None, seed=0):
+def draw(logits, params, streams=None, seed=0, row_max=None):
     streams = streams or [None] * len(params)
-    return sample(logits, params, streams, engine_stream(seed))
+    return sample(logits, params, streams, engine_stream(seed), row_max)
 
 
-def test_greedy_rows_take_the_first_maximum():
+def row_maxes():
+    """The greedy picks the sampler is given: torch's max, and the cpu
+    backend's C one where its kernels are built."""
+    from hybridkv.layers.backends.cpu import library
+
+    lib = library.load()
+    if lib is None:
+        return [None]
+    from hybridkv.layers.backends.cpu import CpuBackend
+
+    return [None, CpuBackend().row_max]
+
+
+@pytest.mark.parametrize("row_max", row_maxes(), ids=lambda f: "torch" if f is None else "cpu")
+def test_greedy_rows_take_the_first_maximum(row_max):
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
-    assert draw(logits, [GREEDY, GREEDY]) == [1, 0]
+    assert draw(logits, [GREEDY, GREEDY], row_max=row_max) == [1, 0]
+    wide = torch.zeros(3, 70_001)
+    wide[0, 40_000] = wide[0, 60_000] = 2.0  # spans apart: the first still wins
+    wide[1, 70_000] = 1.0
+    wide[2, 16] = wide[2, 33] = -1.0
+    wide[2] -= 5.0
+    assert draw(wide, [GREEDY] * 3, row_max=row_max) == [40_000, 70_000, 0]
 
 
-def test_a_row_with_nan_or_inf_fails_alone():
+@pytest.mark.parametrize("row_max", row_maxes(), ids=lambda f: "torch" if f is None else "cpu")
+def test_a_row_with_nan_or_inf_fails_alone(row_max):
     logits = torch.randn(3, 50)
     logits[0, 7] = float("nan")
     logits[2, 3] = float("inf")
     hot = SamplingParams(temperature=1.0)
-    out = draw(logits, [GREEDY, hot, hot])
+    out = draw(logits, [GREEDY, hot, hot], row_max=row_max)
     assert out[0] is None and out[2] is None and isinstance(out[1], int)
     masked = torch.full((1, 10), float("-inf"))
     masked[0, 4] = 0.0  # -inf entries are ordinary masks
-    assert draw(masked, [hot]) == [4]
+    assert draw(masked, [hot], row_max=row_max) == [4]
+    assert draw(torch.full((1, 10), float("-inf")), [GREEDY], row_max=row_max) == [None]
 
 
 def test_top_k_and_top_p_keep_only_what_they_allow():

@@ -459,7 +459,7 @@ class Engine:
         chosen = logits if rows == list(range(logits.shape[0])) else \
             logits[torch.tensor(rows, device=logits.device)]
         tokens = sample(chosen, [q.request.params for q, _ in sampling], [q.stream for q, _ in sampling],
-                        self.random)
+                        self.random, self.backend.row_max)
         sampled = [(seq, token) for (seq, _), token in zip(sampling, tokens) if token is not None]
         self.kv.append_token_ids_many([seq.seq_id for seq, _ in sampled], [token for _, token in sampled])
         now = time.perf_counter()

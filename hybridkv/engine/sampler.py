@@ -62,12 +62,14 @@ def _draw(logits, rows, params, streams, default, sort) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], streams: list[np.random.Generator | None],
-           default: np.random.Generator) -> list[int | None]:
+           default: np.random.Generator, row_max=None) -> list[int | None]:
     """One token per row of `logits` [rows, vocab] (float32); None for a row
     whose logits are not all finite (a broken model: the caller fails that
     request alone). `streams[r]`: row r's own random stream (a seeded
-    request), or None to draw from `default` (seeding.py)."""
-    best, picks = logits.max(dim=-1)  # NaN or +inf anywhere makes the max non-finite
+    request), or None to draw from `default` (seeding.py). `row_max`: the
+    backend's (values, first indices) of each row's largest logit (its
+    `row_max`), torch's max by default."""
+    best, picks = logits.max(dim=-1) if row_max is None else row_max(logits)  # NaN or +inf anywhere: not finite
     finite = torch.isfinite(best).tolist()
     out: list[int | None] = [token if ok else None for token, ok in zip(picks.tolist(), finite)]
     vocab = logits.shape[-1]

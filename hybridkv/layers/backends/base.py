@@ -316,5 +316,12 @@ class Backend:
         reads in `batch.route_state`."""
         return "fixed-shape" if batch.inputs.fixed_shape else "eager"
 
+    def row_max(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, indices) of each row's largest logit, the first column
+        of a tie, as torch's max over the last dimension gives them (a row
+        with a NaN: a NaN value). The sampler's greedy pick; backends that
+        read a vocabulary-wide row faster than torch do it their way."""
+        return logits.max(dim=-1)
+
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"

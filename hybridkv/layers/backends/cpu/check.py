@@ -265,6 +265,30 @@ def check_decode_layer(lib) -> None:
                 _bf16_near(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store (bfloat16)")
 
 
+def check_row_max(lib) -> None:
+    """The greedy pick: torch's max over rows wider than one span of the
+    kernel (kernels.c MAX_SPAN) with a tail past the vector width, ties
+    (values rounded to bfloat16, the largest repeated in a later span),
+    a row of -inf, a row with a NaN; rows read through a stride."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = 6, 40_009
+    x = torch.randn(rows, cols + 7, generator=gen).bfloat16().float()[:, :cols]
+    x[1, 30_000] = x[1, 123] = x[1].max() + 1  # a tie across spans: the first column wins
+    x[2, 17], x[2, 18] = 50.0, 50.0  # a tie inside one vector
+    x[3] = float("-inf")
+    x[4, 39_999] = float("nan")
+    x[5, cols - 1] = 99.0  # the largest in the tail
+    values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    if lib.row_max(x.data_ptr(), rows, cols, x.stride(0), values.data_ptr(), indices.data_ptr(), 2) != 0:
+        raise AssertionError("row_max failed")
+    expected, at = x.max(dim=-1)
+    if not torch.equal(values.nan_to_num(7.0), expected.nan_to_num(7.0)):
+        raise AssertionError("row_max's values differ from torch's max")
+    ordered = ~torch.isnan(expected)
+    if not torch.equal(indices[ordered], at[ordered]):
+        raise AssertionError("row_max's indices differ from torch's max")
+
+
 def check(lib) -> None:
     """Every exported function of the library against torch."""
     with torch.inference_mode():
@@ -272,3 +296,4 @@ def check(lib) -> None:
         check_norm_rotary(lib)
         check_gated_activation(lib)
         check_decode_layer(lib)
+        check_row_max(lib)
