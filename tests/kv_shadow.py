@@ -74,6 +74,7 @@ class ShadowRunner:
         self.checks = 0
         self.copies = 0
         self.prefix_of: dict = {}  # cache key -> the token prefix it stands for
+        self.saved_inside = 0  # recurrent states written at checkpoints inside a chunk
 
     def apply_copies(self) -> None:
         for pairs in self.kv.take_copies().values():
@@ -110,6 +111,9 @@ class ShadowRunner:
         n, bs = req.num_computed, kv.block_size
         tokens = list(req.tokens[:n + num_tokens]) + list(drafts)
         end = n + num_tokens + len(drafts)
+        # Checkpoints inside the chunk (checkpoints_inside_chunks): the pass
+        # also leaves the state after each one's position in its pages.
+        saving = kv.get_checkpoint_pages(request_id)
         for manager in kv.coordinator.managers:
             table = req.tables[manager.index]
             if manager.recurrent:
@@ -117,6 +121,11 @@ class ShadowRunner:
                 assert write, "a forward pass without a Mamba write block"
                 for p in kv.block_cache.pages(write):
                     self.content[p] = tuple(tokens[:end - len(drafts) + accepted])
+                for position, pages in saving.get(manager.index, ()):
+                    assert n < position < n + num_tokens, f"{request_id}: a checkpoint outside its chunk"
+                    self.saved_inside += 1
+                    for p in pages:
+                        self.content[p] = tuple(tokens[:position])
             else:
                 for j in range(n // bs, -(-end // bs)):
                     block = table[j]
@@ -370,6 +379,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     assert kv.num_free_pages == total, "pages leaked after freeing every request"
     counts["evictions"] = kv.stats.evictions
     counts["block_checks"] = shadow.checks
+    counts["saved_inside"] = shadow.saved_inside
     if tier is not None:
         counts.update(tier_puts=tier.puts, tier_loads=tier.loads, tier_lost=tier.lost)
     return counts
