@@ -39,7 +39,7 @@ from benchmarks import harness
 PAGE = os.path.join(harness.ROOT, "docs", "benchmarks.md")
 PAGES = (PAGE, os.path.join(harness.ROOT, "README.md"), os.path.join(harness.ROOT, "docs", "integrations.md"),
          os.path.join(harness.ROOT, "docs", "kernels.md"), os.path.join(harness.ROOT, "docs", "server.md"),
-         os.path.join(harness.ROOT, "docs", "engine.md"))
+         os.path.join(harness.ROOT, "docs", "engine.md"), os.path.join(harness.ROOT, "docs", "kv_dtypes.md"))
 MARKER = re.compile(r"<!-- table (\S+) -->\n.*?<!-- end table -->", re.S)
 
 
@@ -183,6 +183,17 @@ def real_gemma3_table(engines: list[str], ratios: list[str], result: str = "real
     return Table(result, real_gemma3_rows, columns)
 
 
+def kv_capacity_rows(t: dict) -> list[dict]:
+    """One row per model and narrow dtype (those it has: no full-only row
+    where every attention layer is full, or none is)."""
+    return [{"model": row["model"], "pages": name, **row[name]} for row in t["capacity"]["rows"]
+            for name in ("int8", "fp8", "int8 full only") if name in row]
+
+
+def kv_capacity_cell(context: int) -> Callable[[dict], str]:
+    return lambda row: f"{times(row[str(context)]['ratio'])} ({times(row[str(context)]['exact'])})"
+
+
 def readme_rows(t: dict) -> list[dict]:
     """The workloads, then each engine's load time."""
     return real_gemma3_rows(t) + [{"workload": {"workload": "engine load"},
@@ -227,6 +238,14 @@ def us(value: float | None) -> str:
 
 
 TABLES: dict[str, Table] = {
+    "kv-dtypes-capacity": Table("kv_dtypes.json", kv_capacity_rows, {
+        "model": key("model"), "pages": key("pages"),
+        **{f"{c:,} tokens": kv_capacity_cell(c) for c in (1024, 4096, 32768)}}),
+    "kv-dtypes-accuracy": Table("kv_dtypes.json", lambda t: t["accuracy"]["rows"], {
+        "pages": key("config"), "dtypes": lambda r: ", ".join(r["pages"]), "positions": key("positions", num),
+        "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
+        "perplexity": key("perplexity", lambda v: num(v, 3)),
+        "change": key("perplexity_change", lambda v: f"{100 * v:+.2f}%")}),
     "manager": Table("manager_overhead.json", manager_rows, {
         "model": key("model"), "groups": key("groups"),
         "µs / admission": key("us_per_admission", lambda v: num(v, 0)),

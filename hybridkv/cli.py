@@ -12,12 +12,25 @@ from .tiny_models import MODELS as TINY_MODELS
 CONTEXTS = (1024, 8192, 32768, 131072)
 
 
+def kv_cache_dtype_option(text: str | None):
+    """`--kv-cache-dtype`: one dtype ("int8", "auto"), or kind=dtype pairs
+    ("full_attention=int8,sliding_window=auto")."""
+    if text is None or "=" not in text:
+        return text
+    pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"--kv-cache-dtype: expected DTYPE or KIND=DTYPE,KIND=DTYPE, got {text!r}")
+    return {kind.strip(): dtype.strip() for kind, dtype in pairs}
+
+
 def _plan(args) -> int:
     from .core.hf_config import load_config, specs_from_config
     from .core.layout import parse_memory, plan_layout
+    from .core.specs import with_kv_cache_dtype
 
     config = load_config(args.config)
-    specs = specs_from_config(config, dtype=args.dtype)
+    specs = specs_from_config(config, dtype=args.dtype, state_dtype=args.recurrent_state_dtype)
+    specs = with_kv_cache_dtype(specs, kv_cache_dtype_option(args.kv_cache_dtype))
     layout = plan_layout(specs, parse_memory(args.memory), block_size=args.block_size)
     print(f"{args.config}: {len(specs)} layers with a cache, {len(layout.groups)} group(s)")
     print(layout.describe())
@@ -123,6 +136,7 @@ def _engine_options(args) -> dict:
 
     options = dict(
         backend=args.backend, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        kv_cache_dtype=kv_cache_dtype_option(args.kv_cache_dtype), recurrent_state_dtype=args.recurrent_state_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
         device=args.device, speculative_method=args.speculative_method,
@@ -170,7 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", default="80GiB", help="KV cache budget, e.g. 80GiB (default)")
     plan.add_argument("--block-size", type=int, default=None,
                       help="tokens per block (default: the planner's, 16, or 64 with recurrent layers)")
-    plan.add_argument("--dtype", default=None, help="KV dtype (default: the config's)")
+    plan.add_argument("--dtype", default=None, help="the model's dtype (default: the config's)")
+    plan.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                      help="attention pages: auto (the model's dtype), int8, fp8_e4m3, fp8_e5m2, bfloat16, ..., "
+                           "or per kind: full_attention=int8,sliding_window=auto")
+    plan.add_argument("--recurrent-state-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="recurrent states (default float32; never quantized)")
     plan.add_argument("--plot", default=None, metavar="PNG", help="also draw the layout (needs matplotlib)")
     plan.set_defaults(func=_plan)
 
@@ -206,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 400 to longer text prompts, before tokenizing them (default: the context "
                             "times the longest token's characters)")
     serve.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default) or auto")
+    serve.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                       help="attention pages: auto (default: the model's dtype), int8, fp8_e4m3, fp8_e5m2, ..., "
+                            "or per kind: full_attention=int8,sliding_window=auto")
+    serve.add_argument("--recurrent-state-dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="recurrent states (default float32; never quantized)")
     serve.add_argument("--block-size", type=int, default=None,
                        help="tokens per block (default: the planner's, 16, or 64 with recurrent layers)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")

@@ -109,6 +109,18 @@ def test_memory_quick(tmp_path):
             assert cell["hybridkv"] > 0 and cell["contiguous"] > 0
 
 
+def test_kv_dtypes_quick(tmp_path):
+    text, data = run("kv_dtypes", tmp_path)
+    assert "ratio to bfloat16 pages" in text
+    for row in data["capacity"]["rows"]:
+        for cell in row["int8"].values():
+            assert 1.0 < cell["ratio"] and cell["ratio"] == pytest.approx(cell["exact"], rel=0.05)
+    if "accuracy" in data:  # the real model is installed
+        rows = {r["config"]: r for r in data["accuracy"]["rows"]}
+        assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["pages"] == ["int8"]
+        assert rows["int8"]["top1_agreement"] > 0.9
+
+
 def test_prefill_tiles_quick(tmp_path):
     text, data = run("prefill_tiles", tmp_path)
     assert "query tiles" in text

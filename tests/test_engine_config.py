@@ -36,6 +36,9 @@ from hybridkv.tiny_models import tiny_model_dir
     (dict(backend="fortran"), "unknown backend 'fortran'"),
     (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
     (dict(fixed_shape_decode=1), "fixed_shape_decode must be True or False"),
+    (dict(kv_cache_dtype="int4"), "'int4' is not a KV cache dtype"),
+    (dict(kv_cache_dtype={"recurrent": "int8"}), "unknown layer kind"),
+    (dict(recurrent_state_dtype="int8"), "never quantized"),
 ])
 def test_each_bad_option_is_a_clear_error_before_loading(options, message):
     with pytest.raises(ValueError, match=message):
@@ -55,7 +58,8 @@ def test_the_config_is_every_documented_keyword_with_its_default():
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert fields.pop("model") is dataclasses.MISSING
     assert fields == dict(
-        kv_cache_memory="2GiB", block_size=None, enable_prefix_caching=True, checkpoint_policy="hybridkv",
+        kv_cache_memory="2GiB", kv_cache_dtype="auto", recurrent_state_dtype="float32", block_size=None,
+        enable_prefix_caching=True, checkpoint_policy="hybridkv",
         enable_kv_events=False, kv_host_cache_memory=None, kv_disk_cache=None, kv_disk_cache_memory="16GiB",
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
         num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype=None, device="cpu",

@@ -22,8 +22,23 @@ DTYPE_SIZES = {
 # of these and the config reader takes the KV dtype from one of them.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
-# Other spellings of the same dtypes found in configs and on command lines.
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+# KV pages narrower than the model: each token's K row and V row of a head
+# are stored as codes of one of these types and one float32 scale (value =
+# code * scale), the row's largest magnitude mapped to the type's largest
+# code (this table), so that no element saturates. Attention pages only:
+# recurrent states are never quantized (a uniform int8 Gated DeltaNet
+# state halved a model's GSM8K score; docs/kv_dtypes.md).
+QUANTIZED_KV_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+KV_SCALE_DTYPE = "float32"
+# What an attention layer's pages may hold, and a recurrent state.
+KV_CACHE_DTYPES = (*MODEL_DTYPES, *QUANTIZED_KV_MAX)
+RECURRENT_STATE_DTYPES = ("float32", "bfloat16")
+
+# Other spellings of the same dtypes found in configs and on command lines
+# (fp8 is e4m3, as in vLLM's `kv_cache_dtype`).
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn",
+            "fp8_e5m2": "float8_e5m2"}
 
 
 def dtype_name(raw) -> str | None:

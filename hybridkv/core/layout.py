@@ -159,7 +159,7 @@ class KVCacheLayout:
         ]
         for g in self.groups:
             lines.append(
-                f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<28} {g.num_layers:3d} layers, "
+                f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<42} {g.num_layers:3d} layers, "
                 f"{g.pages_per_block} page(s)/block, rounding {self.group_rounding_bytes(g):,} B/block"
             )
         return "\n".join(lines)
@@ -167,13 +167,13 @@ class KVCacheLayout:
 
 def _spec_brief(spec: LayerSpec) -> str:
     if spec.recurrent:
-        return f"state {spec.state_bytes:,} B"
+        return f"state {spec.state_bytes:,} B ({'/'.join(dict.fromkeys(spec.dtypes))})"
     extra = ""
     if spec.kind == "sliding_window":
         extra = f" W={spec.sliding_window}"
     elif spec.kind == "chunked_local":
         extra = f" C={spec.chunk_size}"
-    return f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype}{extra}"
+    return f"{spec.num_kv_heads}x{spec.head_size} {spec.dtype}{extra} {spec.bytes_per_token:,} B/token"
 
 
 def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
@@ -198,9 +198,37 @@ def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
     return pos, tuple(offsets)
 
 
+# Pages tried where no page splits every attention group's block exactly:
+# up to this many times the largest layer block.
+MAX_PAGE_MULTIPLE = 64
+
+
+def _least_rounding_page(attn_layer_bytes: list[int], attn_block_bytes: list[int], state_bytes: list[int]) -> int:
+    """The page that leaves the fewest bytes unused in one block of every
+    group, layer blocks never straddling a page, for layer blocks of sizes
+    no page splits all exactly (attention pages of different dtypes: a
+    quantized layer's block holds its scales beside its codes, so its size
+    is no power of two; a bfloat16 one is). Candidates: multiples of each
+    layer block size that hold the largest, up to MAX_PAGE_MULTIPLE times
+    it; on a tie the smaller page."""
+    biggest = max(attn_layer_bytes)
+    candidates = {size * m for size in set(attn_layer_bytes) for m in range(1, MAX_PAGE_MULTIPLE * biggest // size + 1)
+                  if size * m >= biggest}
+
+    def unused(page: int) -> int:
+        waste = 0
+        for layer, block in zip(attn_layer_bytes, attn_block_bytes):
+            layers, per_page = block // layer, page // layer
+            waste += -(-layers // per_page) * page - block
+        return waste + sum(_round_up(s, page) - s for s in state_bytes)
+
+    return min(candidates, key=lambda p: (unused(p), p))
+
+
 def _choose_page_size(attn_layer_bytes: list[int], attn_block_bytes: list[int], state_bytes: list[int]) -> int:
     """Largest page that splits attention blocks exactly into whole per-layer
-    blocks and rounds each recurrent state by at most MAX_STATE_ROUNDING."""
+    blocks and rounds each recurrent state by at most MAX_STATE_ROUNDING;
+    where none splits them exactly, the page of least rounding."""
 
     def rounding_ok(page: int) -> bool:
         return all(_round_up(s, page) - s <= MAX_STATE_ROUNDING * s for s in state_bytes)
@@ -209,9 +237,7 @@ def _choose_page_size(attn_layer_bytes: list[int], attn_block_bytes: list[int], 
         unit = reduce(math.lcm, attn_layer_bytes)
         whole = reduce(math.gcd, attn_block_bytes)
         if whole % unit:
-            # Layer blocks of different sizes that no common page splits
-            # exactly: fall back to the smallest page holding any layer block.
-            return unit
+            return _least_rounding_page(attn_layer_bytes, attn_block_bytes, state_bytes)
         quotient = whole // unit
         pages = [unit * d for d in range(quotient, 0, -1) if quotient % d == 0]
         for page in pages:

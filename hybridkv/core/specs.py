@@ -8,9 +8,9 @@ Specs are frozen and hashable so that "same spec" means "same group".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .dtypes import dtype_size
+from .dtypes import KV_CACHE_DTYPES, KV_SCALE_DTYPE, QUANTIZED_KV_MAX, dtype_name, dtype_size
 
 
 def _require_positive(owner: str, **values: int) -> None:
@@ -31,11 +31,27 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         _require_positive(type(self).__name__, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
         dtype_size(self.dtype)
+        if self.quantized and self.head_size % 2:
+            # the scales follow the codes in a layer's block: an even row keeps them 4-byte aligned
+            raise ValueError(f"{type(self).__name__}: {self.dtype} pages need an even head_size, "
+                             f"got {self.head_size}")
+
+    @property
+    def quantized(self) -> bool:
+        """Codes and a scale per token and head (core/dtypes.py QUANTIZED_KV_MAX)."""
+        return self.dtype in QUANTIZED_KV_MAX
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in this layer."""
-        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        """K and V of one token in this layer (quantized: their codes, and a
+        float32 scale per head for each)."""
+        row = self.head_size * dtype_size(self.dtype) + (dtype_size(KV_SCALE_DTYPE) if self.quantized else 0)
+        return 2 * self.num_kv_heads * row
+
+    def code_bytes(self, block_size: int) -> int:
+        """Bytes of one block's K and V elements (a quantized layer's codes,
+        which its scales follow: `[2, block_size, heads]` float32)."""
+        return 2 * block_size * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
 
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.bytes_per_token
@@ -176,3 +192,48 @@ LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalSpec | Recurrent
 SPEC_TYPES = {**{spec.kind: spec for spec in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalSpec)},
               **dict.fromkeys(RECURRENT_KINDS, RecurrentSpec)}
 ATTENTION_KINDS = ("full", "sliding_window", "chunked_local")
+
+# How a `kv_cache_dtype` dict may name the attention kinds.
+_KIND_NAMES = {"full": "full", "full_attention": "full", "sliding_window": "sliding_window",
+               "sliding": "sliding_window", "chunked_local": "chunked_local", "chunked": "chunked_local"}
+
+
+def kv_cache_dtypes(value) -> dict[str, str | None]:
+    """Each attention kind's page dtype for an engine's `kv_cache_dtype`
+    (None: the model's): None or "auto" for all, one dtype for every
+    attention kind, or a dict by kind ({"full_attention": "int8",
+    "sliding_window": "auto"}; a kind left out is "auto"). Dtypes by the
+    table's names or their spellings ("fp8" is float8_e4m3fn); ValueError
+    for anything else."""
+    def one(raw, where: str) -> str | None:
+        if raw is None or raw == "auto":
+            return None
+        name = dtype_name(raw)
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype{where}: {raw!r} is not a KV cache dtype; expected 'auto' or one of "
+                             f"{', '.join(KV_CACHE_DTYPES)} (or fp8, fp8_e4m3, fp8_e5m2, bf16, fp16, fp32)")
+        return name
+
+    if isinstance(value, dict):
+        unknown = [k for k in value if k not in _KIND_NAMES]
+        if unknown:
+            raise ValueError(f"kv_cache_dtype: unknown layer kind(s) {unknown}; expected some of "
+                             f"{', '.join(_KIND_NAMES)}")
+        out = dict.fromkeys(ATTENTION_KINDS)
+        for key, raw in value.items():
+            out[_KIND_NAMES[key]] = one(raw, f"[{key!r}]")
+        return out
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"kv_cache_dtype must be 'auto', a dtype name or a dict by layer kind, got {value!r}")
+    return dict.fromkeys(ATTENTION_KINDS, one(value, ""))
+
+
+def with_kv_cache_dtype(specs: dict[str, LayerSpec], kv_cache_dtype) -> dict[str, LayerSpec]:
+    """`specs` with each attention layer's pages in its kind's dtype
+    (`kv_cache_dtypes`); recurrent states and "auto" kinds unchanged."""
+    by_kind = kv_cache_dtypes(kv_cache_dtype)
+    out = {}
+    for name, spec in specs.items():
+        dtype = None if spec.recurrent else by_kind[spec.kind]
+        out[name] = spec if dtype is None or dtype == spec.dtype else replace(spec, dtype=dtype)
+    return out

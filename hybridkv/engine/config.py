@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core.checkpoints import get_policy
-from ..core.dtypes import MODEL_DTYPES
+from ..core.dtypes import MODEL_DTYPES, RECURRENT_STATE_DTYPES, dtype_name
 from ..core.layout import parse_memory
+from ..core.specs import kv_cache_dtypes
 from ..layers.backends import CHOICES as BACKENDS, check as check_backend
 
 SPECULATIVE_METHODS = (None, "ngram")
@@ -66,6 +67,10 @@ class EngineConfig:
     model: str  # a Hugging Face folder, a .gguf file, or a folder holding one
     # -- the KV cache
     kv_cache_memory: int | str = "2GiB"  # bytes, "4GiB", or "auto" (85% of free GPU memory; 2GiB on the CPU)
+    # Attention pages: "auto" (the model's dtype), one dtype ("int8", "fp8_e4m3", "fp8_e5m2", "bfloat16", ...)
+    # or one per kind ({"full_attention": "int8", "sliding_window": "auto"}); docs/kv_dtypes.md
+    kv_cache_dtype: str | dict | None = "auto"
+    recurrent_state_dtype: str = "float32"  # or "bfloat16"; never quantized
     block_size: int | None = None  # tokens per block; None: the planner's choice (16, 64 with recurrent layers)
     enable_prefix_caching: bool = True
     checkpoint_policy: str = "hybridkv"  # when Mamba states are checkpointed (core/checkpoints.py)
@@ -115,6 +120,10 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {seed!r}")
         if self.kv_cache_memory != "auto":
             _memory("kv_cache_memory", self.kv_cache_memory)
+        kv_cache_dtypes(self.kv_cache_dtype)
+        if dtype_name(self.recurrent_state_dtype) not in RECURRENT_STATE_DTYPES:
+            raise ValueError(f"recurrent_state_dtype must be one of {', '.join(RECURRENT_STATE_DTYPES)} (recurrent "
+                             f"states are never quantized), got {self.recurrent_state_dtype!r}")
         get_policy(self.checkpoint_policy)
         self._check_tiers()
         self._check_speculative()

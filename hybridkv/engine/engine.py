@@ -37,6 +37,7 @@ from ..core import KVCacheManager, plan_layout
 from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
+from ..core.specs import with_kv_cache_dtype
 from ..layers.backends import choose as choose_backend
 from ..layers.dtypes import choose_dtype
 from ..modeling.loader import checkpoint_dtype, load_model, load_tokenizer, read_config, resolve_model_dir
@@ -79,7 +80,9 @@ class Engine:
         self.device = torch.device(config.device)
         self.model_dir = resolve_model_dir(config.model, progress=config.progress)
         self._load_model(config)
-        self.layout = plan_layout(specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype)),
+        specs = specs_from_config(self.config.to_dict(), dtype=dtype_name(self.dtype),
+                                  state_dtype=dtype_name(config.recurrent_state_dtype))
+        self.layout = plan_layout(with_kv_cache_dtype(specs, config.kv_cache_dtype),
                                   self._kv_budget(config.kv_cache_memory), block_size=config.block_size)
         self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).

@@ -13,6 +13,7 @@ import torch
 
 from ..core.layout import KVCacheLayout
 from .dtypes import TORCH_DTYPES
+from .kv_quant import QuantizedCache
 
 
 class KVBuffers:
@@ -29,16 +30,22 @@ class KVBuffers:
         """A page no table of a real request names: padding writes here."""
         return self.layout.num_pages + column
 
-    def attention_cache(self, layer_name: str) -> torch.Tensor:
+    def attention_cache(self, layer_name: str) -> torch.Tensor | QuantizedCache:
         """[pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the
-        pool. Made when asked (a few view ops), so that a traced or captured
-        step has the pool as its one cache input rather than many aliased views."""
+        pool; for a quantized layer its codes so and its scales [pages, 2,
+        block_size, kv_heads] (kv_quant.py). Made when asked (a few view
+        ops), so that a traced or captured step has the pool as its one
+        cache input rather than many aliased views."""
         view = self.layout.layer_views[layer_name]
         group = self.layout.groups[view.group]
         spec = group.spec
         raw = self.pool[:, view.offset:view.offset + group.layer_bytes]
-        return raw.view(TORCH_DTYPES[spec.dtype]).view(self.pool.shape[0], 2, group.block_size, spec.num_kv_heads,
-                                                       spec.head_size)
+        shape = (self.pool.shape[0], 2, group.block_size, spec.num_kv_heads)
+        if not spec.quantized:
+            return raw.view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size)
+        codes = spec.code_bytes(group.block_size)
+        return QuantizedCache(raw[:, :codes].view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size),
+                              raw[:, codes:].view(torch.float32).view(shape))
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write after a fork: whole pages, every layer on them."""

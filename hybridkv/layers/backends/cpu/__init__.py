@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ....core.dtypes import KV_CACHE_DTYPES
 from ..base import Backend, Capabilities, PrepareReport
 from ..reference.recurrent import ReferenceRecurrent
 
@@ -58,7 +59,8 @@ def kernels():
 
 class CpuBackend(Backend):
     name = "cpu"
-    capabilities = Capabilities(devices=frozenset({"cpu"}), capturable=False)
+    # Quantized pages: stores and reads are the reference's (said at prepare).
+    capabilities = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(KV_CACHE_DTYPES), capturable=False)
 
     def __init__(self):
         from .attention import CpuAttention
@@ -68,7 +70,7 @@ class CpuBackend(Backend):
 
     def prepare(self, model, layout, device) -> PrepareReport:
         from ...dtypes import TORCH_DTYPES
-        from .attention import STORAGE
+        from .attention import CODES, STORAGE
         from .decoder import max_rows, wrap_decoder_layers
         from .linear import pack_linears, spare_memory
         from .modules import swap_norms_and_mlps
@@ -76,19 +78,24 @@ class CpuBackend(Backend):
         report = super().prepare(model, layout, device)
         # The kernels read float32 and bfloat16 (STORAGE); anything else runs torch's ops, said here.
         dtype = next(model.parameters()).dtype
-        caches = sorted({g.spec.dtype for g in layout.groups if not g.recurrent
-                         and TORCH_DTYPES.get(g.spec.dtype) not in STORAGE})
-        if caches or (layout.groups and dtype not in STORAGE):
-            what = ", ".join([f"{c} caches" for c in caches] + ([f"{dtype} queries"] if dtype not in STORAGE else []))
-            report.declined.append(f"C decode attention: it reads float32 and bfloat16 queries and caches; "
-                                   f"{what} run the reference")
+        pages = {g.spec.dtype for g in layout.groups if not g.recurrent}
+        unread = sorted(d for d in pages if TORCH_DTYPES.get(d) not in STORAGE and TORCH_DTYPES.get(d) not in CODES)
+        if unread or (layout.groups and dtype not in STORAGE):
+            what = ", ".join([f"{c} caches" for c in unread] + ([f"{dtype} queries"] if dtype not in STORAGE else []))
+            report.declined.append(f"C decode attention: it reads float32 and bfloat16 queries, and float32, "
+                                   f"bfloat16 and int8 caches; {what} run the reference")
         if dtype not in STORAGE:
             report.declined.append(f"C norms, rotary and activations: they read float32 and bfloat16; {dtype} runs "
                                    f"torch's")
         norms, mlps = swap_norms_and_mlps(model, self.lib)
         report.done.append(f"{norms} RMS norms and {mlps} gated MLPs run their elementwise work in C")
         # Before packing: a wrapped layer takes the dense weights packing drops.
-        wrapped = wrap_decoder_layers(model, self.lib, spare_memory(), report) > 0
+        if unread:  # the one-call layers store and read K/V through the same kernels
+            report.declined.append(f"one-call decoder layers: they write float32, bfloat16 and int8 pages; "
+                                   f"{', '.join(unread)} pages run the modules")
+            wrapped = False
+        else:
+            wrapped = wrap_decoder_layers(model, self.lib, spare_memory(), report) > 0
         self.decoder_rows = max_rows(self.lib, dtype) if wrapped else 0
         pack_linears(model, report)
         return report

@@ -23,12 +23,16 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ...kv_quant import QuantizedCache
 from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
 
-# kernels.c's storage types (its `enum { F32, BF16 }`), by torch dtype.
+# kernels.c's storage types (its `enum { F32, BF16, I8 }`), by torch dtype:
+# what queries, activations and pages may be, and the codes of quantized
+# pages its decode attention reads (with their scales: kv_quant.py).
 STORAGE = {torch.float32: 0, torch.bfloat16: 1}
+CODES = {torch.int8: 2}
 
 
 @dataclass
@@ -119,19 +123,28 @@ class CpuAttention(AttentionOps):
         status = self.lib.decode_attention(paged_cache(self.lib, cache), rows, q.data_ptr(), q.shape[1], scale,
                                            softcap or 0.0, None if sinks is None else sinks.data_ptr(),
                                            out.data_ptr(), STORAGE[q.dtype], torch.get_num_threads())
+        if status == -2:
+            raise ValueError("hybridkv's CPU decode attention: int8 pages given without their scales")
         if status != 0:
             raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
         return out
 
     @staticmethod
-    def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-        """The kernel reads float32 and bfloat16 queries and pools (head dims
-        contiguous), on the CPU."""
+    def supports(q: torch.Tensor, cache) -> bool:
+        """The kernel reads float32 and bfloat16 queries, and pools of those
+        or of int8 codes with their scales (head dims contiguous), on the CPU."""
+        if isinstance(cache, QuantizedCache):
+            return q.dtype in STORAGE and cache.dtype in CODES and cache.codes.stride(-1) == 1 and \
+                cache.scales.stride(-1) == 1 and cache.device.type == "cpu"
         return q.dtype in STORAGE and cache.dtype in STORAGE and cache.stride(-1) == 1 and cache.device.type == "cpu"
 
 
-def paged_cache(lib, cache: torch.Tensor):
-    """kernels.c's `paged_cache` for a layer's view of the pool (float32 or
-    bfloat16: `STORAGE`)."""
+def paged_cache(lib, cache):
+    """kernels.c's `paged_cache` for a layer's view of the pool: float32 or
+    bfloat16 (`STORAGE`), or int8 codes and their scales (`CODES`)."""
+    if isinstance(cache, QuantizedCache):
+        codes, scales = cache.codes, cache.scales
+        return lib.structs["paged_cache"](codes.data_ptr(), *codes.stride()[:4], codes.shape[2], codes.shape[3],
+                                          codes.shape[4], CODES[codes.dtype], scales.data_ptr(), *scales.stride())
     return lib.structs["paged_cache"](cache.data_ptr(), *cache.stride()[:4], cache.shape[2], cache.shape[3],
                                       cache.shape[4], STORAGE[cache.dtype])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...kv_quant import QuantizedCache, dequantize, quantize
 from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
 from .modules import gated_activation, norm_rotary
 
@@ -122,6 +123,11 @@ def check_decode_attention(lib) -> None:
         got = CpuAttention(lib).attend_decodes(q16, cache16, dec, 0, 0.3, softcap, sink)
         _bf16_near(got, _attention(q16.float(), cache16.float(), pages, positions, firsts, 0.3, softcap, sink),
                    what + ", bfloat16)")
+        # int8 pages: codes and a scale per token and head, against the values they stand for
+        codes, scales = quantize(cache * torch.linspace(0.1, 10.0, cache.shape[2])[:, None, None], torch.int8)
+        got = CpuAttention(lib).attend_decodes(q, QuantizedCache(codes, scales), dec, 0, 0.3, softcap, sink)
+        _close(got, _attention(q, dequantize(codes, scales, torch.float32), pages, positions, firsts, 0.3, softcap,
+                               sink), what + ", int8 pages)")
 
 
 def check_norm_rotary(lib) -> None:
@@ -180,14 +186,20 @@ def check_decode_layer(lib) -> None:
     stored, x after each residual add, and (where the CPU has its bfloat16
     dot product) each product's input. The second rounding sees a
     float32 difference in the first's input, so the output is within two
-    bfloat16 steps of the rule's."""
+    bfloat16 steps of the rule's. And in float32 over int8 pages: the K/V
+    stored as their codes and scales (kv_quant.py), attention over the
+    values the pages stand for; a code may round the other way where the
+    kernel's float32 K differs from torch's in its last bit, so the
+    output is compared to 1e-3."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
     # Five rows: the products' tiles take four at a time, and a fifth alone.
     positions, firsts = [5, 12, 2, 9, 15], [0, 4, 0, 8, 12]
     R = len(positions)
-    for dtype, offset, kind, every_norm in ((torch.float32, 1.0, 1, True), (torch.float32, 0.0, 0, False),
-                                            (torch.bfloat16, 1.0, 1, True), (torch.bfloat16, 0.0, 0, False)):
+    for dtype, offset, kind, every_norm, int8 in (
+            (torch.float32, 1.0, 1, True, False), (torch.float32, 0.0, 0, False, False),
+            (torch.bfloat16, 1.0, 1, True, False), (torch.bfloat16, 0.0, 0, False, False),
+            (torch.float32, 1.0, 1, True, True)):
         def rand(*shape, scale=0.2):
             return (torch.randn(*shape, generator=gen) * scale).to(dtype).float()  # values dtype holds
 
@@ -206,6 +218,8 @@ def check_decode_layer(lib) -> None:
             w[name] = rand(size) if every_norm else None
         cache, pages = _scattered_pool(gen, 32, bs, kv_heads, dim, positions, firsts)
         cache = rounded(cache)
+        if int8:  # the values int8 pages can hold
+            cache = dequantize(*quantize(cache, torch.int8), torch.float32)
         store_pages = pages[torch.arange(R), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
         store_offsets = torch.tensor(positions) % bs
         x = rand(R, hidden, scale=1.0)
@@ -219,9 +233,10 @@ def check_decode_layer(lib) -> None:
         if every_norm:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        stored = (lambda t: dequantize(*quantize(t, torch.int8), torch.float32)) if int8 else rounded
         for r in range(R):
-            expected_cache[store_pages[r], 0, store_offsets[r]] = rounded(k[r])
-            expected_cache[store_pages[r], 1, store_offsets[r]] = rounded(v[r])
+            expected_cache[store_pages[r], 0, store_offsets[r]] = stored(k[r])
+            expected_cache[store_pages[r], 1, store_offsets[r]] = stored(v[r])
         attn = _attention(q, expected_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"]).reshape(R, -1)
         o = F.linear(product_input(attn), w["o"])
         x1 = rounded(x + (_norm(o, w["post_attention_norm"], offset) if every_norm else o))
@@ -241,10 +256,12 @@ def check_decode_layer(lib) -> None:
                                           first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
                                           store_offsets=store_offsets.data_ptr())
         pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)
+        if int8:
+            pool = QuantizedCache(*quantize(cache, torch.int8))
         # The whole layer in one call, then in its three parts (a tensor-parallel
         # rank's, here with nothing to add between them: one rank's sums are whole).
         for parts in ((0,), (1, 2, 3)):
-            what = f"decode_layer ({dtype}, offset {offset}, parts {parts})"
+            what = f"decode_layer ({dtype}{', int8 pages' if int8 else ''}, offset {offset}, parts {parts})"
             got, sums = x.to(dtype, copy=True), torch.empty(x.shape)
             for part in parts:
                 status = lib.decode_layer(layer, paged_cache(lib, pool), rows, got.data_ptr(), cos.data_ptr(),
@@ -253,6 +270,15 @@ def check_decode_layer(lib) -> None:
                 if status != 0:
                     raise AssertionError("decode_layer failed to allocate")
             written = [(int(p), int(s)) for p, s in zip(store_pages, store_offsets)]
+            if int8:
+                if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+                    raise AssertionError(f"{what} differs by {(got - expected).abs().max().item():.3g}")
+                values = dequantize(pool.codes, pool.scales, torch.float32)
+                for page, slot in written:  # within one code of torch's
+                    step = pool.scales[page, :, slot, :, None] * 1.01
+                    if ((values[page, :, slot] - expected_cache[page, :, slot]).abs() > step).any():
+                        raise AssertionError("decode_layer's int8 K/V store differs from kv_quant's")
+                continue
             if dtype == torch.float32:
                 _close(got, expected, what)
                 for page, slot in written:

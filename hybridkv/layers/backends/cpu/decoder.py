@@ -48,7 +48,8 @@ from torch import nn
 
 from ...decoder import DecoderParts
 from ...mlp import GatedMLP
-from .attention import STORAGE, CpuMetadata, paged_cache
+from ...kv_quant import QuantizedCache
+from .attention import CODES, STORAGE, CpuMetadata, paged_cache
 from .modules import ACTIVATIONS
 
 # Above this many query rows a step goes through the modules: oneDNN's
@@ -189,9 +190,10 @@ class CpuDecoderLayer(nn.Module):
         """The layer's `paged_cache` (made once per pool)."""
         if self._cache is None or self._cache[0] is not buffers.pool:
             cache = buffers.attention_cache(self.layer_name)
-            if cache.dtype not in STORAGE or cache.stride(-1) != 1:
-                raise ValueError(f"the C decoder layer writes float32 or bfloat16 K/V; {self.layer_name}'s cache is "
-                                 f"{cache.dtype}")
+            if isinstance(cache, QuantizedCache) and cache.dtype not in CODES or \
+                    not isinstance(cache, QuantizedCache) and (cache.dtype not in STORAGE or cache.stride(-1) != 1):
+                raise ValueError(f"the C decoder layer writes float32, bfloat16 or int8 K/V; {self.layer_name}'s "
+                                 f"cache is {cache.dtype}")
             self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
         return self._cache[1]
 

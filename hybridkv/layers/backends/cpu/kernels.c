@@ -63,7 +63,9 @@ static inline vec splat(float x) { return (vec){0} + x; }
  * specialises the loops around it. */
 #define INLINE static inline __attribute__((always_inline))
 
-enum { F32 = 0, BF16 = 1 };
+/* Storage types. I8: a quantized page's codes, read only (decode
+ * attention), each K/V row with its float32 scale (`paged_cache`). */
+enum { F32 = 0, BF16 = 1, I8 = 2 };
 
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -126,7 +128,17 @@ static inline float widen1(uint16_t h)
 
 static inline uint16_t narrow1(float f) { return (uint16_t)(bf16_bits1(f) >> 16); }
 
-static inline size_t size_of(int t) { return t == BF16 ? sizeof(uint16_t) : sizeof(float); }
+static inline size_t size_of(int t) { return t == BF16 ? sizeof(uint16_t) : t == I8 ? 1 : sizeof(float); }
+
+typedef int8_t cvec __attribute__((vector_size(LANES)));
+
+/* Sixteen int8 codes at p as float32. */
+static inline vec widen_i8(const int8_t *p)
+{
+    cvec c;
+    memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(c, vec);
+}
 
 /* Element i of an array of storage type t. */
 static inline void *at(const void *p, int64_t i, int t) { return (char *)p + i * (int64_t)size_of(t); }
@@ -135,7 +147,8 @@ static inline void *at(const void *p, int64_t i, int t) { return (char *)p + i *
  * of storage type t at element i, as float32. */
 INLINE vec load_as(const void *p, int64_t i, int t)
 {
-    return t == F32 ? load((const float *)p + i) : widen((const uint16_t *)p + i);
+    return t == F32 ? load((const float *)p + i) : t == I8 ? widen_i8((const int8_t *)p + i)
+                                                        : widen((const uint16_t *)p + i);
 }
 
 INLINE void store_as(void *p, int64_t i, vec v, int t)
@@ -148,7 +161,7 @@ INLINE void store_as(void *p, int64_t i, vec v, int t)
 
 INLINE float get_as(const void *p, int64_t i, int t)
 {
-    return t == F32 ? ((const float *)p)[i] : widen1(((const uint16_t *)p)[i]);
+    return t == F32 ? ((const float *)p)[i] : t == I8 ? (float)((const int8_t *)p)[i] : widen1(((const uint16_t *)p)[i]);
 }
 
 INLINE void put_as(void *p, int64_t i, float v, int t)
@@ -254,11 +267,15 @@ static inline int64_t slot(const int64_t *row_pages, int64_t p, int64_t block0, 
 
 /* One row and up to four of a KV head's query heads (count): scores
  * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
- * The cache's elements are of type ct (inlined once per type). */
+ * The cache's elements are of type ct (inlined once per type); for I8
+ * codes, `sc` is the head's scales and `ss` their page, half and slot
+ * strides: a key's score is its codes' dot product times its K scale, a
+ * value's weight its softmax weight times its V scale. */
 INLINE void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
                          const void *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
                          int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
-                         int64_t dim, float scale, float softcap, float *scores, int ct)
+                         int64_t dim, float scale, float softcap, float *scores, int ct, const float *sc,
+                         const int64_t ss[3])
 {
     float s[4];
     const int64_t last_block = (lo + n - 1) / block_size, row_bytes = dim * (int64_t)size_of(ct);
@@ -278,6 +295,11 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
         for (int64_t b = 0; b < row_bytes; b += 64)
             __builtin_prefetch(value + b);
         dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
+        if (ct == I8) {
+            const float k_scale = sc[slot(row_pages, p, block0, block_size, ss[0], ss[2])];
+            for (int g = 0; g < 4; g++)
+                s[g] *= k_scale;
+        }
         for (int g = 0; g < 4; g++)
             scores[g * n + i] = softcap > 0.0f ? tanhf(s[g] * scale / softcap) * softcap : s[g] * scale;
     }
@@ -299,6 +321,12 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
             total[g] += sg[i];
         }
     }
+    if (ct == I8) /* the weights times each value row's scale (the totals are the weights' own) */
+        for (int64_t i = 0; i < n; i++) {
+            const float v_scale = sc[slot(row_pages, lo + i, block0, block_size, ss[0], ss[2]) + ss[1]];
+            for (int g = 0; g < 4; g++)
+                scores[g * n + i] *= v_scale;
+        }
     /* Values weighted in slices of four vectors per head (sixteen
      * accumulators), over keys a block at a time so that a block's value
      * rows stay in cache while each slice reads its part of them. */
@@ -347,11 +375,15 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
 
 /* One layer's paged K/V cache as the kernels address it: elements of
  * storage type `dtype`, strides in elements (page, K/V half, slot, head;
- * head_dim contiguous). */
+ * head_dim contiguous). I8 codes: `scales` [pages, 2, block_size,
+ * kv_heads] float32 with its own strides, in floats (page, half, slot,
+ * head); NULL otherwise. */
 typedef struct {
     void *data;
     int64_t page_stride, half_stride, slot_stride, head_stride;
     int64_t block_size, kv_heads, head_dim, dtype;
+    const float *scales;
+    int64_t scale_page_stride, scale_half_stride, scale_slot_stride, scale_head_stride;
 } paged_cache;
 
 /* A step's decode rows: each reads key positions first[r] .. last[r]
@@ -398,12 +430,17 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     }
     const void *head = at(c->data, h * c->head_stride, (int)c->dtype);
     const int64_t *row_pages = d->pages + r * d->max_blocks;
+    const float *sc = c->scales != NULL ? c->scales + h * c->scale_head_stride : NULL;
+    const int64_t ss[3] = {c->scale_page_stride, c->scale_half_stride, c->scale_slot_stride};
     if (c->dtype == F32)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, F32);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, F32, sc, ss);
+    else if (c->dtype == I8)
+        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, I8, sc, ss);
     else
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16, sc, ss);
     if (dtype != F32)
         for (int g = 0; g < count; g++)
             copy_as(os[g], F32, at(out, heads[g] * dim, dtype), dtype, dim);
@@ -419,6 +456,8 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
 int decode_attention(const paged_cache *cache, const decode_rows *rows, const void *q, int64_t q_heads,
                      float scale, float softcap, const float *sinks, void *out, int dtype, int threads)
 {
+    if (dtype == I8 || (cache->dtype == I8 && cache->scales == NULL))
+        return -2; /* int8 queries, or codes without their scales */
     const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
@@ -468,6 +507,23 @@ INLINE void norm_row_as(const void *row, int rt, const void *weight, int wt, flo
         const float y = get_as(row, d, rt) * scale;
         put_as(out, d, (round_first ? rounded1_as(y, ot) : y) * (get_as(weight, d, wt) + offset), ot);
     }
+}
+
+/* A row of n floats as int8 codes and their scale, as kv_quant.py's
+ * quantize writes them: scale = max |x| / 127, code = x / scale rounded to
+ * the nearest (ties to even: rintf in the default rounding mode, as
+ * torch.round), a row of zeros scale 0 and codes 0. */
+static void quantize_row(const float *x, int64_t n, int8_t *codes, float *scale)
+{
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float s = top / 127.0f, divisor = s > 0.0f ? s : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float q = rintf(x[i] / divisor);
+        codes[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+    }
+    *scale = s;
 }
 
 /* The float32 norm the decoder layer runs on its scratch rows. */
@@ -900,11 +956,24 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
         const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
         for (int64_t head = 0; head < L->kv_heads; head++) {
             const int64_t slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
-            copy_as(k + head * dim, F32, at(c->data, slot0, ct), ct, dim);
-            copy_as(v + head * dim, F32, at(c->data, slot0 + half_stride, ct), ct, dim);
+            if (ct == I8) {
+                float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
+                                store_offsets[r] * c->scale_slot_stride + head * c->scale_head_stride;
+                quantize_row(k + head * dim, dim, (int8_t *)c->data + slot0, scales);
+                quantize_row(v + head * dim, dim, (int8_t *)c->data + slot0 + half_stride,
+                             scales + c->scale_half_stride);
+            } else {
+                copy_as(k + head * dim, F32, at(c->data, slot0, ct), ct, dim);
+                copy_as(v + head * dim, F32, at(c->data, slot0 + half_stride, ct), ct, dim);
+            }
             for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
                 memset(at(c->data, page + s * slot_stride + head * head_stride, ct), 0, row_bytes);
                 memset(at(c->data, page + half_stride + s * slot_stride + head * head_stride, ct), 0, row_bytes);
+                if (ct == I8) {
+                    float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
+                                    s * c->scale_slot_stride + head * c->scale_head_stride;
+                    scales[0] = scales[c->scale_half_stride] = 0.0f;
+                }
             }
         }
     }
@@ -964,7 +1033,7 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, flo
 int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, void *x, const void *cos,
                  const void *sin, float *sums, int part, int threads)
 {
-    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL)
+    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL || (c->dtype == I8 && c->scales == NULL))
         return -1;
     const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim;
     const int64_t q_width = L->q_heads * dim, qkv_width = q_width + 2 * L->kv_heads * dim;

@@ -5,7 +5,8 @@ layers update gathered states (recurrent.py). Runs everywhere."""
 
 from __future__ import annotations
 
-from ..base import AttentionOps, Backend
+from ....core.dtypes import KV_CACHE_DTYPES
+from ..base import AttentionOps, Backend, Capabilities
 from . import attention
 from .recurrent import ReferenceRecurrent
 
@@ -25,6 +26,8 @@ class ReferenceAttention(AttentionOps):
 
 class ReferenceBackend(Backend):
     name = "torch"
+    # Every page dtype: quantized pages are widened where gathered (kv_quant.py).
+    capabilities = Capabilities(dtypes=frozenset(KV_CACHE_DTYPES))
 
     def __init__(self):
         super().__init__(ReferenceAttention(), ReferenceRecurrent())

