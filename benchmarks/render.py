@@ -241,6 +241,11 @@ TABLES: dict[str, Table] = {
     "kv-dtypes-capacity": Table("kv_dtypes.json", kv_capacity_rows, {
         "model": key("model"), "pages": key("pages"),
         **{f"{c:,} tokens": kv_capacity_cell(c) for c in (1024, 4096, 32768)}}),
+    "kv-dtypes-speed": Table("kv_dtypes_speed.json", lambda t: t["speed"]["rows"], {
+        "batch": key("batch"), "context": key("context", num),
+        "float32 pages": lambda r: f"{num(r['auto']['step_ms'], 1)} ms ({num(r['auto']['tokens_per_s'])} tok/s)",
+        "int8 pages": lambda r: f"{num(r['int8']['step_ms'], 1)} ms ({num(r['int8']['tokens_per_s'])} tok/s)",
+        "int8 / float32": key("speedup", times)}),
     "kv-dtypes-accuracy": Table("kv_dtypes.json", lambda t: t["accuracy"]["rows"], {
         "pages": key("config"), "dtypes": lambda r: ", ".join(r["pages"]), "positions": key("positions", num),
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
