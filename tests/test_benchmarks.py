@@ -115,10 +115,10 @@ def test_kv_dtypes_quick(tmp_path):
     for row in data["capacity"]["rows"]:
         for cell in row["int8"].values():
             assert 1.0 < cell["ratio"] and cell["ratio"] == pytest.approx(cell["exact"], rel=0.05)
-    if "accuracy" in data:  # the real model is installed
-        rows = {r["config"]: r for r in data["accuracy"]["rows"]}
-        assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["pages"] == ["int8"]
-        assert rows["int8"]["top1_agreement"] > 0.9
+    rows = {r["config"]: r for r in data["accuracy"]["rows"]}  # the tiny random model's, in --quick
+    assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["pages"] == ["int8"]
+    assert rows["int8"]["positions"] == 2 * 79 and abs(rows["int8"]["perplexity_change"]) < 0.05
+    assert [r["batch"] for r in data["speed"]["rows"]] == [2] and data["speed"]["rows"][0]["int8"]["step_ms"] > 0
 
 
 def test_prefill_tiles_quick(tmp_path):

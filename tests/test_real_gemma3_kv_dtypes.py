@@ -1,5 +1,5 @@
 """Narrow KV pages on the real weights: the engine in float32 on the real
-Gemma-3 270M, teacher-forced over ~1,800 positions of varied text (prose
+Gemma-3 270M, teacher-forced over ~1,200 positions of varied text (prose
 past the 512-token window, the Python reference manual), with int8 and
 fp8_e4m3 pages on every attention layer, against the same engine with
 float32 pages: the text's perplexity moves by under 1% with int8, under 3%
@@ -19,7 +19,7 @@ import pytest
 from hybridkv import Engine, SamplingParams
 from real_model import real_gguf_path
 
-TOKENS = 1000  # of each text
+TOKENS = 600  # of each text
 LIMITS = {"int8": (0.94, 0.01), "fp8_e4m3": (0.94, 0.03)}  # top-1 agreement at least, perplexity change under
 
 
@@ -54,6 +54,6 @@ def test_narrow_pages_keep_the_float_pages_argmax_and_perplexity(runs, pages):
     change = ppl / base_ppl - 1.0
     print(f"{pages}: {len(top)} positions, top-1 {100 * agreement:.2f}%, perplexity {ppl:.3f} "
           f"({100 * change:+.2f}%)")
-    assert len(top) >= 1700
+    assert len(top) >= 1100
     minimum, most = LIMITS[pages]
     assert agreement >= minimum and abs(change) < most

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ...core.block_cache import BlockCache
 from ...core.coordinator import fixed_point
-from ...core.dtypes import dtype_name
+from ...core.dtypes import QUANTIZED_KV_MAX, dtype_name
 from ...core.layout import KVCacheGroup, KVCacheLayout
 from ...core.managers import make_manager
 from ...core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
@@ -54,6 +54,12 @@ def hybridkv_spec(spec):
     dtype = dtype_name(spec.dtype)
     if dtype is None:
         raise ValueError(f"hybridkv's vLLM connector does not know the KV dtype {spec.dtype}")
+    if dtype in QUANTIZED_KV_MAX:
+        # hybridkv's own narrow pages hold a scale per token and head beside
+        # their codes; vLLM's fp8 pages hold codes alone (scales per tensor):
+        # the page sizes differ, so their bytes cannot be moved as hybridkv's.
+        raise ValueError(f"hybridkv's vLLM connector does not serve vLLM's {dtype} KV pages yet "
+                         f"(kv_cache_dtype={spec.dtype}): run vLLM with kv_cache_dtype='auto' beside it")
     if kind is VllmSlidingWindow:
         # Blocks kept below the window (extra_retained_tokens) are allocated
         # for a hit too: a wider window reads the same blocks.
