@@ -16,7 +16,7 @@ from hybridkv.core.specs import kv_cache_dtypes, with_kv_cache_dtype
 from hybridkv.layers import kv_quant
 from hybridkv.layers.backends import choose
 from hybridkv.layers.kv_buffers import KVBuffers
-from hybridkv.layers.kv_quant import QuantizedCache, dequantize, quantize
+from hybridkv.layers.kv_quant import QuantizedCache, dequantize, quantize, rotation
 from hybridkv.tiny_models import tiny_model_dir
 from test_backend_conformance import MIXED, SPECS, AttentionCase
 
@@ -114,13 +114,25 @@ def test_attention_kinds_of_different_dtypes_get_the_page_of_least_rounding():
 
 # -- attention over quantized pages ------------------------------------------------------
 
+def stand_for(x: torch.Tensor, codes_dtype: torch.dtype) -> torch.Tensor:
+    """The values x is stored as in pages of `codes_dtype`: int8 rows
+    rotated, quantized, widened and rotated back; float8 rows quantized
+    and widened."""
+    h = rotation(codes_dtype, x.shape[-1], x.device)
+    if h is None:
+        return dequantize(*quantize(x, codes_dtype), torch.float32)
+    return dequantize(*quantize(x.float() @ h, codes_dtype), torch.float32) @ h
+
+
 def quantized_case(case: AttentionCase, codes_dtype: torch.dtype):
     """The case's cache as a quantized layer's pages, and the float cache
     of the values those pages stand for (unseen slots finite garbage)."""
     gen = torch.Generator().manual_seed(7)
     cache = torch.where(case.cache.isnan(), torch.randn(case.cache.shape, generator=gen) * 1e3, case.cache)
-    codes, scales = quantize(cache, codes_dtype)
-    return QuantizedCache(codes, scales), dequantize(codes, scales, torch.float32)
+    h = rotation(codes_dtype, cache.shape[-1], cache.device)
+    codes, scales = quantize(cache if h is None else cache @ h, codes_dtype)
+    values = dequantize(codes, scales, torch.float32)
+    return QuantizedCache(codes, scales), values if h is None else values @ h
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu"])
@@ -142,12 +154,13 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(name,
     assert len(calls) == (name == "cpu" and codes == "int8")
     # The same step over the values: the cached ones as the pages hold
     # them, the new K/V as the store quantized them.
+    new_k = case.k
     case.cache = values
-    case.k = dequantize(*quantize(case.k, CODES[codes]), torch.float32)
-    case.v = dequantize(*quantize(case.v, CODES[codes]), torch.float32)
+    case.k, case.v = stand_for(case.k, CODES[codes]), stand_for(case.v, CODES[codes])
     torch.testing.assert_close(got, case.dense(0.25, None), atol=3e-5, rtol=1e-4)
-    # and the store wrote codes and scales where the new tokens live
-    expected_codes, expected_scales = quantize(case.k, CODES[codes])
+    # and the store wrote codes and scales where the new tokens live (int8: of the rotated rows)
+    h = rotation(CODES[codes], new_k.shape[-1], "cpu")
+    expected_codes, expected_scales = quantize(new_k if h is None else new_k @ h, CODES[codes])
     rows = meta.reference.store_pages[0] if hasattr(meta, "reference") else meta.store_pages[0]
     offsets = meta.reference.store_offsets if hasattr(meta, "reference") else meta.store_offsets
     assert torch.equal(quantized.codes[rows, 0, offsets].float(), expected_codes.float())
@@ -168,8 +181,7 @@ def test_scales_stored_with_the_wrong_token_are_caught(monkeypatch):
     b.attention.store(quantized, case.k, case.v, meta, 0)
     got = b.attention.attend(case.q, quantized, meta, 0, 0.25, None)
     case.cache = values
-    case.k = dequantize(*real(case.k, torch.int8), torch.float32)
-    case.v = dequantize(*real(case.v, torch.int8), torch.float32)
+    case.k, case.v = stand_for(case.k, torch.int8), stand_for(case.v, torch.int8)
     assert not torch.allclose(got, case.dense(0.25, None), atol=3e-5, rtol=1e-4)
 
 
@@ -210,6 +222,21 @@ def test_an_engine_on_quantized_pages_says_so_and_serves_hits(kv_cache_dtype):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     routes = engine.stats["backend"]["routes"]
     assert ("cpu:decoder-layers" in routes) == ("float8_e4m3fn" not in narrow)
+
+
+def test_int8_rows_are_stored_rotated_and_read_back_unchanged():
+    # The rotation is orthonormal and its own inverse: attention over
+    # rotated rows with rotated queries, rotated back, is attention over
+    # the rows; and it spreads an outlier, so the other elements keep more
+    # of their precision (the reason it is there).
+    h = rotation(torch.int8, 64, "cpu")
+    assert rotation(torch.float8_e4m3fn, 64, "cpu") is None and rotation(torch.int8, 80, "cpu") is None
+    torch.testing.assert_close(h @ h, torch.eye(64), atol=1e-6, rtol=0)
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(2))
+    x[:, 5] *= 40.0  # one channel of outliers, as keys often have
+    plain = (dequantize(*quantize(x, torch.int8), torch.float32) - x).norm()
+    turned = (stand_for(x, torch.int8) - x).norm()
+    assert turned < plain / 3
 
 
 def test_the_page_dtype_is_part_of_the_cache_identity():

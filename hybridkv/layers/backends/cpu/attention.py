@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ...kv_quant import QuantizedCache
+from ...kv_quant import QuantizedCache, rotated
 from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
@@ -96,6 +96,9 @@ class CpuAttention(AttentionOps):
     def attend(self, q, cache, meta, column, scale, softcap=None, sinks=None):
         if not isinstance(meta, CpuMetadata):
             return torch_attention.attend(q, cache, meta, column, scale, softcap, sinks)
+        if isinstance(cache, QuantizedCache) and cache.rotation is not None:  # rotated int8 rows (kv_quant.py)
+            h = cache.rotation
+            return rotated(self.attend(rotated(q, h), cache.unrotated(), meta, column, scale, softcap, sinks), h)
         out = torch.empty_like(q)
         if meta.decodes is not None and not self.supports(q, cache):
             for group in meta.reference_decodes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...kv_quant import QuantizedCache, dequantize, quantize
+from ...kv_quant import QuantizedCache, dequantize, quantize, rotation
 from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
 from .modules import gated_activation, norm_rotary
 
@@ -187,7 +187,7 @@ def check_decode_layer(lib) -> None:
     dot product) each product's input. The second rounding sees a
     float32 difference in the first's input, so the output is within two
     bfloat16 steps of the rule's. And in float32 over int8 pages: the K/V
-    stored as their codes and scales (kv_quant.py), attention over the
+    rotated, stored as codes and scales (kv_quant.py), attention over the
     values the pages stand for; a code may round the other way where the
     kernel's float32 K differs from torch's in its last bit, so the
     output is compared to 1e-3."""
@@ -218,8 +218,10 @@ def check_decode_layer(lib) -> None:
             w[name] = rand(size) if every_norm else None
         cache, pages = _scattered_pool(gen, 32, bs, kv_heads, dim, positions, firsts)
         cache = rounded(cache)
-        if int8:  # the values int8 pages can hold
-            cache = dequantize(*quantize(cache, torch.int8), torch.float32)
+        if int8:  # pages of int8 codes of rotated rows (kv_quant.py), and the values they stand for
+            hadamard = rotation(torch.int8, dim, "cpu")
+            pool_codes = quantize(cache @ hadamard, torch.int8)
+            cache = dequantize(*pool_codes, torch.float32) @ hadamard
         store_pages = pages[torch.arange(R), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
         store_offsets = torch.tensor(positions) % bs
         x = rand(R, hidden, scale=1.0)
@@ -233,7 +235,8 @@ def check_decode_layer(lib) -> None:
         if every_norm:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        stored = (lambda t: dequantize(*quantize(t, torch.int8), torch.float32)) if int8 else rounded
+        stored = (lambda t: dequantize(*quantize(t @ hadamard, torch.int8), torch.float32) @ hadamard) if int8 \
+            else rounded
         for r in range(R):
             expected_cache[store_pages[r], 0, store_offsets[r]] = stored(k[r])
             expected_cache[store_pages[r], 1, store_offsets[r]] = stored(v[r])
@@ -257,7 +260,7 @@ def check_decode_layer(lib) -> None:
                                           store_offsets=store_offsets.data_ptr())
         pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)
         if int8:
-            pool = QuantizedCache(*quantize(cache, torch.int8))
+            pool = QuantizedCache(*pool_codes)
         # The whole layer in one call, then in its three parts (a tensor-parallel
         # rank's, here with nothing to add between them: one rank's sums are whole).
         for parts in ((0,), (1, 2, 3)):
@@ -273,10 +276,10 @@ def check_decode_layer(lib) -> None:
             if int8:
                 if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
                     raise AssertionError(f"{what} differs by {(got - expected).abs().max().item():.3g}")
-                values = dequantize(pool.codes, pool.scales, torch.float32)
-                for page, slot in written:  # within one code of torch's
-                    step = pool.scales[page, :, slot, :, None] * 1.01
-                    if ((values[page, :, slot] - expected_cache[page, :, slot]).abs() > step).any():
+                values = dequantize(pool.codes, pool.scales, torch.float32) @ hadamard
+                for page, slot in written:  # within one code of torch's in each element, rotated back
+                    step = pool.scales[page, :, slot] * dim ** 0.5 * 1.01
+                    if ((values[page, :, slot] - expected_cache[page, :, slot]).norm(dim=-1) > step).any():
                         raise AssertionError("decode_layer's int8 K/V store differs from kv_quant's")
                 continue
             if dtype == torch.float32:

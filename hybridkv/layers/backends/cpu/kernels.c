@@ -516,6 +516,25 @@ INLINE void norm_row_as(const void *row, int rt, const void *weight, int wt, flo
     }
 }
 
+/* x (n floats, n a power of two) times the orthonormal Hadamard matrix of
+ * order n, Sylvester's (kv_quant.py `rotation`): the fast transform's
+ * butterflies, then 1/sqrt(n). int8 pages hold K and V rows so rotated. */
+static void rotate_hadamard(float *x, int64_t n)
+{
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b, x[j + h] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= norm;
+}
+
+/* Whether pages of type t with rows of n elements hold them rotated. */
+static inline int rotated_rows(int t, int64_t n) { return t == I8 && n > 0 && (n & (n - 1)) == 0; }
+
 /* A row of n floats as int8 codes and their scale, as kv_quant.py's
  * quantize writes them: scale = max |x| / 127, code = x / scale rounded to
  * the nearest (ties to even: rintf in the default rounding mode, as
@@ -957,6 +976,12 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
                 rotate_row_as(row, F32, cr, sr, BF16, dim);
         }
     }
+    if (rotated_rows(ct, dim)) { /* queries, keys and values alike: the products stay as they were */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t head = 0; head < heads + L->kv_heads; head++)
+                rotate_hadamard(qkv + r * qkv_width + head * dim, dim);
+    }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t page = store_pages[r] * page_stride;
@@ -995,6 +1020,12 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
                 *failed = 1;
             }
         }
+    }
+    if (rotated_rows(ct, dim)) { /* the output back from the rotated values */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t head = 0; head < L->q_heads; head++)
+                rotate_hadamard(attn + r * q_width + head * dim, dim);
     }
     layer_products(attn, rows, q_width, L->o, t, L->o_bias, H, sums, xb);
 }

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...kv_quant import QuantizedCache, dequantize, quantize
+from ...kv_quant import QuantizedCache, dequantize, quantize, rotated, rotation
 from ...linear import product_nt
 from ...step import AttentionStep
 
@@ -196,6 +196,9 @@ def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
     (Clamped entries past the block's end hit its last slot, which is either
     a tail slot or this step's own last token, stored right after.)"""
     if isinstance(cache, QuantizedCache):  # codes and scales, each stored as the pages hold them
+        h = rotation(cache.dtype, k.shape[-1], k.device)
+        if h is not None:  # int8 rows are stored rotated (kv_quant.py)
+            k, v = k.float() @ h, v.float() @ h
         (k, k_scales), (v, v_scales) = quantize(k, cache.dtype), quantize(v, cache.dtype)
         store(cache.scales.unsqueeze(-1), k_scales.unsqueeze(-1), v_scales.unsqueeze(-1), meta, column)
         cache = cache.codes
@@ -307,7 +310,12 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column
     """q: [tokens, q_heads, head_dim] -> [tokens, q_heads, head_dim]. The new
     K/V must already be stored. Prefill tiles run as two products on the CPU
     (`_attend_products`), through SDPA elsewhere (flash attention on CUDA;
-    the explicit products where a soft-cap or sinks change the softmax)."""
+    the explicit products where a soft-cap or sinks change the softmax).
+    Over rotated pages (kv_quant.py) the queries are rotated alike and the
+    output rotated back."""
+    if isinstance(cache, QuantizedCache) and cache.rotation is not None:
+        h = cache.rotation
+        return rotated(attend(rotated(q, h), cache.unrotated(), meta, column, scale, softcap, sinks), h)
     out = torch.empty_like(q)
     for group in meta.decodes:
         keys, values = gather(cache, group.pages[column])  # [R, L, H, D]
