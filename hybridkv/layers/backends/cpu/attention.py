@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ...kv_quant import QuantizedCache, rotated
+from ...kv_quant import QuantizedCache, rotated, rotation
 from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
@@ -97,8 +97,21 @@ class CpuAttention(AttentionOps):
         if not isinstance(meta, CpuMetadata):
             return torch_attention.attend(q, cache, meta, column, scale, softcap, sinks)
         if isinstance(cache, QuantizedCache) and cache.rotation is not None:  # rotated int8 rows (kv_quant.py)
-            h = cache.rotation
-            return rotated(self.attend(rotated(q, h), cache.unrotated(), meta, column, scale, softcap, sinks), h)
+            if not self.supports(q, cache):
+                return torch_attention.attend(q, cache, meta, column, scale, softcap, sinks)
+            # Decodes: the kernel rotates each query and output itself (a
+            # fast transform per row); prefill chunks: the reference's, over
+            # rotated queries, their output rotated back.
+            h, ref = cache.rotation, meta.reference
+            out = torch.empty_like(q)
+            if ref.prefills:
+                torch_attention.attend_prefills(rotated(q, h), cache, ref.spec, ref.prefills, column, scale, softcap,
+                                                out, sinks)
+                out = rotated(out, h)
+            if meta.decodes is not None:
+                out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column,
+                                                             scale, softcap, sinks)
+            return out
         out = torch.empty_like(q)
         if meta.decodes is not None and not self.supports(q, cache):
             for group in meta.reference_decodes:
@@ -145,9 +158,11 @@ class CpuAttention(AttentionOps):
 def paged_cache(lib, cache):
     """kernels.c's `paged_cache` for a layer's view of the pool: float32 or
     bfloat16 (`STORAGE`), or int8 codes and their scales (`CODES`)."""
-    if isinstance(cache, QuantizedCache):
+    if isinstance(cache, QuantizedCache):  # rows rotated where kv_quant says: the kernels rotate the queries
         codes, scales = cache.codes, cache.scales
+        turned = rotation(codes.dtype, codes.shape[-1], codes.device) is not None
         return lib.structs["paged_cache"](codes.data_ptr(), *codes.stride()[:4], codes.shape[2], codes.shape[3],
-                                          codes.shape[4], CODES[codes.dtype], scales.data_ptr(), *scales.stride())
+                                          codes.shape[4], CODES[codes.dtype], scales.data_ptr(), *scales.stride(),
+                                          int(turned))
     return lib.structs["paged_cache"](cache.data_ptr(), *cache.stride()[:4], cache.shape[2], cache.shape[3],
                                       cache.shape[4], STORAGE[cache.dtype])

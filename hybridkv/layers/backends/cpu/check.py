@@ -123,11 +123,22 @@ def check_decode_attention(lib) -> None:
         got = CpuAttention(lib).attend_decodes(q16, cache16, dec, 0, 0.3, softcap, sink)
         _bf16_near(got, _attention(q16.float(), cache16.float(), pages, positions, firsts, 0.3, softcap, sink),
                    what + ", bfloat16)")
-        # int8 pages: codes and a scale per token and head, against the values they stand for
-        codes, scales = quantize(cache * torch.linspace(0.1, 10.0, cache.shape[2])[:, None, None], torch.int8)
-        got = CpuAttention(lib).attend_decodes(q, QuantizedCache(codes, scales), dec, 0, 0.3, softcap, sink)
-        _close(got, _attention(q, dequantize(codes, scales, torch.float32), pages, positions, firsts, 0.3, softcap,
-                               sink), what + ", int8 pages)")
+        # int8 pages: codes and a scale per token and head, against the values they stand for; rows of
+        # 80 are stored as they are, rows of 64 (a power of two) rotated, the kernel rotating the queries
+        # and the output alike (kv_quant.py)
+        for width in (80, 64):
+            hadamard = rotation(torch.int8, width, "cpu")
+            turn = torch.eye(width) if hadamard is None else hadamard
+            scaled = cache[..., :width] * torch.linspace(0.1, 10.0, cache.shape[2])[:, None, None]
+            codes, scales = quantize(scaled @ turn, torch.int8)
+            got = CpuAttention(lib).attend_decodes(q[..., :width].contiguous(), QuantizedCache(codes, scales), dec,
+                                                   0, 0.3, softcap, sink)
+            expected = _attention(q[..., :width], dequantize(codes, scales, torch.float32) @ turn, pages, positions,
+                                  firsts, 0.3, softcap, sink)
+            # a rotation's sums round in another order than the product's: float32 rounding of the largest values
+            if (got - expected).abs().max() > 1e-5 + 2e-5 * expected.abs().max():
+                raise AssertionError(f"{what}, int8 pages of {width}-wide rows) differs by "
+                                     f"{(got - expected).abs().max().item():.3g}")
 
 
 def check_norm_rotary(lib) -> None:

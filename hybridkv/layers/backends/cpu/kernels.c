@@ -391,6 +391,7 @@ typedef struct {
     int64_t block_size, kv_heads, head_dim, dtype;
     const float *scales;
     int64_t scale_page_stride, scale_half_stride, scale_slot_stride, scale_head_stride;
+    int64_t rotated; /* I8: the rows are stored rotated (rotate_hadamard): queries and output are rotated here */
 } paged_cache;
 
 /* A step's decode rows: each reads key positions first[r] .. last[r]
@@ -404,6 +405,8 @@ typedef struct {
     const int64_t *store_pages, *store_offsets;
 } decode_rows;
 
+static void rotate_hadamard(float *x, int64_t n);
+
 /* Row r of a decode batch, the query heads g0 .. g0 + count - 1 of KV
  * head h (count <= 4): q and out are the row's [q_heads, head_dim], of
  * storage type `dtype`; see decode_attention for the rest. Returns 0, or
@@ -414,8 +417,11 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
 {
     const int64_t lo = d->first[r], hi = d->last[r], n = hi - lo + 1, dim = c->head_dim;
     const int64_t block_size = c->block_size;
-    /* The scores, then (bfloat16 q and out) four heads of each in float32. */
-    float *scores = malloc(sizeof(float) * (size_t)(4 * n + (dtype == F32 ? 0 : 8 * dim)));
+    /* Rotated int8 rows (`paged_cache`): the queries rotated alike, the output back. */
+    const int rotate = c->dtype == I8 && c->rotated;
+    /* The scores, then (bfloat16 or rotated q and out) four heads of each in float32. */
+    const int copies = dtype != F32 || rotate;
+    float *scores = malloc(sizeof(float) * (size_t)(4 * n + (copies ? 8 * dim : 0)));
     if (scores == NULL)
         return -1;
     float *wide = scores + 4 * n;
@@ -425,7 +431,12 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     int64_t heads[4];
     for (int g = 0; g < 4; g++) { /* missing heads repeat the last: computed, not written */
         heads[g] = h * groups + g0 + (g < count ? g : count - 1);
-        if (dtype == F32) {
+        if (rotate) {
+            copy_as(at(q, heads[g] * dim, dtype), dtype, wide + g * dim, F32, dim);
+            rotate_hadamard(wide + g * dim, dim);
+            qs[g] = wide + g * dim;
+            os[g] = wide + (4 + g) * dim;
+        } else if (dtype == F32) {
             qs[g] = (const float *)q + heads[g] * dim;
             os[g] = (float *)out + heads[g] * dim;
         } else {
@@ -448,7 +459,9 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     else
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
                      c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16, sc, ss);
-    if (dtype != F32)
+    for (int g = 0; rotate && g < count; g++)
+        rotate_hadamard(os[g], dim);
+    if (copies)
         for (int g = 0; g < count; g++)
             copy_as(os[g], F32, at(out, heads[g] * dim, dtype), dtype, dim);
     free(scores);
@@ -463,8 +476,9 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
 int decode_attention(const paged_cache *cache, const decode_rows *rows, const void *q, int64_t q_heads,
                      float scale, float softcap, const float *sinks, void *out, int dtype, int threads)
 {
-    if (dtype == I8 || (cache->dtype == I8 && cache->scales == NULL))
-        return -2; /* int8 queries, or codes without their scales */
+    if (dtype == I8 || (cache->dtype == I8 && cache->scales == NULL) ||
+        (cache->rotated && (cache->head_dim & (cache->head_dim - 1))))
+        return -2; /* int8 queries, codes without their scales, or rotated rows of no power-of-two width */
     const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
@@ -531,9 +545,6 @@ static void rotate_hadamard(float *x, int64_t n)
     for (int64_t i = 0; i < n; i++)
         x[i] *= norm;
 }
-
-/* Whether pages of type t with rows of n elements hold them rotated. */
-static inline int rotated_rows(int t, int64_t n) { return t == I8 && n > 0 && (n & (n - 1)) == 0; }
 
 /* A row of n floats as int8 codes and their scale, as kv_quant.py's
  * quantize writes them: scale = max |x| / 127, code = x / scale rounded to
@@ -976,11 +987,11 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
                 rotate_row_as(row, F32, cr, sr, BF16, dim);
         }
     }
-    if (rotated_rows(ct, dim)) { /* queries, keys and values alike: the products stay as they were */
+    if (ct == I8 && c->rotated) { /* keys and values stored rotated; attend_row rotates the queries and output */
 #pragma omp for schedule(static) collapse(2)
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t head = 0; head < heads + L->kv_heads; head++)
-                rotate_hadamard(qkv + r * qkv_width + head * dim, dim);
+            for (int64_t head = 0; head < 2 * L->kv_heads; head++)
+                rotate_hadamard(qkv + r * qkv_width + q_width + head * dim, dim);
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -1020,12 +1031,6 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
                 *failed = 1;
             }
         }
-    }
-    if (rotated_rows(ct, dim)) { /* the output back from the rotated values */
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t head = 0; head < L->q_heads; head++)
-                rotate_hadamard(attn + r * q_width + head * dim, dim);
     }
     layer_products(attn, rows, q_width, L->o, t, L->o_bias, H, sums, xb);
 }
@@ -1071,7 +1076,8 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, flo
 int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, void *x, const void *cos,
                  const void *sin, float *sums, int part, int threads)
 {
-    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL || (c->dtype == I8 && c->scales == NULL))
+    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL || (c->dtype == I8 && c->scales == NULL) ||
+        (c->rotated && (c->head_dim & (c->head_dim - 1))))
         return -1;
     const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim;
     const int64_t q_width = L->q_heads * dim, qkv_width = q_width + 2 * L->kv_heads * dim;
