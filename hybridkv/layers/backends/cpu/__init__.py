@@ -59,7 +59,7 @@ def kernels():
 
 class CpuBackend(Backend):
     name = "cpu"
-    # Quantized pages: stores and reads are the reference's (said at prepare).
+    # Quantized pages: int8 ones in its C kernels, float8 ones the reference's (said at prepare).
     capabilities = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(KV_CACHE_DTYPES), capturable=False)
 
     def __init__(self):

@@ -140,7 +140,8 @@ class CpuAttention(AttentionOps):
                                            softcap or 0.0, None if sinks is None else sinks.data_ptr(),
                                            out.data_ptr(), STORAGE[q.dtype], torch.get_num_threads())
         if status == -2:
-            raise ValueError("hybridkv's CPU decode attention: int8 pages given without their scales")
+            raise ValueError("hybridkv's CPU decode attention: int8 queries, int8 pages without their scales, or "
+                             "rotated rows whose width is no power of two")
         if status != 0:
             raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
         return out
