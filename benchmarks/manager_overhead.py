@@ -160,7 +160,8 @@ def scaling(specs, quick: bool) -> list[dict]:
     per_page = probe.page_size_bytes
     for pages in pools:
         for context in contexts:
-            need = 8 * probe.pages_per_request(context + 256, 512)
+            # The prompt, the untimed first token and 256 timed ones.
+            need = 8 * probe.pages_per_request(context + 257, 512)
             if need > pages:
                 continue
             kv = KVCacheManager(plan_layout(specs, per_page * pages), enable_prefix_caching=True)
@@ -178,14 +179,14 @@ def scaling(specs, quick: bool) -> list[dict]:
                 # once (a copy of the whole list, once per request's life),
                 # which would otherwise dominate a 128K cell's 2,048 steps.
                 kv.append_token_ids(rid, [1])
-                kv.allocate_slots(rid, 1)
+                assert kv.allocate_slots(rid, 1)
                 kv.mark_computed(rid, 1)
             t0 = time.perf_counter()
             steps = 0
             for step in range(256):
                 for rid in rids:
                     kv.append_token_ids(rid, [step + 1])
-                    kv.allocate_slots(rid, 1)
+                    assert kv.allocate_slots(rid, 1)
                     kv.mark_computed(rid, 1)
                     steps += 1
             rows.append({"pool_pages": pages, "context": context,
