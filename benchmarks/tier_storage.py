@@ -28,7 +28,7 @@ from benchmarks import harness
 
 
 def run_files(root: str, blocks: list[tuple[bytes, "torch.Tensor"]], page_size: int, order: list[int]) -> dict:
-    from hybridkv.engine.kv_tiers import DiskTier
+    from hybridkv.tiers import DiskTier
 
     identity = bytes(32)
     tier = DiskTier(root, identity, page_size, 1 << 40)

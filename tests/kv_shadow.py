@@ -70,6 +70,8 @@ class ShadowRunner:
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
+        self.tier = None  # a ShadowTier below the pool, whose copies run before each forward pass
+        self.recomputed = 0  # requests sent back to compute again (a tier load failed)
         self.content: dict[int, tuple] = {}
         self.checks = 0
         self.copies = 0
@@ -82,11 +84,28 @@ class ShadowRunner:
                 self.content[dst] = self.content.get(src)
                 self.copies += 1
 
-    def compute(self, request_id: str, num_tokens: int) -> None:
-        """The forward pass over the next num_tokens (slots already allocated)."""
-        self._write(request_id, num_tokens, [])
+    def sync_tier(self) -> set[str]:
+        """The tier copies the manager decided, as a worker makes them before
+        a forward pass; the requests whose load failed start over (freed,
+        added again with their tokens). Returns their ids."""
+        if self.tier is None:
+            return set()
+        again = set(self.tier.copy())
+        for rid in again:
+            tokens = list(self.kv._requests[rid].tokens)
+            self.kv.free(rid)
+            self.kv.add_request(rid, tokens)
+            self.recomputed += 1
+        return again
+
+    def compute(self, request_id: str, num_tokens: int) -> bool:
+        """The forward pass over the next num_tokens (slots already allocated).
+        False if a tier load it needed failed (it starts over instead)."""
+        if not self._write(request_id, num_tokens, []):
+            return False
         self.kv.mark_computed(request_id, num_tokens)
         self._learn_keys(request_id)
+        return True
 
     def speculate(self, request_id: str, drafts: list[int], accepted: int, bonus: int) -> None:
         """A speculative step after allocate_slots(id, new, len(drafts)): the
@@ -97,14 +116,17 @@ class ShadowRunner:
         kv = self.kv
         req = kv._requests[request_id]
         new = len(req.tokens) - req.num_computed
-        self._write(request_id, new, drafts, accepted)
+        if not self._write(request_id, new, drafts, accepted):
+            return
         kv.append_token_ids(request_id, drafts[:accepted])
         kv.mark_computed(request_id, new + accepted)
         kv.append_token_ids(request_id, [bonus])
         self._learn_keys(request_id)
 
-    def _write(self, request_id: str, num_tokens: int, drafts: list[int], accepted: int = 0) -> None:
+    def _write(self, request_id: str, num_tokens: int, drafts: list[int], accepted: int = 0) -> bool:
         kv = self.kv
+        if request_id in self.sync_tier():
+            return False
         self.apply_copies()
         self.check_request(request_id)
         req = kv._requests[request_id]
@@ -134,6 +156,7 @@ class ShadowRunner:
                         # The slots written hold these tokens; a page record is
                         # the prefix its slots were computed from, drafts included.
                         self.content[p] = tuple(tokens[:min((j + 1) * bs, end)])
+        return True
 
     def _learn_keys(self, request_id: str) -> None:
         req = self.kv._requests[request_id]
@@ -213,64 +236,71 @@ class ShadowRunner:
             size = kv.next_chunk(request_id, chunk)
             if not kv.allocate_slots(request_id, size):
                 return False
-            self.compute(request_id, size)
+            self.compute(request_id, size)  # (a failed tier load: the loop starts it over)
 
     def decode(self, request_id: str, token: int) -> bool:
         kv = self.kv
         kv.append_token_ids(request_id, [token])
         if not kv.allocate_slots(request_id, 1):
             return False
-        self.compute(request_id, 1)
-        return True
+        return self.compute(request_id, 1)
 
 
 class ShadowTier:
-    """A tier below the pool for the shadow runner (core/tiers.py): it keeps
-    what the shadow says evicted pages held, at most `capacity` blocks (LRU),
-    and loses a block now and then (`loss`: the chance a fetch finds it gone,
-    as a corrupt file would be), so a hit must survive it."""
+    """Tiers below the pool for the shadow runner: the manager decides
+    through the index (core/tiers.py `TierIndex`), and this plays the worker
+    (`copy`): it keeps what the shadow says stored pages held, at most
+    `capacity` blocks (LRU), writes loads back, and loses a block now and
+    then (`loss`: the chance a load finds it gone, as a corrupt file would
+    be), so a failed load must end in a recompute, never a wrong read."""
 
     def __init__(self, shadow: ShadowRunner, num_groups: int, capacity: int, rng=None, loss: float = 0.0):
         from collections import OrderedDict
 
-        from hybridkv.core.tiers import TierRef
+        from hybridkv.core.tiers import TierIndex
 
         self.shadow, self.capacity, self.rng, self.loss = shadow, capacity, rng, loss
-        self.index = [{} for _ in range(num_groups)]
+        self.index = TierIndex(num_groups, "shadow")
         self.blocks: OrderedDict = OrderedDict()  # (group, key) -> page contents
-        self.ref = TierRef
-        self.changed = None
-        self.puts = self.loads = self.lost = 0
+        self.puts = self.loads = self.lost = self.failed = 0
+        shadow.tier = self
 
-    def _drop(self, group, key) -> None:
-        del self.blocks[(group, key)]
-        del self.index[group][key]
-        self.changed()
+    def copy(self) -> list[str]:
+        """Make the copies decided since the last call, in the plan's order;
+        report; returns the requests that read a block whose load failed."""
+        from hybridkv.core.tiers import TierReport
 
-    def put(self, group, key, pages) -> None:
-        self.puts += 1
-        self.blocks[(group, key)] = [self.shadow.content.get(p) for p in pages]
-        self.blocks.move_to_end((group, key))
-        self.index[group][key] = self.ref(group, key, "shadow")
-        while len(self.blocks) > self.capacity:
-            self._drop(*next(iter(self.blocks)))
-
-    def fetch(self, ref):
-        got = self.blocks.get((ref.group, ref.key))
-        if got is not None and self.rng is not None and self.rng.random() < self.loss:
-            self.lost += 1
-            self._drop(ref.group, ref.key)
-            return None
-        return got
-
-    def load(self, pages, content) -> None:
-        self.loads += 1
-        for page, value in zip(pages, content):
-            self.shadow.content[page] = value
-
-    def clear(self) -> None:
-        for group, key in list(self.blocks):
-            self._drop(group, key)
+        plan = self.index.take()
+        content = self.shadow.content
+        moves, failed = [], []
+        if plan.clear:
+            self.blocks.clear()
+        for store in plan.stores:
+            self.puts += 1
+            item = (store.group, store.key)
+            self.blocks[item] = [content.get(p) for p in store.pages]
+            self.blocks.move_to_end(item)
+            moves.append((*item, "shadow"))
+            while len(self.blocks) > self.capacity:
+                moves.append((*self.blocks.popitem(last=False)[0], None))
+        for i, load in enumerate(plan.loads):
+            item = (load.group, load.key)
+            got = self.blocks.get(item)
+            if got is not None and self.rng is not None and self.rng.random() < self.loss:
+                self.lost += 1
+                del self.blocks[item]
+                got = None
+            if got is None:
+                self.failed += 1
+                failed.append(i)
+                for page in load.pages:
+                    content[page] = None  # what a failed load leaves: nothing a read may accept
+                continue
+            self.loads += 1
+            for page, value in zip(load.pages, got):
+                content[page] = value
+        lost = self.index.reported(plan, TierReport(failed, moves))
+        return self.shadow.kv.tier_loads_failed(lost) if lost else []
 
 
 def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1, max_live: int = 8,
@@ -288,7 +318,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     tier = None
     if tier_blocks is not None:
         tier = ShadowTier(shadow, len(kv.layout.groups), tier_blocks, rng, loss=0.1)
-        kv.attach_tier(tier)
+        kv.attach_tier(tier.index)
     counts = collections.Counter()
     systems = [[rng.randrange(100) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
     history: list[list[int]] = []
@@ -338,8 +368,8 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
                 if not started and done:
                     counts["hits"] += 1
                     counts["hit_tokens"] += done
-                shadow.compute(rid, size)
-                counts["computed"] += 1
+                if shadow.compute(rid, size):
+                    counts["computed"] += 1
             else:
                 counts["alloc_fail"] += 1
                 if rng.random() < 0.5:  # preempt by recompute: free and start over
@@ -371,6 +401,7 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
             counts["checks"] += 1
         if after_op is not None:
             after_op(op)
+    shadow.sync_tier()
     shadow.apply_copies()
     counts["copies"] = shadow.copies
     for rid in live:
@@ -381,5 +412,6 @@ def random_workload(kv: KVCacheManager, rng, num_ops: int, check_every: int = 1,
     counts["block_checks"] = shadow.checks
     counts["saved_inside"] = shadow.saved_inside
     if tier is not None:
-        counts.update(tier_puts=tier.puts, tier_loads=tier.loads, tier_lost=tier.lost)
+        counts.update(tier_puts=tier.puts, tier_loads=tier.loads, tier_lost=tier.lost,
+                      tier_failed=tier.failed, recomputed=shadow.recomputed)
     return counts

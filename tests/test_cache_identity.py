@@ -16,7 +16,7 @@ from hybridkv import Engine, SamplingParams
 from hybridkv.core.identity import file_digest, model_files, weights_fingerprint
 from hybridkv.core.layout import plan_layout
 from hybridkv.core.specs import FullAttentionSpec
-from hybridkv.engine.kv_tiers import kv_identity
+from hybridkv.tiers import kv_identity
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

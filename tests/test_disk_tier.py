@@ -1,4 +1,4 @@
-"""The disk tier's storage alone (engine/kv_tiers.py's DiskTier, no engine):
+"""The disk tier's storage alone (tiers/disk.py, no engine):
 a shared directory, a block larger than the budget, a full disk and other
 write errors. tests/test_faults.py drives the same faults through engines
 in several processes."""
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from disk_faults import BrokenDisk, SlowDisk, SmallDisk, dead_pid, used_bytes
-from hybridkv.engine.kv_tiers import DiskTier, _machine_id
+from hybridkv.tiers.disk import DiskTier, _machine_id
 
 PAGE = 4096
 IDENTITY = bytes(range(32))

@@ -1,4 +1,4 @@
-"""The engine with tiers below its pool (engine/kv_tiers.py): host memory and
+"""The engine with tiers below its pool (tiers/ and core/tiers.py): host memory and
 disk, checked against transformers on tiny Gemma-3 (window 8) and tiny
 Jamba: outputs with hits served from the tiers equal transformers', the disk
 tier survives a restart, and a corrupt, truncated or foreign file or an
@@ -14,7 +14,7 @@ import pytest
 
 from disk_faults import dead_pid
 from hybridkv import Engine, SamplingParams
-from hybridkv.engine.kv_tiers import _machine_id
+from hybridkv.tiers.disk import _machine_id
 from oracle import check_tokens, load_reference, model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -172,3 +172,63 @@ def test_a_write_cut_short_by_a_killed_process_is_never_read(family_model, tmp_p
     out = second.generate([doc + [9, 9]], GREEDY, use_tqdm=False)[0]
     check_tokens(reference, doc + [9, 9], out.outputs[0].token_ids)
     assert out.metrics.num_cached_tokens >= 56
+
+
+def test_a_lookup_reads_no_file_and_a_load_that_fails_recomputes(family_model, tmp_path, monkeypatch):
+    # A restarted engine's index holds the first run's files by name. A
+    # lookup reads the index only: asked twice around the files' removal,
+    # it gives the same hit and opens nothing. The step's loads then fail:
+    # the request computes again, with transformers' tokens.
+    from hybridkv.tiers import DiskTier
+
+    family, path, reference = family_model
+    doc = served_and_stopped(path, tmp_path)
+    engine = small_engine(path, kv_disk_cache=str(tmp_path))
+    reads = []
+    read = DiskTier.read
+    monkeypatch.setattr(DiskTier, "read", lambda self, *item: reads.append(item) or read(self, *item))
+    prompt = doc + [3, 4]
+    request_id = engine.add_request(prompt, GREEDY)
+    seq_id = engine.requests[request_id].sequences[0].seq_id
+    hit = engine.kv.get_computed_tokens(seq_id)
+    for name in glob.glob(os.path.join(str(tmp_path), "*", "g*", "*.kv")):
+        os.unlink(name)
+    assert engine.kv.get_computed_tokens(seq_id) == hit >= 40 and reads == []
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    check_tokens(reference, prompt, outputs[0].outputs[0].token_ids)
+    assert reads and engine.stats["kv_tier_failed_loads"] > 0
+    assert outputs[0].metrics.num_cached_tokens < hit  # what was left of the hit: nothing on disk
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages
+
+
+def test_a_load_that_fails_in_a_batch_leaves_the_other_requests_alone(family_model, tmp_path):
+    # Two documents served and stopped; one's files are damaged. Both asked
+    # again in one batch: the damaged one recomputes, the other takes its
+    # hit from disk, and both give transformers' tokens.
+    family, path, reference = family_model
+    docs = documents(2, length=60)
+    first = small_engine(path, kv_disk_cache=str(tmp_path))
+    for doc in docs:
+        first.generate([doc], GREEDY, use_tqdm=False)
+    first.close()
+    second = small_engine(path, kv_disk_cache=str(tmp_path))
+    prompts = [doc + [3, 4] for doc in docs]
+    probe = second.add_request(prompts[0], GREEDY)  # asked only for its block keys, then dropped
+    seq_id = second.requests[probe].sequences[0].seq_id
+    second.kv.get_computed_tokens(seq_id)
+    keys = second.kv.block_keys(seq_id, 0, 60)
+    second.abort(probe)
+    files = {os.path.basename(n): n for n in glob.glob(os.path.join(str(tmp_path), "*", "g*", "*.kv"))}
+    damaged = [files[k.hex() + ".kv"] for k in keys if k.hex() + ".kv" in files]
+    assert damaged
+    for name in damaged:
+        with open(name, "r+b") as f:
+            f.truncate(os.path.getsize(name) // 2)
+    outs = second.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_tokens(reference, prompt, out.outputs[0].token_ids)
+    assert second.stats["kv_tier_failed_loads"] > 0
+    assert outs[1].metrics.num_cached_tokens >= 40  # the other document's hit stood
+    second.close()

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from disk_faults import SmallDisk  # noqa: E402
 from hybridkv import Engine, SamplingParams  # noqa: E402
-from hybridkv.engine.kv_tiers import DiskTier  # noqa: E402
+from hybridkv.tiers import DiskTier  # noqa: E402
 from hybridkv.server import build_app  # noqa: E402
 from hybridkv.serving.processes import end_processes, processes_below, running  # noqa: E402
 from hybridkv.tiny_models import tiny_model_dir  # noqa: E402

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hybridkv import FullAttentionSpec, MambaSpec, plan_layout
+from hybridkv.core.tiers import BlockLoad, BlockStore, TierPlan
 from hybridkv.engine import plan_wire
 from hybridkv.engine.step_plan import StepPlan
 
@@ -32,8 +33,8 @@ def plan(layout, verifying: bool, accepted):
                     verifying=np.array([False, True]) if verifying else None,
                     sampled=np.array([3, 4], dtype=np.int64), copies=[(4, 7), (5, 8)],
                     table_changes=changes, accepted=accepted,
-                    tier_log=[("put", 0, b"\x01" * 32, [4, 5]), ("fetch", 1, b"abc", "host", True),
-                              ("fetch", 0, b"k" * 9, "disk", False), ("load", 1, [6]), ("clear",)])
+                    tiers=TierPlan([BlockStore(0, b"\x01" * 32, (4, 5)), BlockStore(1, b"abc", (6,))],
+                                   [BlockLoad("", 0, b"k" * 9, (7, 8))], clear=True))
 
 
 @pytest.mark.parametrize("verifying, accepted", [(False, None), (True, {}), (True, {0: 2, 1: 0})])
@@ -47,7 +48,7 @@ def test_a_plan_travels_whole(layout, verifying, accepted):
     assert (got.verifying is None) == (sent.verifying is None)
     if verifying:
         assert got.verifying.tolist() == sent.verifying.tolist()
-    assert got.copies == sent.copies and got.accepted == sent.accepted and got.tier_log == sent.tier_log
+    assert got.copies == sent.copies and got.accepted == sent.accepted and got.tiers == sent.tiers
     assert len(got.table_changes) == 2
     for a, b in zip(got.table_changes, sent.table_changes):
         assert a[0] == b[0]
@@ -61,14 +62,11 @@ def test_a_plan_of_another_format_is_an_error(layout):
         plan_wire.decode(np.concatenate([data, [0]]), layout)
 
 
-def test_tier_calls_and_a_disk_read_travel_alone():
-    # A flush's calls (stores, then cached blocks written through) and the
-    # block of a disk read the ranks vote on.
-    calls = [("put", 1, b"\x02" * 32, [3]), ("write", 0, b"w" * 32, [7, 8]), ("write", 1, b"x", [9]), ("clear",)]
-    data = plan_wire.encode_tier_calls(calls)
-    assert data.dtype == np.int64 and plan_wire.decode_tier_calls(data) == calls
-    assert plan_wire.decode_tier_calls(plan_wire.encode_tier_calls([])) == []
-    block = plan_wire.encode_block(2, b"k" * 13)
-    assert plan_wire.decode_block(block) == (2, b"k" * 13)
+def test_tier_copies_travel_alone():
+    # A flush's stores (straight to disk), or a reset's clear, outside a step.
+    tiers = TierPlan([BlockStore(1, b"\x02" * 32, (3,)), BlockStore(0, b"w" * 32, (7, 8))], flush=True)
+    data = plan_wire.encode_tiers(tiers)
+    assert data.dtype == np.int64 and plan_wire.decode_tiers(data) == tiers
+    assert plan_wire.decode_tiers(plan_wire.encode_tiers(TierPlan(clear=True))) == TierPlan(clear=True)
     with pytest.raises(ValueError, match="ranks disagree"):
-        plan_wire.decode_block(np.concatenate([block, [0]]))
+        plan_wire.decode_tiers(np.concatenate([data, [0]]))

@@ -507,7 +507,7 @@ def test_metrics_break_hits_and_evictions_down_by_group(server, client):
     for i, kind in enumerate(kinds):
         labels = (("group", str(i)), ("kind", kind))
         assert ("hybridkv_prefix_cache_capped_tokens_total", labels) in m
-        for reason in ("lru", "probation", "superseded", "reset"):
+        for reason in ("lru", "probation", "superseded", "reset", "lost"):
             key = ("hybridkv_prefix_cache_evictions_total", tuple(sorted(labels + (("reason", reason),))))
             assert key in m
     stats = server.engine.kv.stats

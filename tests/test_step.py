@@ -224,7 +224,7 @@ def test_no_import_cycles_in_hybridkv():
 # (docs/architecture.md, "Floors"): each imports only what is on a floor below.
 FLOORS = [
     {"hybridkv.core", "hybridkv.demo_texts"},
-    {"hybridkv.files", "hybridkv.layers", "hybridkv.kv_events", "hybridkv.plot"},
+    {"hybridkv.files", "hybridkv.layers", "hybridkv.kv_events", "hybridkv.plot", "hybridkv.tiers"},
     {"hybridkv.modeling", "hybridkv.tiny_models"},
     {"hybridkv.engine"},
     {"hybridkv.server", "hybridkv.integrations", "hybridkv.demo"},

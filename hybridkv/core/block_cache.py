@@ -24,7 +24,8 @@ or promote one).
 Why keys leave the map is counted per group: `lru` (a free cached block
 taken for new content), `probation` (the same, for a checkpoint released on
 probation), `superseded` (dropped by its owner: an older rolling Mamba
-checkpoint) and `reset` (`reset`).
+checkpoint), `reset` (`reset`) and `lost` (a block whose load from a tier
+failed: it never held its content).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from operator import itemgetter
 
 from .page_allocator import NULL, PageAllocator
 
-EVICTION_REASONS = ("lru", "probation", "superseded", "reset")
+EVICTION_REASONS = ("lru", "probation", "superseded", "reset", "lost")
 # Keys that leave for these reasons go to the tier below, if there is one:
 # the block is being reused, its content is still worth something. A
 # superseded checkpoint is not (its owner has a newer one).

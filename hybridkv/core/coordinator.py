@@ -61,8 +61,8 @@ class Coordinator:
         self.tier_loads: dict[str, list[int]] = {}  # tier -> per group, blocks loaded into the pool
 
     def attach_tier(self, tier) -> None:
-        """Put `tier` below the pool: evicted blocks go to it, lookups and
-        hits read it (core/tiers.py)."""
+        """Put the tiers' index (core/tiers.py) below the pool: evicted
+        blocks are stored through it, lookups read it, hits load from it."""
         if not self.caching:
             raise ValueError("a tier below the pool needs prefix caching")
         if self.hasher.verifies:
@@ -143,23 +143,6 @@ class Coordinator:
             if first:
                 self.known_chains.remember(req.root, req.prompt_bytes, keys)
 
-    def fetch_from_tier(self, req: CacheRequest, hit: int) -> dict | None:
-        """Before a first allocation: the content of every block the hit
-        takes from the tier, by TierRef; None if the tier lost one (it has
-        dropped the key: look the hit up again)."""
-        fetched: dict = {}
-        hit_blocks = hit // self.block_size
-        if not hit_blocks:
-            return fetched
-        for manager, found in zip(self.managers, self.scan(req)[0]):
-            for ref in manager.hit_blocks(found, hit_blocks):
-                if ref and type(ref) is not int:
-                    content = self.tier.fetch(ref)
-                    if content is None:
-                        return None
-                    fetched[ref] = content
-        return fetched
-
     # -- allocation --------------------------------------------------------
     # Both verbs give room for `num_new_tokens` more tokens, or return False
     # and change nothing.
@@ -185,11 +168,10 @@ class Coordinator:
         self._refresh(req, self._events_follow_allocation or fast is NO_FAST_PATH)
         return True
 
-    def start(self, req: CacheRequest, num_new_tokens: int, hit: int, fetched: dict | None = None) -> bool:
+    def start(self, req: CacheRequest, num_new_tokens: int, hit: int) -> bool:
         """The first allocation: take the prefix hit `hit` (tokens), then room
-        for the new tokens. `fetched`: the content of the hit's blocks that
-        come from the tier (fetch_from_tier); each is loaded into a fresh
-        block before any step reads it."""
+        for the new tokens. Each of the hit's blocks that a tier serves gets
+        a fresh block, which the step's plan loads before any step reads it."""
         managers = self.managers
         hit_blocks = hit // self.block_size
         target = hit + num_new_tokens
@@ -230,22 +212,22 @@ class Coordinator:
         for manager, blocks in zip(managers, self.block_cache.allocate(counts)):
             taken = len(loads[manager.index]) if loads else 0
             if taken:
-                self._load(req, manager, loads[manager.index], blocks[:taken], fetched, hit_blocks)
+                self._load(req, manager, loads[manager.index], blocks[:taken], hit_blocks)
             manager.start(req, blocks[taken:])
         req.num_allocated = target
         self._refresh(req)
         return True
 
-    def _load(self, req: CacheRequest, manager, loads: list, blocks: list[int], fetched: dict,
-              hit_blocks: int) -> None:
-        """Tier blocks of a hit into fresh pool blocks: their content, their
-        key (they are cached content again), their place in the request."""
+    def _load(self, req: CacheRequest, manager, loads: list, blocks: list[int], hit_blocks: int) -> None:
+        """Tier blocks of a hit into fresh pool blocks: their load (in the
+        step's plan), their key (they are cached content again), their place
+        in the request."""
         g = manager.index
         groups = len(self.managers)
         mine = dict(req.lookup.loaded or {})
         chain = {key: j for j, key in enumerate(req.keys[:hit_blocks])}  # key -> its position, for parents
         for (position, tier_ref), block in zip(loads, blocks):
-            self.tier.load(self.block_cache.pages(block, manager.width), fetched[tier_ref])
+            self.tier.load(req.request_id, tier_ref, self.block_cache.pages(block, manager.width))
             j = chain[tier_ref.key]
             bs = manager.block_size
             self.block_cache.store(g, [block], [tier_ref.key], parent=req.keys[j - 1] if j else req.root,
@@ -254,6 +236,24 @@ class Coordinator:
             self.tier_loads.setdefault(tier_ref.tier, [0] * groups)[g] += 1
             mine.setdefault(tier_ref.tier, [0] * groups)[g] += 1
         req.lookup = req.lookup._replace(loaded=mine)
+
+    def drop_lost(self, loads, requests) -> list[str]:
+        """Blocks whose tier loads failed leave the cache (reason "lost"),
+        and the requests among `requests` that hold one are named (see
+        KVCacheManager.tier_loads_failed). Only requests started in the
+        step of the loads can hold such a block."""
+        cache = self.block_cache
+        lost: dict[int, set] = {}  # group -> blocks
+        for load in loads:
+            block = cache.cached[load.group].get(load.key)
+            if block is not None and tuple(cache.pages(block, self.managers[load.group].width)) == load.pages:
+                cache.evict([block], "lost")
+                lost.setdefault(load.group, set()).add(block)
+                self.tier_loads[load.tier][load.group] -= 1  # (counted as loaded when decided)
+        if not lost:
+            return []
+        return [req.request_id for req in requests
+                if any(not blocks.isdisjoint(self.managers[g].held_blocks(req)) for g, blocks in lost.items())]
 
     def _refresh(self, req: CacheRequest, events: bool = True) -> None:
         """Recompute the fast path after a slow path changed blocks

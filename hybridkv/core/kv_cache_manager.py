@@ -46,7 +46,7 @@ class CacheStats:
     # per group: prompt tokens the joint hit would have had on top, summed
     # over admissions, had this group alone served more (explain_hit)
     capped_tokens: tuple[int, ...] = ()
-    # reason ("lru", "probation", "superseded", "reset") -> per group, cache
+    # reason ("lru", "probation", "superseded", "reset", "lost") -> per group, cache
     # keys dropped for it (core/block_cache.py)
     evictions_by_reason: dict = None
     # tier ("host", "disk") -> per group, hit blocks loaded from it into the pool
@@ -261,19 +261,10 @@ class KVCacheManager:
             return memo.hit
         coordinator = self.coordinator
         if not req.reads_cache:
-            req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), 0, None, {})
+            req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), 0, None)
             return 0
-        while True:
-            hit = coordinator.find_hit(req)
-            if coordinator.tier is None:
-                fetched = None
-                break
-            # The content of the blocks a tier serves is read now, so that a
-            # hit this call reports is one the allocation can take.
-            fetched = coordinator.fetch_from_tier(req, hit)
-            if fetched is not None:
-                break  # (None: the tier lost a block and dropped its key; look again)
-        req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None, fetched)
+        hit = coordinator.find_hit(req)  # over the pool and the tiers' index: nothing is read
+        req.hit_memo = HitMemo(self.block_cache.version, len(req.tokens), hit, None)
         return hit
 
     def _why(self, req: CacheRequest, hit: int) -> tuple:
@@ -327,7 +318,7 @@ class KVCacheManager:
         if hit is None:
             ok = self.coordinator.grow(req, total)
         else:
-            ok = self.coordinator.start(req, total, hit, req.hit_memo.fetched)
+            ok = self.coordinator.start(req, total, hit)
         if ok and num_lookahead:
             req.lookahead = num_lookahead
             req.fast = NO_FAST_PATH  # mark_computed takes the slow path, which drops the rejected slots
@@ -629,9 +620,18 @@ class KVCacheManager:
         return out
 
     def attach_tier(self, tier) -> None:
-        """Put a store below the pool (core/tiers.py: host memory, disk):
-        blocks the pool evicts go to it, and prefix hits read it too."""
+        """Put the tiers' index below the pool (core/tiers.py `TierIndex`):
+        evicted blocks are stored through it, hits load from it."""
         self.coordinator.attach_tier(tier)
+
+    def tier_loads_failed(self, loads) -> list[str]:
+        """Loads of a step's plan that failed (core/tiers.py `BlockLoad`s,
+        their keys already out of the tiers' index): their blocks never held
+        their content, so each leaves the cache, and every request that
+        holds one must compute again. Returns those requests' ids (the
+        caller frees them before their computed tokens are marked, and
+        admits them again: their hit is what is left)."""
+        return self.coordinator.drop_lost(loads, self._requests.values())
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (e.g. after weights change), in the

@@ -18,7 +18,6 @@ class HitMemo(NamedTuple):
     num_tokens: int
     hit: int  # tokens
     why: tuple | None  # (alone, without) per group, once explain_hit asked
-    fetched: dict | None = None  # TierRef -> content of the hit's blocks a tier serves
 
 
 class ScanMemo(NamedTuple):

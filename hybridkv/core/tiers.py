@@ -1,21 +1,26 @@
-"""Tiers below the pool: what the manager asks of a store that keeps
-blocks the pool evicted (host memory, disk), and the rules it follows.
+"""Tiers below the pool, as the scheduler sees them: an index of what they
+hold, and the copies a step plan carries to the worker.
 
-The manager stays torch-free: it decides what to keep and what to load, the
-tier moves the bytes. The contract (`KVTier`):
-* `index[g]`: group g's keys the tier holds -> a `TierRef`. Scans read it
-  beside the pool's own key map, so a hit is the longest prefix every group
-  can serve from the pool or a tier, by the same rule as on the pool alone.
+The manager decides, the worker copies, and they meet only in a plan
+(`TierPlan`) and its report (`TierReport`):
+* `TierIndex.index[g]`: group g's keys the tiers hold -> a `TierRef`.
+  Scans read it beside the pool's own key map, so a hit is the longest
+  prefix every group can serve from the pool or a tier, by the same rule as
+  on the pool alone. A lookup reads nothing else: no file, no byte.
 * `put(group, key, pages)`: a block the pool is about to reuse (evicted by
-  the LRU, or a checkpoint on probation) still holds its content in `pages`:
-  keep a copy now (the pages are overwritten by the next forward pass).
-  Blocks superseded by their owner (older rolling Mamba checkpoints) are
-  not offered: no hit can want them.
-* `fetch(ref)`: the content, or None if the tier lost it (budget, a corrupt
-  or truncated file): then the tier drops the key and calls `changed()`, and
-  the manager looks the hit up again. Never wrong content, never an error.
-* `load(pages, content)`: write fetched content into fresh pool pages.
-* `clear()`: forget everything (reset_prefix_cache: the weights changed).
+  the LRU, or a checkpoint on probation) still holds its content in
+  `pages`: the plan stores it before the step writes them, and the index
+  holds the key from now on. Blocks superseded by their owner (older
+  rolling Mamba checkpoints) are not offered: no hit can want them.
+* `load(request_id, ref, pages)`: a hit took a tier block into
+  fresh pool pages: the plan loads it before the step reads them.
+* The worker makes the copies in that order (stores read every page they
+  need before any load writes one) and reports what its tiers dropped or
+  moved (`moves`) and which loads failed (`failed`): a failed load's key
+  leaves the index, and the manager recomputes the requests that read its
+  block (KVCacheManager.tier_loads_failed). Never wrong content.
+* `clear()`: forget everything (reset_prefix_cache: the weights changed);
+  the plan's first copy.
 
 What a tier keeps follows from the pool: only cached blocks are evicted with
 a key, so a tier sees, per type, exactly what a hit can use (full and
@@ -28,7 +33,9 @@ trusted hash (SHA-256) since they keep no token ids.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class TierRef(NamedTuple):
@@ -39,14 +46,102 @@ class TierRef(NamedTuple):
     tier: str  # "host", "disk", ...
 
 
-class KVTier(Protocol):
-    index: list[dict]
-    changed: object  # set by the manager: call it when a key leaves the index
+class BlockStore(NamedTuple):
+    """Pool pages into the tiers, as block `key` of `group`."""
+    group: int
+    key: bytes
+    pages: tuple
 
-    def put(self, group: int, key: bytes, pages) -> None: ...
 
-    def fetch(self, ref: TierRef): ...
+class BlockLoad(NamedTuple):
+    """A tier block into fresh pool pages, for `request_id`'s hit (`tier`:
+    where the index had it then)."""
+    request_id: str
+    group: int
+    key: bytes
+    pages: tuple
+    tier: str = ""
 
-    def load(self, pages, content) -> None: ...
 
-    def clear(self) -> None: ...
+@dataclass
+class TierPlan:
+    """The tier copies a step makes before its forward pass, in this order:
+    `clear` (forget everything), the stores, the loads. `flush`: the stores
+    go straight to disk (a server about to stop)."""
+    stores: list[BlockStore] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)
+    clear: bool = False
+    flush: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.clear)
+
+
+@dataclass
+class TierReport:
+    """What a plan's copies did: the loads that failed on some rank (their
+    indexes in the plan), and every change of what the tiers hold, in
+    order, as (group, key, tier or None: gone)."""
+    failed: list[int] = field(default_factory=list)
+    moves: list[tuple] = field(default_factory=list)
+
+
+class TierIndex:
+    """What the tiers hold, as the scheduler knows it: the index its lookups
+    read, the copies decided since the last plan, and the reports that keep
+    the index exact."""
+
+    def __init__(self, num_groups: int, first_tier: str, held: Iterable[tuple] = ()):
+        # `first_tier`: where a stored block goes ("host", else "disk");
+        # `held`: (group, key, tier) the tiers hold already (files of an
+        # earlier run, by name: a damaged one fails its load).
+        self.first_tier = first_tier
+        self.index: list[dict] = [{} for _ in range(num_groups)]
+        for group, key, tier in held:
+            if group < num_groups:
+                self.index[group][key] = TierRef(group, key, tier)
+        self.changed = lambda: None  # set by the manager: a key left the index
+        self._plan = TierPlan()
+
+    def put(self, group: int, key: bytes, pages) -> None:
+        self._plan.stores.append(BlockStore(group, key, tuple(pages)))
+        if key not in self.index[group]:
+            self.index[group][key] = TierRef(group, key, self.first_tier)
+
+    def load(self, request_id: str, ref: TierRef, pages) -> None:
+        self._plan.loads.append(BlockLoad(request_id, ref.group, ref.key, tuple(pages), ref.tier))
+
+    def clear(self) -> None:
+        """Forget everything. Stores decided before are dropped; loads
+        decided before fail (their requests recompute)."""
+        self._plan.stores.clear()
+        self._plan.clear = True
+        for index in self.index:
+            index.clear()
+        self.changed()
+
+    def take(self) -> TierPlan:
+        """The copies decided since the last take, for the next plan."""
+        plan, self._plan = self._plan, TierPlan()
+        return plan
+
+    def reported(self, plan: TierPlan, report: TierReport) -> list[BlockLoad]:
+        """Apply a worker's report of `plan`: the index follows every move,
+        a failed load's key leaves it. Returns the failed loads."""
+        dropped = False
+        for group, key, tier in report.moves:
+            index = self.index[group]
+            if tier is not None:
+                index[key] = TierRef(group, key, tier)
+            elif index.pop(key, None) is not None:
+                dropped = True
+        failed = [plan.loads[i] for i in report.failed]
+        for load in failed:
+            if self.index[load.group].pop(load.key, None) is not None:
+                dropped = True
+        if dropped:
+            self.changed()
+        return failed
+
+    def __len__(self) -> int:
+        return sum(len(index) for index in self.index)

@@ -42,7 +42,7 @@ class EngineConfig:
     sequence; speculative.py): greedy outputs are unchanged, sampled ones
     keep their distribution (a seeded request's draws then depend on how
     many drafts each step verified, which the batch can change).
-    Tiers below the pool (kv_tiers.py): `kv_host_cache_memory` ("4GiB")
+    Tiers below the pool (tiers/): `kv_host_cache_memory` ("4GiB")
     keeps the blocks the pool evicts in host memory; `kv_disk_cache` (a
     directory) keeps what host memory evicts, or with no host tier what the
     pool evicts, in files, up to `kv_disk_cache_memory` bytes, and survives
@@ -75,7 +75,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     checkpoint_policy: str = "hybridkv"  # when Mamba states are checkpointed (core/checkpoints.py)
     enable_kv_events: bool = False
-    # -- tiers below the pool (kv_tiers.py)
+    # -- tiers below the pool (tiers/)
     kv_host_cache_memory: int | str | None = None
     kv_disk_cache: str | None = None  # a directory
     kv_disk_cache_memory: int | str = "16GiB"

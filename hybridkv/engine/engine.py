@@ -38,13 +38,14 @@ from ..core.dtypes import dtype_name
 from ..core.hf_config import specs_from_config
 from ..core.layout import parse_memory
 from ..core.specs import with_kv_cache_dtype
+from ..core.tiers import BlockStore, TierIndex, TierPlan, TierReport
 from ..layers.backends import choose as choose_backend
 from ..layers.dtypes import choose_dtype
 from ..modeling.loader import checkpoint_dtype, load_model, load_tokenizer, read_config, resolve_model_dir
+from ..tiers import TierStore, kv_identities, list_blocks
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
-from .kv_tiers import TieredStore, kv_identities
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .sampler import sample
@@ -99,8 +100,10 @@ class Engine:
             # once loading is done and the worker has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
-        self.tiers = self._attach_tiers(tiers) if tiers is not None else None
-        self.worker.tiers = self.tiers
+        # The driver rank's storage below the pool (its copies are the worker's), and the
+        # scheduler's index of what the tiers hold (the only thing a lookup reads).
+        self.tiers, self.tier_index = self._attach_tiers(tiers) if tiers is not None else (None, None)
+        self.num_failed_tier_loads = 0  # loads that failed (on some rank): their requests recomputed
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=self.tables.release,
                                    propose=self._drafts if self.speculative else None)
@@ -166,35 +169,60 @@ class Engine:
         memory, its disk files under its own identity)."""
         host = config.kv_host_cache_memory
         return dict(host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
-                    disk_bytes=parse_memory(config.kv_disk_cache_memory),
+                    disk_bytes=parse_memory(config.kv_disk_cache_memory), pin=self.device.type == "cuda",
                     identities=kv_identities(self.model_dir, dtype_name(self.dtype), self.layout,
                                              config.tensor_parallel_size, progress=config.progress))
 
-    def _attach_tiers(self, options: dict) -> TieredStore:
-        tiers = TieredStore(self.worker.buffers.pool, self.layout, host_bytes=options["host_bytes"],
-                            disk_dir=options["disk_dir"], disk_bytes=options["disk_bytes"],
-                            identity=options["identities"][0])
-        self.kv.attach_tier(tiers)
-        if self.executor.world > 1:
-            tiers.log = []  # the other ranks' tiers replay its calls (kv_tiers.py)
-            tiers.agreement = self.executor  # a disk read counts only if every rank's did
+    def _attach_tiers(self, options: dict) -> tuple[TierStore, TierIndex]:
+        store = TierStore(self.layout.page_size_bytes, len(self.layout.groups), host_bytes=options["host_bytes"],
+                          disk_dir=options["disk_dir"], disk_bytes=options["disk_bytes"],
+                          identity=options["identities"][0], pin=options["pin"])
+        self.worker.tiers = store
+        held = []
+        if options["disk_dir"]:  # what an earlier run left, in every rank's directory (by name)
+            on_every_rank = set.intersection(*(set(list_blocks(options["disk_dir"], identity))
+                                               for identity in options["identities"]))
+            held = [(group, key, "disk") for group, key in on_every_rank]
+        index = TierIndex(len(self.layout.groups), store.first_tier, held)
+        self.kv.attach_tier(index)
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
-        return tiers
+        return store, index
 
     def close(self) -> None:
         """Write what the pool still caches to the disk tier (the next start
         hits it), and stop the tensor-parallel workers. Safe to call more than
         once; without a disk tier or workers, nothing."""
         try:
-            if self.tiers is not None:
-                self.tiers.flush(self.kv)
-                if self.tiers.log is not None:  # the other ranks write their slices of the same blocks
-                    self.executor.copy_tiers(self.tiers.take_log())
+            if self.tier_index is not None and not self.executor.closed:
+                self._copy_tiers(self.tier_index.take())  # what was decided, first
+                disk = self.tiers.disk
+                if disk is not None and disk.writable:
+                    index = self.tier_index.index
+                    stores = [BlockStore(g, key, tuple(pages)) for g in range(len(index))
+                              for key, pages in self.kv.cached_pages(g)
+                              if getattr(index[g].get(key), "tier", None) != "disk"]
+                    self._copy_tiers(TierPlan(stores, flush=True))
         finally:
             self.executor.close()
+
+    def _copy_tiers(self, plan: TierPlan) -> None:
+        """Tier copies outside a step, on every rank, and their report."""
+        if plan:
+            report = self.executor.copy_tiers(plan)
+            if report is not None:
+                self._tiers_reported(plan, report)
+
+    def _tiers_reported(self, plan: TierPlan, report: TierReport) -> set[str]:
+        """The index follows the report; the requests that read a block
+        whose load failed are returned (by sequence id), to compute again."""
+        failed = self.tier_index.reported(plan, report)
+        if not failed:
+            return set()
+        self.num_failed_tier_loads += len(failed)
+        return set(self.kv.tier_loads_failed(failed))
 
     def _kv_budget(self, kv_cache_memory) -> int:
         if kv_cache_memory == "auto":
@@ -336,12 +364,18 @@ class Engine:
         tiers = self.tiers
         loading = tiers.load_seconds if tiers is not None else 0.0
         steps = self._schedule()
+        scored = None
         if steps:
-            # The workers make the tier copies the scheduler decided (kv_tiers.py) before the forward pass.
-            logits, scored = self.executor.execute(self._plan(steps))
+            # The workers make the tier copies the scheduler decided before the forward pass.
+            plan = self._plan(steps)
+            logits, scored, report = self.executor.execute(plan)
             self.num_steps += 1
-        elif tiers is not None:  # stores decided by a step that schedules nothing: made now, on every rank
-            self.executor.copy_tiers(tiers.take_log() if tiers.log is not None else [])
+            if report is not None:
+                lost = self._tiers_reported(plan.tiers, report)
+                if lost:
+                    steps, logits, scored = self._recompute(lost, steps, logits, scored)
+        elif self.tier_index is not None:  # stores decided by a step that schedules nothing: made now
+            self._copy_tiers(self.tier_index.take())
         if tiers is not None:
             self.last_step_tier_load_seconds = tiers.load_seconds - loading
         if not steps:
@@ -349,6 +383,35 @@ class Engine:
         if scored is not None:  # before _apply: its outputs carry them
             self._record_prompt_logprobs(steps, scored)
         return self._apply(steps, logits)
+
+    def _recompute(self, lost: set[str], steps: list[Scheduled], logits: torch.Tensor,
+                   scored: PromptLogprobs | None) -> tuple:
+        """A step some of whose sequences read a block that failed to load
+        (never their content): those go back to the head of the queue, their
+        blocks freed before anything they computed is cached, to take the hit
+        that is left; the others' outputs stand. Returns the step without
+        them: its steps, logits rows and prompt-logprob rows."""
+        kept, rows, scored_rows = [], [], []
+        row = scored_row = 0
+        for s in steps:
+            n = s.count if s.drafts else int(s.completes)
+            positions = s.seq.request.scored_positions(s.start, s.count)
+            m = len(positions) if positions else 0
+            if s.seq.seq_id in lost:
+                self.scheduler.preempt(s.seq)
+                s.seq.request.metrics.first_scheduled_time = None  # its hit is counted again when admitted
+            else:
+                kept.append(s)
+                rows.extend(range(row, row + n))
+                scored_rows.extend(range(scored_row, scored_row + m))
+            row += n
+            scored_row += m
+        for seq in [seq for seq in self.scheduler.running if seq.seq_id in lost]:  # (none outside the step)
+            self.scheduler.preempt(seq)
+        logits = logits[rows] if logits.shape[0] else logits
+        if scored is not None:
+            scored = PromptLogprobs(*(t[scored_rows] for t in scored))
+        return kept, logits, scored
 
     def _schedule(self) -> list[Scheduled]:
         steps = self.scheduler.schedule()  # admissions take their tier hits here
@@ -360,14 +423,14 @@ class Engine:
 
     def _plan(self, steps: list[Scheduled]) -> StepPlan:
         """The step for the workers: its arrays, and what comes first (page
-        copies of forks, table changes, the tiers' calls for other ranks)."""
+        copies of forks, table changes, the tier copies)."""
         plan = plan_step(steps, [self.tables.row(s.seq.seq_id) for s in steps])
         if self.kv.checkpoints_inside_chunks:
             plan.checkpoint_saves = self._checkpoint_saves(steps)
         plan.copies = [pair for pairs in self.kv.take_copies().values() for pair in pairs]
         plan.table_changes = self.tables.changes()
-        if self.tiers is not None and self.tiers.log is not None:
-            plan.tier_log = self.tiers.take_log()
+        if self.tier_index is not None:
+            plan.tiers = self.tier_index.take() or None
         return plan
 
     def _checkpoint_saves(self, steps: list[Scheduled]) -> list[tuple]:
@@ -683,6 +746,7 @@ class Engine:
             "kv_pages_in_use_by_group": self.kv.pages_in_use_by_group(),
             "kv_tier_loads_by_group": {t: list(n) for t, n in (cache.tier_loads or {}).items()},
             **({f"kv_tier_{k}": v for k, v in self.tiers.describe().items()} if self.tiers is not None else {}),
+            **({"kv_tier_failed_loads": self.num_failed_tier_loads} if self.tiers is not None else {}),
             **({"kv_tier_last_step_load_seconds": self.last_step_tier_load_seconds} if self.tiers is not None
                else {}),
         }

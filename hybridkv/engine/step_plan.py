@@ -5,7 +5,7 @@ all a worker needs to run the step, in process or on another rank
 The driver builds it (`plan_step`) from the scheduler's steps and each
 sequence's table row; the engine adds what must happen before the forward
 pass: page copies (forks' copy-on-write), table changes, the drafts the
-last step kept, the tiers' decisions for other ranks to replay, the
+last step kept, the tier copies (core/tiers.py `TierPlan`), the
 recurrent states to save inside prefill chunks.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.tiers import TierPlan
 from .scheduler import Scheduled
 
 
@@ -30,7 +31,7 @@ class StepPlan:
     copies: list = field(default_factory=list)  # (source page, destination page) to copy first
     table_changes: list = field(default_factory=list)  # tables.TableRows.changes()
     accepted: dict | None = None  # the previous plan's kept drafts by sequence index (Worker.keep_accepted)
-    tier_log: list = field(default_factory=list)  # the driver's tier calls, replayed by other ranks' tiers
+    tiers: TierPlan | None = None  # the tier copies to make first
     # Recurrent states saved at checkpoints inside prefill chunks: (sequence
     # index, tokens of its chunk before the checkpoint, group, pages).
     checkpoint_saves: list = field(default_factory=list)

@@ -20,14 +20,13 @@ plan travels as one int64 array (plan_wire.py), never pickled, written
 into a pipe to each worker (`PlanWire`: the ranks share a host; a
 collective would cost the driver ~200 us a step).
 
-Tiers: each rank has its own host and disk tiers, holding its slices of
-the blocks, and replays the driver's tier calls, which go with the plans
-(kv_tiers.py). Two other messages serve them: tier calls alone (a flush
-at close, or stores decided by a step that runs nothing), and a disk read
-the driver is about to make: every rank reads its own file, and one
-all-reduce of a flag (layers/parallel.py `every_rank`) says whether all did; if not, the
-block is a miss on every rank, decided before the driver's manager counts
-the hit, as a lost file is in one process.
+Tiers: each rank has its own host and disk storage, holding its slices of
+the blocks; the tier copies go with the plans (core/tiers.py TierPlan) and
+every rank makes them on its own pool. In a step with loads one all-reduce
+of the failures (tier_copies.py) makes a load that failed on any rank fail
+on every rank, before the forward pass, and the driver's worker reports it
+with the step's logits. One other message serves them: tier copies alone
+(a flush at close, a reset, or stores decided by a step that runs nothing).
 
 The KV cache: every rank has a pool for its own KV heads, planned from the
 per-rank specs by the same layout (same pages, same page size), so the
@@ -76,12 +75,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..layers.parallel import every_rank
-from .plan_wire import decode, decode_block, decode_tier_calls, encode, encode_block, encode_tier_calls
+from .plan_wire import decode, decode_tiers, encode, encode_tiers
 
 log = logging.getLogger("hybridkv.tensor_parallel")
 
-PLAN, TIER_CALLS, DISK_READ = 0, 1, 2  # the kinds of message the driver sends
+PLAN, TIER_COPIES = 0, 1  # the kinds of message the driver sends
 
 
 def free_port() -> int:
@@ -138,7 +136,6 @@ class TensorParallelExecutor:
         self.bytes_sent = 0  # plans sent (their encoded values, to each worker)
         self.plan_seconds = 0.0  # the driver's time encoding and sending plans
         self.closed = False
-        self.leads = True  # for the tiers' disk reads (kv_tiers.TieredStore.agreement): the driver asks
 
     def check_workers(self, while_doing: str = "") -> None:
         if self.failure is not None:
@@ -257,23 +254,14 @@ class TensorParallelExecutor:
         self.worker.keep_accepted(accepted)
         self._accepted = accepted
 
-    def copy_tiers(self, tier_log: list) -> None:
-        """Tier calls decided outside a step (a flush, stores of a step that
-        runs nothing): every rank makes its copies now, so that the ranks'
-        tiers move in the same order."""
-        self.worker.copy_tiers(tier_log)
-        if tier_log and not self.closed and self.failure is None:  # (failed: no worker is left to copy)
+    def copy_tiers(self, plan):
+        """Tier copies decided outside a step (a flush, a reset, stores of a
+        step that runs nothing): every rank makes them now. Returns rank
+        0's report."""
+        if not self.closed and self.failure is None:  # (failed: no worker is left to copy)
             self.check_workers()
-            self.wire.send(encode_tier_calls(tier_log), TIER_CALLS)
-
-    def ask(self, item: tuple) -> None:
-        """Every worker is to read disk block `item` (group, key) and vote
-        (`all`)."""
-        self.check_workers()
-        self.wire.send(encode_block(*item), DISK_READ)
-
-    def all(self, ok: bool) -> bool:
-        return every_rank(ok)
+            self.wire.send(encode_tiers(plan), TIER_COPIES)
+        return self.worker.copy_tiers(plan)
 
     def close(self) -> None:
         if self.closed:
@@ -328,7 +316,7 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
             connection, timeout: float, beats, beat: float) -> None:
     """A rank other than the driver: load this rank's shard, then beat
     (`_beat`) and act on every message the driver sends (a plan to run,
-    tier calls to replay, a disk read to make and vote on) until it sends None."""
+    tier copies to make) until it sends None."""
     try:
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
         if backend == "nccl":
@@ -351,14 +339,12 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
         wire = PlanWire([connection])
         worker = Worker(model, layout, device, choose_backend(options["backend"], device), **options["worker"])
         tiers = options["tiers"]
-        if tiers is not None:  # this rank's tiers: the driver's decisions, its own bytes and files
-            from .kv_tiers import TieredStore
+        if tiers is not None:  # this rank's storage: its own bytes and files
+            from ..tiers import TierStore
 
-            worker.tiers = TieredStore(worker.buffers.pool, layout, host_bytes=tiers["host_bytes"],
-                                       disk_dir=tiers["disk_dir"], disk_bytes=tiers["disk_bytes"],
-                                       identity=tiers["identities"][rank])
-            worker.tiers.agreement = Follower()
-            worker.replays_tiers = True
+            worker.tiers = TierStore(layout.page_size_bytes, len(layout.groups), host_bytes=tiers["host_bytes"],
+                                     disk_dir=tiers["disk_dir"], disk_bytes=tiers["disk_bytes"],
+                                     identity=tiers["identities"][rank], pin=tiers["pin"])
         threading.Thread(target=_beat, args=(beats, rank, beat), name="hybridkv-tp-heartbeat", daemon=True).start()
         store.set(f"loaded/{rank}", "1")
         with torch.inference_mode():
@@ -367,10 +353,8 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
                 if message is None:
                     break
                 kind, data = message
-                if kind == DISK_READ:
-                    worker.tiers.read_agreed(decode_block(data))
-                elif kind == TIER_CALLS:
-                    worker.copy_tiers(decode_tier_calls(data))
+                if kind == TIER_COPIES:
+                    worker.copy_tiers(decode_tiers(data))
                 else:
                     worker.execute(decode(data, layout))  # its LM head sends its logits
     except Exception:
@@ -386,16 +370,3 @@ def _beat(beats, rank: int, interval: float) -> None:
     while True:
         beats[rank] += 1
         time.sleep(interval)
-
-
-class Follower:
-    """A worker's `parallel`: it receives plans rather than sending them;
-    for its tiers' disk reads, it reads when the driver asks and votes."""
-
-    leads = False
-
-    def ask(self, item: tuple) -> None:
-        pass  # the driver asked: this rank is already reading
-
-    def all(self, ok: bool) -> bool:
-        return every_rank(ok)

@@ -19,9 +19,9 @@ Who builds what (docs/engine.md has the diagram):
   eager step's route, which the worker counts (`routes`).
 
 Before the forward pass, in this order: the drafts the last step kept
-(`keep_accepted`), the tiers' copies (kv_tiers.py: stores read pages this
-step may write, loads write pages it reads), the copy-on-write pages of
-forks, the table changes.
+(`keep_accepted`), the tiers' copies (tier_copies.py: stores read pages
+this step may write, loads write pages it reads; their report goes back
+with the logits), the copy-on-write pages of forks, the table changes.
 
 Two kinds of step. A decode step (one new token per sequence) at fixed
 shapes: padded to a bucket of sequences (1, 2, 4, ... up to max_num_seqs),
@@ -47,12 +47,14 @@ import numpy as np
 import torch
 
 from ..core.layout import KVCacheLayout
+from ..core.tiers import TierPlan, TierReport
 from ..layers.backends import Backend
 from ..layers.kv_buffers import KVBuffers
 from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
 from .step_plan import StepPlan
 from .tables import DeviceTables
+from .tier_copies import copy_tiers
 
 
 # Prompt logprobs reduce the logits of this many bytes of rows at a time
@@ -110,6 +112,7 @@ class Worker:
         # CUDA graphs in one process only: a captured step of several ranks
         # would hold their collectives too, which nothing here checks yet.
         self.use_graphs = device.type == "cuda" and not enforce_eager and backend.capturable and world == 1
+        self.world = world
         self.fixed_shape_decode = self.use_graphs if fixed_shape_decode is None else fixed_shape_decode
         self.buckets = buckets(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -130,11 +133,9 @@ class Worker:
         self.prepare_report = backend.prepare(model, layout, device)
         logging.getLogger("hybridkv.backend").info("%s", self.prepare_report)
         self.routes: Counter = Counter()  # steps per route ("cpu:decoder-layers", "triton:graph", ...)
-        # The tiers below the pool (kv_tiers.TieredStore) whose copies this
-        # worker makes; `replays_tiers`: a rank other than the driver, whose
-        # store makes the driver's decisions from the plan's tier log.
+        # This rank's storage below the pool (tiers.TierStore), whose copies
+        # the plans carry; None: no tiers.
         self.tiers = None
-        self.replays_tiers = False
         self._recurrent_metadata: list = []
         self._verified: list = []  # recurrent metadata of the last step's verified sequences (keep_accepted)
         if self.use_graphs:
@@ -148,32 +149,28 @@ class Worker:
                 self._capture(size)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None]:
-        """Run one step: logits [sampled rows, vocab] (float32), in order, and
-        the prompt logprobs of the plan's `logprob_rows` (None when it has
-        none). Under tensor parallelism the driver's rank gets them, the
-        others an empty tensor and None."""
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None, TierReport | None]:
+        """Run one step: logits [sampled rows, vocab] (float32), in order, the
+        prompt logprobs of the plan's `logprob_rows` (None when it has
+        none), and the report of its tier copies (None when it has none).
+        Under tensor parallelism the driver's rank gets the logits, the
+        others an empty tensor and None; every rank the same failed loads."""
         if plan.accepted:
             self.keep_accepted(plan.accepted)
-        self.copy_tiers(plan.tier_log)
+        report = self.copy_tiers(plan.tiers)
         if plan.copies:
             self.buffers.copy_pages(plan.copies)
         self.tables.apply(plan.table_changes)
         if plan.decode and self.fixed_shape_decode:
             self.count_route("graph" if self.use_graphs else "fixed-shape")
-            return self._decode(plan), None
-        return self._eager(plan)
+            return self._decode(plan), None, report
+        return (*self._eager(plan), report)
 
-    def copy_tiers(self, tier_log: list) -> None:
-        """The tiers' copies decided since the last step: on the driver's
-        rank its store holds them; another rank's store replays the
-        driver's calls first."""
-        tiers = self.tiers
-        if tiers is None:
-            return
-        if self.replays_tiers and tier_log:
-            tiers.replay(tier_log)
-        tiers.copy(tiers.take_copies())
+    def copy_tiers(self, plan: TierPlan | None) -> TierReport | None:
+        """A plan's tier copies, on this rank's pool and storage."""
+        if plan is None or self.tiers is None:
+            return None
+        return copy_tiers(self.tiers, self.buffers.pool, plan, self.world)
 
     def count_route(self, route: str) -> None:
         self.routes[f"{self.backend.name}:{route}"] += 1

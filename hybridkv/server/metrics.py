@@ -80,7 +80,7 @@ class ServerMetrics:
                                      labels=["group", "kind"])
         evicted = CounterMetricFamily("hybridkv_prefix_cache_evictions",
                                       "Cache keys dropped, per group and reason: lru (a free cached block reused), "
-                                      "probation (a prompt-end Mamba checkpoint), superseded, reset",
+                                      "probation (a prompt-end Mamba checkpoint), superseded, reset, lost (a tier load that failed)",
                                       labels=["group", "kind", "reason"])
         for i, kind in enumerate(s["group_kinds"]):
             capped.add_metric([str(i), kind], s["capped_tokens"][i])
@@ -116,7 +116,7 @@ class ServerMetrics:
 
     @staticmethod
     def _tiers(s: dict):
-        """The tiers below the pool (engine/kv_tiers.py), when the engine has any."""
+        """The tiers below the pool (tiers/store.py), when the engine has any."""
         if "kv_tier_stores" not in s:
             return
         loads = CounterMetricFamily("hybridkv_kv_tier_loaded_blocks",

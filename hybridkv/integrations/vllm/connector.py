@@ -58,7 +58,7 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = TierWorker(self.groups, options, identity(vllm_config, self.groups, rank))
 
     def _make_scheduler(self, vllm_config, options: TierOptions) -> TierScheduler:
-        from ...engine.kv_tiers import DiskTier
+        from ...tiers import list_blocks
 
         groups = self.groups
         held: list[dict] = [{} for _ in groups.layout.groups]
@@ -67,9 +67,7 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
             # has it (file names only; the workers check contents on load).
             found = None
             for rank in range(vllm_config.parallel_config.tensor_parallel_size):
-                disk = DiskTier(options.disk_dir, identity(vllm_config, groups, rank),
-                                groups.layout.page_size_bytes, options.disk_memory)
-                files = set(disk.files)
+                files = set(list_blocks(options.disk_dir, identity(vllm_config, groups, rank)))
                 found = files if found is None else found & files
             for group, key in found or ():
                 if group < len(held):

@@ -159,7 +159,7 @@ def identity(vllm_config, groups: TierGroups, rank: int = 0) -> bytes:
     import vllm
 
     from ...core.identity import file_digest, weights_fingerprint
-    from ...engine.kv_tiers import kv_identity
+    from ...tiers import kv_identity
 
     model_config, cache_config, parallel = (vllm_config.model_config, vllm_config.cache_config,
                                             vllm_config.parallel_config)

@@ -1,6 +1,6 @@
 """The connector's worker side: bytes between vLLM's per-layer KV tensors
-and hybridkv's tier storage (engine/kv_tiers.py's TieredStore: a host slab
-with an LRU, then a disk directory with an LRU by byte budget, written
+and hybridkv's tier storage (tiers/store.py's TierStore: a host slab with
+an LRU, then a disk directory with an LRU by byte budget, written
 atomically and checked when read).
 
 A block of group g is the slice of block id b in each of the group's
@@ -11,14 +11,14 @@ then its stores (blocks a finished request still holds, or blocks pinned
 out of the free queue: nothing writes either). A load whose content the
 tiers lost or find damaged fails its whole request: vLLM frees its blocks
 without caching them and computes it again, and the store has already
-dropped the bad key (its index change goes back in the report).
+dropped the bad key (its move goes back in the report).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...engine.kv_tiers import TieredStore
+from ...tiers import TierStore
 from .groups import TierGroups
 from .options import TierOptions
 from .plan import TierPlan, TierReport
@@ -53,9 +53,8 @@ class TierWorker:
         self.groups = groups
         self.options = options
         self.identity = identity
-        self.store: TieredStore | None = None
+        self.store: TierStore | None = None
         self.layers: list[list[LayerBlocks]] = []
-        self.moves: list = []
         self.plan: TierPlan | None = None
         self.received: set[str] = set()
         self.failed: set[str] = set()
@@ -72,9 +71,8 @@ class TierWorker:
                        for g in layout.groups]
         device = next(iter(kv_caches.values())).device
         opts = self.options
-        self.store = TieredStore(None, layout, host_bytes=opts.host_memory, disk_dir=opts.disk_dir,
-                                 disk_bytes=opts.disk_memory, identity=self.identity, pin=device.type == "cuda")
-        self.store.moved = lambda item, ref: self.moves.append((item[0], item[1], ref.tier if ref else None))
+        self.store = TierStore(page, len(layout.groups), host_bytes=opts.host_memory, disk_dir=opts.disk_dir,
+                               disk_bytes=opts.disk_memory, identity=self.identity, pin=device.type == "cuda")
 
     # -- a step -------------------------------------------------------------
     def begin(self, plan: TierPlan) -> None:
@@ -94,11 +92,9 @@ class TierWorker:
                 self.failed.add(job.request_id)
 
     def _load(self, blocks: list) -> bool:
-        index = self.store.index
         for group, key, block_id in blocks:
-            ref = index[group].get(key)
-            content = self.store.fetch(ref) if ref is not None else None
-            if content is None:
+            content = self.store.read(group, key)
+            if content is None or content.shape[0] != len(self.layers[group]):
                 return False
             for layer, page in zip(self.layers[group], content):
                 layer.write(block_id, page)
@@ -132,9 +128,7 @@ class TierWorker:
         plan, self.plan = self.plan, None
         if plan is None or not plan.has_work():
             return None
-        report = TierReport(plan.step, self.moves)
-        self.moves = []
-        return report
+        return TierReport(plan.step, self.store.take_moves())
 
     def flush(self) -> int:
         """vLLM's shutdown: what host memory holds is written to disk too
