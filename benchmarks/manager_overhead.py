@@ -160,8 +160,10 @@ def scaling(specs, quick: bool) -> list[dict]:
     per_page = probe.page_size_bytes
     for pages in pools:
         for context in contexts:
-            # The prompt, the untimed first token and 256 timed ones.
-            need = 8 * probe.pages_per_request(context + 257, 512)
+            # The prompt, the untimed first token and 256 timed ones; beside a
+            # recurrent group's running state, its prompt-end checkpoint.
+            states = sum(g.pages_per_block for g in probe.groups if g.recurrent)
+            need = 8 * (probe.pages_per_request(context + 257, 512) + states)
             if need > pages:
                 continue
             kv = KVCacheManager(plan_layout(specs, per_page * pages), enable_prefix_caching=True)
@@ -320,7 +322,8 @@ def run(args) -> dict:
                 variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
             runs = harness.lockstep(variants, args.repeat, turn=TURN)
             rounds = {variant: fastest(variant_runs) for variant, variant_runs in runs.items()}
-            row = {"model": label, "trace": name, "groups": len(layout.groups), **rounds["hybridkv"]}
+            row = {"model": label, "trace": name, "groups": len(layout.groups), "block_size": layout.block_size,
+                   **rounds["hybridkv"]}
             tables["models"].append(row)
             print(f"{label:<26} {name:<14} {row['groups']:>6} {row['us_per_admission']:>13.1f} "
                   f"{row['us_per_decode_step']:>15.2f} {row['us_per_failed_admission']:>15.1f} {row['preemptions']:>8} "
