@@ -94,12 +94,11 @@ def manager_rows(t: dict) -> list[dict]:
     """hybridkv's row, vLLM's, and the decode step's cost across the pool
     sizes and contexts, on the mixed trace."""
     theirs = {row["model"]: row for row in t.get("vllm", []) if row.get("trace", "mixed") == "mixed"}
-    wide = wide_rows(t)
     out = []
     for row in (row for row in t["models"] if row.get("trace", "mixed") == "mixed"):
         scaled = [r for r in t["scaling"] if r["model"] == row["model"]]
         us = [r["us_per_decode_step"] for r in scaled]
-        out.append({**row, "vllm": theirs[row["model"]], "wide": wide.get((row["model"], "mixed")),
+        out.append({**row, "vllm": theirs[row["model"]],
                     "scaled": (min(us), max(us)),
                     "pools": (min(r["pool_pages"] for r in scaled), max(r["pool_pages"] for r in scaled)),
                     "contexts": (min(r["context"] for r in scaled), max(r["context"] for r in scaled))})
@@ -110,23 +109,8 @@ def manager_trace_rows(t: dict) -> list[dict]:
     """Per model and trace but the mixed one (the manager table's): hybridkv's
     row with vLLM's beside it."""
     theirs = {(row["model"], row["trace"]): row for row in t.get("vllm", []) if "trace" in row}
-    wide = wide_rows(t)
-    return [{**row, "vllm": theirs[row["model"], row["trace"]], "wide": wide.get((row["model"], row["trace"]))}
+    return [{**row, "vllm": theirs[row["model"], row["trace"]]}
             for row in t["models"] if (row["model"], row.get("trace")) in theirs and row.get("trace") != "mixed"]
-
-
-def wide_rows(t: dict) -> dict:
-    """(model, trace) -> the replay at wider blocks, for models with
-    recurrent layers (against vLLM's same row)."""
-    return {(row["model"], row["trace"]): row for row in t.get("wide", []) if "vs_vllm" in row}
-
-
-def wide_cell(row: dict) -> str:
-    wide = row.get("wide")
-    if wide is None:
-        return "-"
-    hit = wide["vs_vllm"]["hit_ratio"]
-    return f"{times(wide['vs_vllm']['admission_ratio'])}, hits {'-' if hit is None else times(hit)}"
 
 
 def routing_rows(t: dict) -> list[dict]:
@@ -261,7 +245,6 @@ TABLES: dict[str, Table] = {
         "vLLM hit rate": lambda r: pct(r["vllm"]["hit_rate"]),
         "admission x": lambda r: times(r["vllm"]["admission_ratio"]),
         "decode x": lambda r: times(r["vllm"]["decode_ratio"], 1),
-        "64-token blocks: admission x, hit x": wide_cell,
         "µs / decode step at other pools and contexts": lambda r: (
             f"{r['scaled'][0]:.2f}-{r['scaled'][1]:.2f} ({num(r['pools'][0])}-{num(r['pools'][1])} pages, "
             f"{num(r['contexts'][0])}-{num(r['contexts'][1])} tokens)")}),
@@ -274,8 +257,7 @@ TABLES: dict[str, Table] = {
         "admission x": lambda r: times(r["vllm"]["admission_ratio"]),
         "µs / decode step": key("us_per_decode_step", lambda v: num(v, 2)),
         "vLLM µs / decode step": lambda r: num(r["vllm"]["us_per_decode_step"], 2),
-        "decode x": lambda r: times(r["vllm"]["decode_ratio"], 1),
-        "64-token blocks: admission x, hit x": wide_cell}),
+        "decode x": lambda r: times(r["vllm"]["decode_ratio"], 1)}),
     "events": Table("manager_overhead_events.json", rows_of("events"), {
         "model": key("model"), "µs / admission, off": lambda r: num(r["off"]["us_per_admission"], 1),
         "on": lambda r: f"{num(r['on']['us_per_admission'], 1)} ({r['admission_change']:+.0%})",
@@ -288,6 +270,12 @@ TABLES: dict[str, Table] = {
         "B / stored block": key("bytes_per_stored_block", num),
         "batches/s over ZMQ": lambda r: num(r["zmq_batches_per_s"]) if r["zmq_batches_per_s"] else "lost",
         "vLLM 0.32's decoder": key("vllm_decoder")}),
+    "handoff-bytes": Table("handoff_bytes.json", rows_of("models"), {
+        "model": key("model"), "block": key("block_size"),
+        "groups": lambda r: ", ".join(sorted(set(r["groups"]))),
+        **{f"{int(t):,}-token prompt": (lambda t: lambda r: (
+            f"{num(r['prompts'][t]['bytes'] / 2**20, 1)} MiB, {pct(r['prompts'][t]['fraction'], 0)}"))(t)
+           for t in ("1024", "4096", "32768")}}),
     "memory": Table("memory.json", rows_of("models"), {
         "model": key("model"), "groups": key("groups"), "waste": key("waste_fraction", lambda v: pct(v, 4)),
         "padded groups": key("padded_groups"), "padding layers": key("padding_layers"),

@@ -141,7 +141,7 @@ def _engine_options(args) -> dict:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype,
         device=args.device, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, kv_host_cache_memory=args.kv_host_cache_memory,
-        kv_disk_cache=args.kv_disk_cache, kv_disk_cache_memory=args.kv_disk_cache_memory,
+        kv_disk_cache=args.kv_disk_cache, kv_disk_cache_memory=args.kv_disk_cache_memory, kv_role=args.kv_role,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
         tensor_parallel_heartbeat_timeout=args.tensor_parallel_heartbeat_timeout, seed=args.seed)
     config = EngineConfig(args.model or args.model_option or "tiny-gemma3", **options)  # the servers' default model
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep evicted blocks in files under DIR; a restarted server hits them (default: off)")
     serve.add_argument("--kv-disk-cache-memory", default="16GiB", metavar="BYTES",
                        help="byte budget of the disk tier (default 16GiB)")
+    serve.add_argument("--kv-role", choices=["prefill", "decode"], default=None,
+                       help="prefill and decode on different servers over one --kv-disk-cache both read: "
+                            "prefill leaves each prompt's hit there, decode loads it (default: neither)")
     serve.add_argument("--speculative-method", choices=["ngram"], default=None,
                        help="speculative decoding: ngram (prompt-lookup drafts; greedy outputs unchanged)")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,

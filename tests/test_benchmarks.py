@@ -109,6 +109,17 @@ def test_memory_quick(tmp_path):
             assert cell["hybridkv"] > 0 and cell["contiguous"] > 0
 
 
+def test_handoff_bytes_quick(tmp_path):
+    text, data = run("handoff_bytes", tmp_path)
+    assert "gemma-3-1b" in text
+    rows = {row["model"]: row for row in data["models"]}
+    for row in rows.values():
+        for cell in row["prompts"].values():
+            assert 0 < cell["bytes"] <= cell["all_layers_bytes"]
+    assert rows["gemma-3-1b"]["prompts"]["4096"]["fraction"] < 0.3  # 4 full layers of 26, the rest in a 512 window
+    assert rows["llama-3.1-8b"]["prompts"]["4096"]["fraction"] == 1.0  # full attention: every block
+
+
 def test_kv_dtypes_quick(tmp_path):
     text, data = run("kv_dtypes", tmp_path)
     assert "ratio to bfloat16 pages" in text

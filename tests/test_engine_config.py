@@ -27,6 +27,8 @@ from hybridkv.tiny_models import tiny_model_dir
     (dict(kv_disk_cache_memory="lots"), "kv_disk_cache_memory"),
     (dict(kv_disk_cache=""), "kv_disk_cache must be a directory"),
     (dict(kv_disk_cache="/tmp/x", enable_prefix_caching=False), "need prefix caching"),
+    (dict(kv_role="prefill"), "kv_role 'prefill' needs kv_disk_cache"),
+    (dict(kv_role="both", kv_disk_cache="/tmp/x"), "kv_role must be None, 'prefill' or 'decode'"),
     (dict(speculative_method="eagle"), "speculative_method"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_method="ngram", prompt_lookup_min=5), "prompt_lookup_min .5. is above"),
@@ -61,7 +63,7 @@ def test_the_config_is_every_documented_keyword_with_its_default():
         kv_cache_memory="2GiB", kv_cache_dtype="auto", recurrent_state_dtype="float32", block_size=None,
         enable_prefix_caching=True, checkpoint_policy="hybridkv",
         enable_kv_events=False, kv_host_cache_memory=None, kv_disk_cache=None, kv_disk_cache_memory="16GiB",
-        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
+        kv_role=None, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=None, speculative_method=None,
         num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, dtype=None, device="cpu",
         backend=None, enforce_eager=False, fixed_shape_decode=None, tensor_parallel_size=1,
         tensor_parallel_timeout=600.0, tensor_parallel_heartbeat_timeout=5.0, progress=True)

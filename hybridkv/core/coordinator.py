@@ -237,6 +237,24 @@ class Coordinator:
             mine.setdefault(tier_ref.tier, [0] * groups)[g] += 1
         req.lookup = req.lookup._replace(loaded=mine)
 
+    def blocks_for_hit(self, req: CacheRequest, num_blocks: int) -> list[tuple]:
+        """(group, key, pages) of the cached blocks that a hit of the first
+        `num_blocks` blocks of the request's tokens reads, by each group's
+        own rule: every block of a full-attention group, the blocks of the
+        window (or chunk) that ends the hit, the recurrent state saved at
+        its end. A block the pool no longer caches is left out (a hit over
+        what is shipped is then shorter, never wrong)."""
+        self.extend_keys(req, num_blocks)
+        cache = self.block_cache
+        out = []
+        for manager in self.managers:
+            cached = cache.cached[manager.index]
+            for j in range(max(0, manager.hit_start(num_blocks)), num_blocks):
+                block = cached.get(req.keys[j])
+                if block is not None:
+                    out.append((manager.index, req.keys[j], tuple(cache.pages(block, manager.width))))
+        return out
+
     def drop_lost(self, loads, requests) -> list[str]:
         """Blocks whose tier loads failed leave the cache (reason "lost"),
         and the requests among `requests` that hold one are named (see

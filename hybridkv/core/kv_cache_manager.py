@@ -624,6 +624,21 @@ class KVCacheManager:
         evicted blocks are stored through it, hits load from it."""
         self.coordinator.attach_tier(tier)
 
+    def blocks_for_hit(self, request_id: str, num_tokens: int) -> list[tuple]:
+        """What another engine needs to take a hit of the request's first
+        `num_tokens` tokens (whole blocks, computed): per group, (group,
+        key, pages) of the cached blocks that hit reads and no others
+        (coordinator.blocks_for_hit). Prefill/decode on different engines
+        ships exactly these."""
+        req = self._get(request_id)
+        num_tokens = _count(num_tokens, "num_tokens")
+        if num_tokens % self.block_size or num_tokens > req.num_computed:
+            raise ValueError(f"request {request_id!r}: a hit of {num_tokens} tokens must be whole blocks of "
+                             f"{self.block_size} within the {req.num_computed} computed")
+        if not self.enable_prefix_caching:
+            return []
+        return self.coordinator.blocks_for_hit(req, num_tokens // self.block_size)
+
     def tier_loads_failed(self, loads) -> list[str]:
         """Loads of a step's plan that failed (core/tiers.py `BlockLoad`s,
         their keys already out of the tiers' index): their blocks never held

@@ -121,6 +121,28 @@ class KVCacheLayout:
         tokens per step (no prefix sharing, no checkpoints)."""
         return sum(_blocks_held(g, num_tokens, chunk) * g.pages_per_block for g in self.groups)
 
+    def hit_bytes(self, num_tokens: int) -> int:
+        """Bytes of the blocks a hit of `num_tokens` tokens (whole blocks)
+        reads, by each group's rule (the next query is at position
+        `num_tokens`): every block of full attention, the blocks from the
+        first key a window or chunk still sees, one state per recurrent
+        group. What prefill/decode on different engines ships per prompt
+        (KVCacheManager.blocks_for_hit gives the blocks themselves)."""
+        blocks = num_tokens // self.block_size
+        total = 0
+        for g in self.groups:
+            count = min(1, blocks) if g.recurrent else blocks - g.spec.first_visible(num_tokens) // self.block_size
+            total += count * g.pages_per_block * self.page_size_bytes
+        return total
+
+    def all_layers_bytes(self, num_tokens: int) -> int:
+        """Bytes of a prefix of `num_tokens` tokens (whole blocks) with every
+        layer's cache at every position and one state per recurrent layer,
+        in this layout's pages: what shipping a prompt whole takes, against
+        which shipping only what its hit reads (blocks_for_hit) is measured."""
+        blocks = -(-num_tokens // self.block_size)
+        return sum((1 if g.recurrent else blocks) * g.pages_per_block * self.page_size_bytes for g in self.groups)
+
     def max_requests(self, num_tokens: int, chunk: int = 1) -> int:
         return (self.num_pages - 1) // max(1, self.pages_per_request(num_tokens, chunk))
 

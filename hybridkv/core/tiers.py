@@ -120,6 +120,18 @@ class TierIndex:
             index.clear()
         self.changed()
 
+    def learn(self, held: Iterable[tuple]) -> None:
+        """Blocks another process put where these tiers read, (group, key,
+        tier): the index holds them from now on (a damaged one fails its
+        load like any other)."""
+        added = False
+        for group, key, tier in held:
+            if key not in self.index[group]:
+                self.index[group][key] = TierRef(group, key, tier)
+                added = True
+        if added:
+            self.changed()  # a remembered hit may be longer now
+
     def take(self) -> TierPlan:
         """The copies decided since the last take, for the next plan."""
         plan, self._plan = self._plan, TierPlan()

@@ -50,6 +50,14 @@ class EngineConfig:
     there too). Both need prefix caching. Under tensor parallelism every
     rank has its own tiers (its slices of the blocks, its own files), with
     these budgets each.
+    `kv_role`: prefill and decode on different engines over one
+    `kv_disk_cache` directory both read (on one machine, /dev/shm is
+    shared memory). "prefill": once a prompt is computed, the blocks a hit
+    of it reads (KVCacheManager.blocks_for_hit: every full-attention
+    block, the windows' last blocks, the recurrent state at its last whole
+    block) go to that directory at once. "decode": a new request's blocks
+    that the directory holds (by name) join the tiers' index, and its hit
+    loads them. None: neither.
     `enable_kv_events`: the manager records what its cache can serve as it
     changes (core/events.py); the engine's `take_kv_events()` hands it over.
     `tensor_parallel_size`: split the model over that many processes
@@ -79,6 +87,7 @@ class EngineConfig:
     kv_host_cache_memory: int | str | None = None
     kv_disk_cache: str | None = None  # a directory
     kv_disk_cache_memory: int | str = "16GiB"
+    kv_role: str | None = None  # None, "prefill" or "decode" (on a kv_disk_cache both engines read)
     # -- the scheduler
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -144,6 +153,11 @@ class EngineConfig:
         _memory("kv_disk_cache_memory", self.kv_disk_cache_memory)
         if self.tiers and not self.enable_prefix_caching:
             raise ValueError("KV cache tiers (kv_host_cache_memory, kv_disk_cache) need prefix caching")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
+        if self.kv_role is not None and self.kv_disk_cache is None:
+            raise ValueError(f"kv_role {self.kv_role!r} needs kv_disk_cache: the directory the prefill engine "
+                             f"writes and the decode engine reads")
 
     def _check_speculative(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

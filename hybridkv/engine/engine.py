@@ -42,7 +42,7 @@ from ..core.tiers import BlockStore, TierIndex, TierPlan, TierReport
 from ..layers.backends import choose as choose_backend
 from ..layers.dtypes import choose_dtype
 from ..modeling.loader import checkpoint_dtype, load_model, load_tokenizer, read_config, resolve_model_dir
-from ..tiers import TierStore, kv_identities, list_blocks
+from ..tiers import TierStore, has_block, kv_identities, list_blocks
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
@@ -185,6 +185,7 @@ class Engine:
             held = [(group, key, "disk") for group, key in on_every_rank]
         index = TierIndex(len(self.layout.groups), store.first_tier, held)
         self.kv.attach_tier(index)
+        self._shared_directory = (options["disk_dir"], options["identities"])  # (kv_role "decode")
         # A process that exits without close() still leaves its cached
         # prefixes on disk (a weak reference: the engine may go first).
         ref = weakref.ref(self)
@@ -304,6 +305,8 @@ class Engine:
         seq_id = request_id if params.n == 1 else f"{request_id}#0"
         seq = Sequence(seq_id, request, 0, self._stream(params, 0))
         self.scheduler.add(seq, ids)  # the KV cache manager checks the ids once more
+        if self.engine_config.kv_role == "decode":
+            self._learn_shared_blocks(seq)
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.num_prompt_tokens += len(ids)
@@ -451,6 +454,8 @@ class Engine:
         the end of its tokens samples the next one, verified drafts are
         judged, and stopped sequences finish."""
         self._mark_computed(steps)
+        if self.engine_config.kv_role == "prefill":
+            self._hand_off(steps)
         children = self._fork_completed_prompts(steps)
         sampling, verifying = self._logits_rows(steps, children)
         touched: dict[str, Request] = {}
@@ -458,6 +463,39 @@ class Engine:
         if verifying:
             self._verify_drafts(verifying, logits, touched, steps)
         return self._outputs(touched)
+
+    def _hand_off(self, steps: list[Scheduled]) -> None:
+        """kv_role "prefill": the prompts this step completed leave, in the
+        shared directory, the blocks a hit of them reads (their last whole
+        block's hit, as a decode engine's lookup of the same prompt takes),
+        written now, before any later step may reuse their pages."""
+        bs = self.layout.block_size
+        index = self.tier_index.index
+        stores = []
+        for s in steps:
+            request = s.seq.request
+            if not s.completes or s.drafts or s.start + s.count != len(request.prompt_token_ids):
+                continue
+            hit = (len(request.prompt_token_ids) - 1) // bs * bs
+            blocks = self.kv.blocks_for_hit(s.seq.seq_id, hit)
+            page = self.layout.page_size_bytes
+            request.metrics.kv_handoff_bytes = sum(len(pages) for _, _, pages in blocks) * page
+            request.metrics.kv_all_layers_bytes = self.layout.all_layers_bytes(hit)
+            stores += [BlockStore(g, key, pages) for g, key, pages in blocks
+                       if getattr(index[g].get(key), "tier", None) != "disk"]
+        if stores:
+            self._copy_tiers(TierPlan(stores, flush=True))
+
+    def _learn_shared_blocks(self, seq: Sequence) -> None:
+        """kv_role "decode": the blocks of the new request's prompt that the
+        shared directory holds now, on every rank (by name: nothing is
+        read), join the tiers' index, so its lookup may take them."""
+        num_tokens = len(seq.token_ids)
+        keys = self.kv.block_keys(seq.seq_id, 0, (num_tokens - 1) // self.layout.block_size * self.layout.block_size)
+        index = self.tier_index.index
+        directory, identities = self._shared_directory
+        self.tier_index.learn((g, key, "disk") for g in range(len(index)) for key in keys
+                              if key not in index[g] and all(has_block(directory, i, g, key) for i in identities))
 
     @staticmethod
     def _record_prompt_logprobs(steps: list[Scheduled], scored: PromptLogprobs) -> None:

@@ -51,6 +51,11 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # kv_role "prefill": bytes of the blocks a hit of the prompt reads, shipped
+    # to the shared directory (or there already), and of every layer's KV and
+    # states for the same whole blocks (what shipping everything would take)
+    kv_handoff_bytes: int = 0
+    kv_all_layers_bytes: int = 0
 
     @property
     def ttft(self) -> float | None:

@@ -2,8 +2,9 @@
 (docs/architecture.md, "Tiers below the pool"). Below the engine and the integrations, which both use it;
 it decides nothing (the scheduler's index does: core/tiers.py)."""
 
-from .disk import FORMAT_VERSION, DiskTier, kv_identities, kv_identity, list_blocks
+from .disk import FORMAT_VERSION, DiskTier, has_block, kv_identities, kv_identity, list_blocks
 from .host import HostTier
 from .store import TierStore
 
-__all__ = ["FORMAT_VERSION", "DiskTier", "HostTier", "TierStore", "kv_identities", "kv_identity", "list_blocks"]
+__all__ = ["FORMAT_VERSION", "DiskTier", "HostTier", "TierStore", "has_block", "kv_identities", "kv_identity",
+           "list_blocks"]

@@ -120,7 +120,7 @@ class DiskTier:
         return time.monotonic() >= self.resume_at
 
     def _path(self, group: int, key: bytes) -> str:
-        return os.path.join(self.root, f"g{group}", key.hex() + ".kv")
+        return _block_path(self.root, group, key)
 
     def _scan(self) -> None:
         """What the directory holds: every whole block file, oldest first
@@ -226,9 +226,10 @@ class DiskTier:
 
     def read(self, group: int, key: bytes) -> torch.Tensor | None:
         """The block's pages, or None (and the file removed) if it is
-        missing, truncated, corrupt, or of another format or model."""
-        if (group, key) not in self.files:
-            return None
+        missing, truncated, corrupt, or of another format or model. A file
+        another process wrote since this one looked is read too, and joins
+        its LRU (its bytes count from then on: the next write makes room)."""
+        item = (group, key)
         try:
             with open(self._path(group, key), "rb") as f:
                 data = f.read()
@@ -236,9 +237,13 @@ class DiskTier:
             data = b""
         content = self._parse(data, group, key)
         if content is None:
-            self.remove((group, key))
+            self.remove(item)
             return None
-        self.files.move_to_end((group, key))
+        if item in self.files:
+            self.files.move_to_end(item)
+        else:
+            self.files[item] = len(data)
+            self.bytes += len(data)
         return content
 
     def _parse(self, data: bytes, group: int, key: bytes) -> torch.Tensor | None:
@@ -313,3 +318,13 @@ def list_blocks(directory: str, identity: bytes) -> Iterator[tuple[int, bytes]]:
             yield int(os.path.basename(os.path.dirname(path))[1:]), bytes.fromhex(os.path.basename(path)[:-3])
         except ValueError:
             continue
+
+
+def has_block(directory: str, identity: bytes, group: int, key: bytes) -> bool:
+    """Whether a file of the block is in `directory` now, whoever wrote it
+    (by name: nothing is read)."""
+    return os.path.exists(_block_path(os.path.join(directory, identity.hex()[:32]), group, key))
+
+
+def _block_path(root: str, group: int, key: bytes) -> str:
+    return os.path.join(root, f"g{group}", key.hex() + ".kv")

@@ -88,7 +88,7 @@ class TierStore:
         that still had the block drops it."""
         item = (group, key)
         content = self.host.get(item) if self.host is not None else None
-        if content is None and self.disk is not None and item in self.disk.files:
+        if content is None and self.disk is not None:  # (a file another process wrote is read too)
             content = self.disk.read(group, key)
         if content is None:
             self.moves.append((group, key, None))
