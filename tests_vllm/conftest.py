@@ -132,7 +132,7 @@ def serve():
     made: list[Served] = []
 
     def make(model: str, tiers: dict | None = None, *, blocks: int | None = None, block_size: int = 32,
-             max_model_len: int = 1024, **options) -> Served:
+             max_model_len: int = 1024, kv_role: str = "kv_both", **options) -> Served:
         from vllm import LLM
 
         for earlier in made:  # one engine at a time: vLLM's worker-side connector is process-wide
@@ -145,7 +145,7 @@ def serve():
         if blocks is not None:
             kwargs["num_gpu_blocks_override"] = blocks
         if tiers is not None:
-            kwargs["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=tiers)
+            kwargs["kv_transfer_config"] = dict(CONNECTOR, kv_role=kv_role, kv_connector_extra_config=tiers)
         served = Served(LLM(**kwargs))
         made.append(served)
         return served

@@ -281,3 +281,44 @@ def test_a_disk_that_fails_turns_the_tier_off(serve, tiny_gemma3, tmp_path):
 def test_bad_options_are_refused_at_start(serve, tiny_gemma3, extra, message):
     with pytest.raises(Exception, match=message):
         serve(tiny_gemma3, extra)
+
+
+PRODUCER = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from conftest import CONNECTOR, Served
+from vllm import LLM
+served = Served(LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enable_prefix_caching=True,
+                    skip_tokenizer_init=True, max_num_seqs=8, seed=0, enforce_eager=True, block_size=32,
+                    distributed_executor_backend="uni",
+                    kv_transfer_config=dict(CONNECTOR, kv_role="kv_producer",
+                                            kv_connector_extra_config={"disk_dir": sys.argv[2]})))
+served.generate(eval(sys.argv[4]), max_tokens=1)
+served.close()
+"""
+
+
+def test_a_consumer_loads_what_a_producer_in_another_process_wrote(serve, tiny_gemma3, tmp_path):
+    # Prefill and decode on two vLLMs (kv_role kv_producer / kv_consumer)
+    # over one directory: the consumer runs already when the producer, a
+    # process of its own, computes the prompt; the consumer's request then
+    # finds the producer's blocks by name and loads them.
+    import subprocess
+    import sys
+
+    disk = str(tmp_path / "kv")
+    consumer = serve(tiny_gemma3, {"disk_dir": disk}, kv_role="kv_consumer")
+    assert not any(consumer.tiers.held)
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, "-c", PRODUCER, tiny_gemma3, disk, here, repr(PROMPT)], check=True,
+                   timeout=600)
+    assert glob.glob(os.path.join(disk, "*", "g*", "*.kv"))
+    decoded = consumer.generate(PROMPT)
+    assert decoded[2] == 192  # every whole block of the prompt, from the producer's files
+    cold = serve(tiny_gemma3).generate(PROMPT)  # vLLM alone
+    assert_same(decoded, cold)
+
+
+def test_a_producer_or_consumer_needs_the_shared_directory(serve, tiny_gemma3):
+    with pytest.raises(Exception, match="needs kv_connector_extra_config's 'disk_dir'"):
+        serve(tiny_gemma3, {"host_memory": "64MiB"}, kv_role="kv_consumer")

@@ -45,6 +45,9 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("hybridkv's connector sets kv_load_failure_policy to 'recompute' (was %r): a block "
                            "the tiers lose or find damaged is computed again", transfer.kv_load_failure_policy)
             transfer.kv_load_failure_policy = "recompute"
+        if transfer.kv_role in ("kv_producer", "kv_consumer") and not options.disk_dir:
+            raise ValueError(f"hybridkv's connector as {transfer.kv_role} needs kv_connector_extra_config's "
+                             f"'disk_dir': the directory the producer writes and the consumer reads")
         self.groups = TierGroups.from_vllm(kv_cache_config)
         self.options = options
         self._scheduler: TierScheduler | None = None
@@ -55,7 +58,8 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-            self._worker = TierWorker(self.groups, options, identity(vllm_config, self.groups, rank))
+            self._worker = TierWorker(self.groups, options, identity(vllm_config, self.groups, rank),
+                                      producer=transfer.kv_role == "kv_producer")
 
     def _make_scheduler(self, vllm_config, options: TierOptions) -> TierScheduler:
         from ...tiers import list_blocks
@@ -77,7 +81,11 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
             sched = vllm_config.scheduler_config
             lookahead = (sched.max_num_batched_tokens // groups.block_size + sched.max_num_seqs) * len(held)
         events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-        return TierScheduler(groups, held, lookahead, events)
+        shared = None
+        if vllm_config.kv_transfer_config.kv_role == "kv_consumer":  # learns what a producer writes meanwhile
+            shared = (options.disk_dir, [identity(vllm_config, groups, rank)
+                                         for rank in range(vllm_config.parallel_config.tensor_parallel_size)])
+        return TierScheduler(groups, held, lookahead, events, shared)
 
     # -- scheduler side -------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:

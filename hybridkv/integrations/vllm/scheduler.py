@@ -32,6 +32,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...tiers import has_block
 from .groups import TierGroups
 from .plan import Load, TierPlan, TierReport
 
@@ -40,9 +41,14 @@ SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 class TierScheduler:
-    def __init__(self, groups: TierGroups, held: list[dict], lookahead: int, events: bool):
+    def __init__(self, groups: TierGroups, held: list[dict], lookahead: int, events: bool,
+                 shared: tuple[str, list[bytes]] | None = None):
         self.groups = groups
         self.held = held  # per group: key -> "host" | "disk" (the workers' tiers, mirrored)
+        # vLLM's kv_role "kv_consumer": (directory, each rank's identity) where
+        # a producer writes; a request's blocks found there join `held`.
+        self.shared = shared
+        self.learned: set[str] = set()  # requests whose blocks were looked for there
         self.lookahead = lookahead
         self.events: list | None = [] if events else None
         if self.events is not None:
@@ -63,17 +69,29 @@ class TierScheduler:
         that the tiers serve (loaded asynchronously), and no side effect
         but remembering the answer for the allocation that follows."""
         self.lookups.pop(request.request_id, None)
-        if not any(self.held):
-            return 0, False
         bs = self.groups.block_size
-        local = num_computed_tokens // bs
         # Whole blocks, and at least one token left to compute (its logits).
         keys = self.groups.keys(request.block_hashes, (request.num_tokens - 1) // bs)
+        if self.shared is not None and request.request_id not in self.learned:
+            self._learn(keys)
+            self.learned.add(request.request_id)
+        if not any(self.held):
+            return 0, False
+        local = num_computed_tokens // bs
         hit = self.groups.hit(keys, local, self.held)
         if hit <= local:
             return 0, False
         self.lookups[request.request_id] = (num_computed_tokens, hit * bs)
         return hit * bs - num_computed_tokens, True
+
+    def _learn(self, keys: list) -> None:
+        """The blocks of `keys` that a producer has written to the shared
+        directory, on every rank (by name: nothing is read), join `held`."""
+        directory, identities = self.shared
+        for g, held in enumerate(self.held):
+            for key in keys:
+                if key not in held and all(has_block(directory, i, g, key) for i in identities):
+                    self._moved(g, key, "disk")
 
     def allocated(self, request, blocks, num_external_tokens: int) -> None:
         """vLLM's update_state_after_alloc: plan the loads of the hit that
@@ -124,6 +142,7 @@ class TierScheduler:
         Where a group released a block (a window that moved on), the pool's
         cached copy is stored if vLLM kept one, which it does where a later
         hit can end (the window at the prompt's end): pinned until copied."""
+        self.learned.discard(request.request_id)
         if self.loading.pop(request.request_id, None) is not None:
             return False  # finished before its load was done: nothing of it is computed yet
         bs = self.groups.block_size

@@ -49,7 +49,10 @@ class LayerBlocks:
 
 
 class TierWorker:
-    def __init__(self, groups: TierGroups, options: TierOptions, identity: bytes):
+    def __init__(self, groups: TierGroups, options: TierOptions, identity: bytes, producer: bool = False):
+        # `producer` (vLLM's kv_role "kv_producer"): stores go straight to
+        # disk, where a consumer (another vLLM) reads them.
+        self.producer = producer
         self.groups = groups
         self.options = options
         self.identity = identity
@@ -113,7 +116,10 @@ class TierWorker:
             ids = torch.tensor([block_id for _, block_id in items], dtype=torch.long)
             pages = torch.stack([layer.read(ids) for layer in self.layers[group]], dim=1).cpu()
             for (key, _), content in zip(items, pages):
-                self.store.keep(group, key, content)
+                if self.producer:
+                    self.store.write_disk(group, key, content)
+                else:
+                    self.store.keep(group, key, content)
         self.released.update(plan.released)
 
     def results(self) -> tuple[set, set, set]:
