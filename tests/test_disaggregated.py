@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FIRST = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "jamba"])
+@pytest.fixture(scope="module", params=["gemma3", "jamba", "qwen3_next", "nemotron_h"])
 def family_model(request, tmp_path_factory):
     path = model_dir(tmp_path_factory, request.param)
     return request.param, path, load_reference(path)

@@ -165,3 +165,23 @@ def test_hybrid_real_gemma3_disk_tier_hit_after_a_restart_matches_transformers(g
     assert outs[0].metrics.num_cached_tokens > WINDOW + 128
     assert sum(after.stats["kv_tier_loads_by_group"]["disk"]) > 0
     assert got[0] == reference(second)
+
+
+def test_hybrid_real_gemma3_prefill_and_decode_engines_match_transformers(gguf_path, engine, reference, tmp_path):
+    # Prefill and decode on different engines (kv_role) over one directory:
+    # a prompt past the window computed by the prefill engine, continued by
+    # the decode engine from what it shipped: every full-attention block,
+    # the window group's last window only.
+    prompt = token_ids(engine, [long_prompt(LONG_QUESTIONS[1])])[0]
+    assert len(prompt) > WINDOW + 128
+    prefill = Engine(gguf_path, kv_cache_memory="256MiB", progress=False, kv_disk_cache=str(tmp_path),
+                     kv_role="prefill")
+    decode = Engine(gguf_path, kv_cache_memory="256MiB", progress=False, kv_disk_cache=str(tmp_path),
+                    kv_role="decode")
+    first = prefill.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+    got, outs = generate(decode, [prompt])
+    assert got[0] == reference(prompt)
+    assert outs[0].metrics.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    shipped, everything = first.metrics.kv_handoff_bytes, first.metrics.kv_all_layers_bytes
+    assert shipped < 0.85 * everything  # 15 of 18 layers ship their last 512 tokens only
+    assert sum(decode.stats["kv_tier_loads_by_group"]["disk"]) > 0 and decode.stats["kv_tier_failed_loads"] == 0
