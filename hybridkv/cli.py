@@ -77,6 +77,8 @@ def _interrupt(signum, frame):
 def _serve_until_stopped(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be a port number, 0 to 65535, got {args.port}")
+    if args.prefill_replicas and args.replicas is None and args.address is None:
+        raise ValueError("--prefill-replicas goes with --replicas N (the decode replicas)")
     if args.replicas is not None or args.address is not None:
         if args.kv_events:
             raise ValueError("--kv-events publishes one engine's events; with --replicas the router reads "
@@ -162,6 +164,9 @@ def _serve_replicas(args) -> int:
     replicas = 1 if args.replicas is None else args.replicas
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if args.prefill_replicas < 0 or (args.prefill_replicas and not args.kv_disk_cache):
+        raise ValueError("--prefill-replicas must be >= 0, and needs --kv-disk-cache (the directory prefill and "
+                         "decode replicas share)")
     model = args.model or args.model_option
     if model is None:
         from .tiny_models import tiny_model_dir
@@ -171,7 +176,7 @@ def _serve_replicas(args) -> int:
         name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
                    host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-                   engine_options=engine_options, **_limits(args))
+                   engine_options=engine_options, prefill_replicas=args.prefill_replicas, **_limits(args))
     return 0
 
 
@@ -277,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-events-topic", default="", help="the topic of every event message (default empty)")
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="N engine replicas on Ray Serve, routed by prefix hit (docs/server.md; needs .[ray])")
+    serve.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                       help="with --replicas N: P prefill replicas before the N decode ones, meeting in "
+                            "--kv-disk-cache (default 0: every replica does both)")
     serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",
                        help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)

@@ -54,12 +54,12 @@ def cluster():
     stop_local_ray()  # with Ray's agents, which outlive ray.shutdown()
 
 
-def _wait_running(app: str, replicas: int = 2, timeout: float = 120) -> None:
+def _wait_running(app: str, replicas: int = 2, timeout: float = 120, deployment: str = "EngineReplica") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get(app)
         if status is not None and status.status == "RUNNING":
-            engines = status.deployments["EngineReplica"]
+            engines = status.deployments[deployment]
             if engines.replica_states.get("RUNNING", 0) == replicas and len(engines.replica_states) == 1:
                 return
         time.sleep(0.2)
@@ -380,3 +380,34 @@ def test_replicas_with_tensor_parallelism_equal_one_plain_engine(cluster, plain)
     options = dict(OPTIONS["tiny-gemma3"], tensor_parallel_size=2)
     rng = random.Random(5)
     served_like_plain(cluster, plain, "tp", options, [tokens(rng, 50) for _ in range(3)])
+
+
+def test_prefill_and_decode_replicas_equal_one_plain_engine(cluster, plain, tmp_path):
+    # One prefill replica and one decode replica meeting in one directory:
+    # each prompt is computed on the prefill replica, and the decode replica
+    # takes its whole hit from what that left there. Outputs equal the plain
+    # engine's; a prompt seen before is served by the decode replica's pool.
+    app = "disaggregated"
+    options = dict(OPTIONS["tiny-gemma3"], kv_disk_cache=str(tmp_path))
+    serve.run(build_application(tiny_model_dir("tiny-gemma3"), model_name="tiny-gemma3", num_replicas=1,
+                                prefill_replicas=1, engine_options=options, stats_period_s=STATS_PERIOD_S),
+              name=app, route_prefix=f"/{app}", blocking=False)
+    _wait_running(app, replicas=1)
+    _wait_running(app, replicas=1, deployment="PrefillReplica")
+    try:
+        engine = plain("tiny-gemma3")
+        rng = random.Random(11)
+        for prompt in [tokens(rng, 90) for _ in range(3)]:
+            _, text, hit = complete(cluster, app, prompt, max_tokens=6)
+            assert text == greedy(engine, prompt, 6)
+            assert hit == (len(prompt) - 1) // 16 * 16  # the whole hit, from the prefill replica's blocks
+        metrics = cluster.get(f"/{app}/metrics").text
+        assert 'hybridkv_prefills_total{outcome="done"} 3.0' in metrics
+    finally:
+        serve.delete(app)
+
+
+def test_prefill_replicas_need_the_shared_directory():
+    with pytest.raises(ValueError, match="prefill replicas need kv_disk_cache"):
+        build_application(tiny_model_dir("tiny-gemma3"), model_name="tiny-gemma3", num_replicas=1,
+                          prefill_replicas=1, engine_options=dict(OPTIONS["tiny-gemma3"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -273,3 +274,19 @@ def test_model_files_never_name_an_implementation():
     assert len(shared) > 10
     offenders = {m: sorted(t for t in graph[m] if t.startswith("hybridkv.layers.backends")) for m in shared}
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_every_soak_case_names_a_test_that_exists():
+    # conftest.py's SOAK_CASES move cases out of the main suite by name: a
+    # renamed or deleted test must not leave an entry that moves nothing.
+    from conftest import SOAK_CASES
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for case in SOAK_CASES:
+        path, _, name = case.partition("::")
+        function = name.split("[")[0]
+        source = open(os.path.join(here, path)).read()
+        assert re.search(rf"^def {re.escape(function)}\(", source, re.M), f"SOAK_CASES: {case} names no test"
+        if "[" in name:  # a parameter: the test must still be parametrized with it
+            param = name.split("[", 1)[1].rstrip("]").split("-")[0]
+            assert param in source, f"SOAK_CASES: {case}: no parameter {param!r} in {path}"

@@ -7,6 +7,10 @@ as `hybridkv serve` (needs the `ray` and `server` extras).
     EngineReplica   one Engine (KV events on) behind an EngineLoop; streams
                     Updates; reports its KV events and counters to the routers
     HybridPrefixRouter (ray_router.py) picks the replica for each call
+    PrefillReplica  (with `prefill_replicas`) engines of kv_role "prefill":
+                    the ingress sends each prompt there first (one token),
+                    and the EngineReplicas, of kv_role "decode", load what
+                    it left in the directory both share (`kv_disk_cache`)
 
 The ingress tokenizes so that the router, which runs inside the ingress's
 process, sees token ids and can compute each replica's hit.
@@ -16,13 +20,16 @@ Ray Serve. A request that was on it is retried on another replica when
 nothing of it has reached the client yet: every non-streamed request, and a
 streamed one before its first token. A stream that already sent text ends
 with an error event (HTTP 503 type, code `replica_failed`): the client
-retries it. `retries` bounds the attempts per request.
+retries it. `retries` bounds the attempts per request. A prefill replica
+that fails (or refuses) costs nothing but time: the decode replica then
+computes the whole prompt itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -202,14 +209,18 @@ class ReplicaCall:
 class ReplicaSet:
     """create_app's engine client over the engine deployment's handle."""
 
-    def __init__(self, handle, tokenizer, retries: int):
+    def __init__(self, handle, tokenizer, retries: int, prefill=None):
         self.handle = handle
+        self.prefill = prefill  # the prefill replicas' handle, or None
         self.tokenizer = tokenizer
         self.retries = retries
         self.server_metrics = ServerMetrics()
         self.retried = Counter("hybridkv_requests_retried", "Requests sent again to another replica because the "
                                "one serving them failed before any of their output reached the client",
                                registry=self.server_metrics.registry)
+        self.prefills = Counter("hybridkv_prefills", "Prompts computed by a prefill replica, by outcome (done; "
+                                "failed: the decode replica computed the prompt itself)", labelnames=["outcome"],
+                                registry=self.server_metrics.registry)
         self.max_model_len = None
         self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
         self.error = None
@@ -227,7 +238,25 @@ class ReplicaSet:
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
         kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt)
+        if self.prefill is not None and params.prompt_logprobs is None:
+            await self._prefill(kwargs)
         return await ReplicaCall(self, kwargs, buffered=not stream).open()
+
+    async def _prefill(self, kwargs: dict) -> None:
+        """The prompt on a prefill replica, one token long: it leaves the
+        blocks a hit of the prompt reads where the decode replicas look.
+        Whatever goes wrong there, the decode replica computes the prompt."""
+        one = dataclasses.replace(kwargs["params"], n=1, max_tokens=1)
+        try:
+            call = self.prefill.options(stream=True).generate.remote(**dict(
+                kwargs, params=one, request_id=f"{kwargs['request_id']}:prefill"))
+            async for item in call:
+                if isinstance(item, Refused):
+                    raise item.error()
+        except Exception:  # (a refusal, a replica gone: the decode side recomputes, never wrong tokens)
+            self.prefills.labels("failed").inc()
+            return
+        self.prefills.labels("done").inc()
 
     async def metrics(self) -> bytes:
         deployment = self.handle.deployment_id
@@ -238,9 +267,9 @@ class ReplicaSet:
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
-                       retries: int = 2, limits: dict | None = None):
+                       retries: int = 2, limits: dict | None = None, prefill_handle=None):
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
-        self.engine_client = ReplicaSet(engine_handle, tokenizer, retries)
+        self.engine_client = ReplicaSet(engine_handle, tokenizer, retries, prefill_handle)
         self.model_name, self.api_key, self.limits = model_name, api_key, limits or {}
 
     def __serve_build_asgi_app__(self):
@@ -251,14 +280,24 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
                       api_key: str | None = None, router: str = "hybrid", queued_request_tokens: int = 256,
                       stats_period_s: float = 1.0, snapshot_every: int = 20, replica_cpus: float = 1.0,
                       max_ongoing_requests: int = 256, max_waiting: int = 512, health_check_period_s: float = 5.0,
-                      retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None):
+                      retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None,
+                      prefill_replicas: int = 0):
     """The Ray Serve application: `serve.run(build_application(...))`.
     `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
     power-of-two-choices, for comparison). `replica_cpus`: what a replica
     asks of Ray per process (tensor parallelism: per rank). `max_body_bytes`,
-    `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app)."""
+    `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app).
+    `prefill_replicas`: that many prefill replicas before the
+    `num_replicas` decode ones (engine_options must name the
+    `kv_disk_cache` directory they share)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if prefill_replicas < 0:
+        raise ValueError(f"prefill_replicas must be >= 0, got {prefill_replicas}")
+    engine_options = dict(engine_options or {})
+    if prefill_replicas and not engine_options.get("kv_disk_cache"):
+        raise ValueError("prefill replicas need kv_disk_cache: the directory the prefill and decode replicas "
+                         "share (on one machine, one under /dev/shm is shared memory)")
     if router not in ("hybrid", "default"):
         raise ValueError(f"router must be 'hybrid' or 'default', got {router!r}")
     router_config = RequestRouterConfig(request_routing_stats_period_s=stats_period_s)
@@ -267,15 +306,21 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
                                             request_router_kwargs={"queued_request_tokens": queued_request_tokens,
                                                                    "recent_horizon_s": 5 * stats_period_s + 1.0},
                                             request_routing_stats_period_s=stats_period_s)
-    engines = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_cpus * _ranks(engine_options)}, request_router_config=router_config,
-        health_check_period_s=health_check_period_s, health_check_timeout_s=max(30.0, health_check_period_s))
+    def engines(name: str, count: int, role: str | None):
+        options = dict(engine_options, kv_role=role) if role else engine_options
+        return serve.deployment(EngineReplica, name=name).options(
+            num_replicas=count, max_ongoing_requests=max_ongoing_requests,
+            ray_actor_options={"num_cpus": replica_cpus * _ranks(engine_options)},
+            request_router_config=router_config, health_check_period_s=health_check_period_s,
+            health_check_timeout_s=max(30.0, health_check_period_s)).bind(model_dir, options, max_waiting,
+                                                                          snapshot_every)
+
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     limits = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
-    return ingress.bind(engines.bind(model_dir, engine_options or {}, max_waiting, snapshot_every), model_dir,
-                        model_name, api_key, retries, limits)
+    prefill = engines("PrefillReplica", prefill_replicas, "prefill") if prefill_replicas else None
+    decode = engines("EngineReplica", num_replicas, "decode" if prefill_replicas else None)
+    return ingress.bind(decode, model_dir, model_name, api_key, retries, limits, prefill)
 
 
 def _ranks(engine_options: dict | None) -> int:
@@ -343,14 +388,17 @@ def serve_replicas(model_dir: str, *, model_name: str, num_replicas: int, addres
     serving = False
     try:
         cpus_per_replica = options.get("replica_cpus", 1.0) * _ranks(options.get("engine_options"))
+        all_replicas = num_replicas + options.get("prefill_replicas", 0)
         start_ray(address, num_cpus=None if address else max(os.cpu_count() or 1,
-                                                             int(num_replicas * cpus_per_replica) + 1))
+                                                             int(all_replicas * cpus_per_replica) + 1))
         serve.start(http_options={"host": host, "port": port})
         serving = True
         serve.run(build_application(model_dir, model_name=model_name, num_replicas=num_replicas, **options),
                   name=APP_NAME, route_prefix="/")
-        print(f"hybridkv: {num_replicas} engine replicas of {model_name} on Ray Serve at http://{host}:{port}/v1",
-              flush=True)
+        prefill = options.get("prefill_replicas", 0)
+        roles = f" ({prefill} prefill, then decode)" if prefill else ""
+        print(f"hybridkv: {num_replicas} engine replicas{roles} of {model_name} on Ray Serve at "
+              f"http://{host}:{port}/v1", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also while the replicas start
