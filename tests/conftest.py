@@ -90,6 +90,8 @@ SOAK_CASES = (
     # the real model's drafts and disk restart: the tiny models' speculative and disk-tier tests stay
     "test_real_gemma3.py::test_hybrid_real_gemma3_speculative_decoding_keeps_greedy_tokens",
     "test_real_gemma3.py::test_hybrid_real_gemma3_disk_tier_hit_after_a_restart_matches_transformers",
+    # prefill/decode replicas measured: their test in test_ray_replicas.py stays
+    "test_benchmarks.py::test_disaggregated_quick",
     # the real model's prefill and decode engines: the four tiny families' (test_disaggregated.py) stay
     "test_real_gemma3.py::test_hybrid_real_gemma3_prefill_and_decode_engines_match_transformers",
 )

@@ -317,6 +317,17 @@ def test_ray_replicas_quick(tmp_path):
     assert all(row["hit_rate"] > 0 and row["ttft_mean_ms"] > 0 for row in data["routers"])
 
 
+def test_disaggregated_quick(tmp_path):
+    pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+    pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
+    text, data = run("disaggregated", tmp_path)
+    configs = {row["config"]: row for row in data["configs"]}
+    assert set(configs) == {"2 replicas", "1 prefill + 1 decode"}
+    assert configs["1 prefill + 1 decode"]["cached_fraction"] > 0.5  # the decode replica's hits come from the transfer
+    assert all(row["ttft_mean_ms"] > 0 and row["itl_mean_ms"] > 0 for row in configs.values())
+    assert all(0 < t["bytes"] <= t["all_layers_bytes"] for t in data["transfer"])
+
+
 def test_vllm_replay_quick(tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (the vllm extra, in an environment of its own: docs/integrations.md)")
     text, data = run("vllm_replay", tmp_path)
