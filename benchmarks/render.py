@@ -276,6 +276,17 @@ TABLES: dict[str, Table] = {
         **{f"{int(t):,}-token prompt": (lambda t: lambda r: (
             f"{num(r['prompts'][t]['bytes'] / 2**20, 1)} MiB, {pct(r['prompts'][t]['fraction'], 0)}"))(t)
            for t in ("1024", "4096", "32768")}}),
+    "disaggregated": Table("disaggregated.json", rows_of("configs"), {
+        "replicas": key("config"), "mean TTFT": key("ttft_mean_ms", lambda v: f"{num(v)} ms"),
+        "p90": key("ttft_p90_ms", lambda v: f"{num(v)} ms"),
+        "time between tokens": key("itl_mean_ms", lambda v: f"{num(v, 1)} ms"),
+        "p90 ": key("itl_p90_ms", lambda v: f"{num(v, 1)} ms"),
+        "output tok/s": key("output_tok_per_s", lambda v: num(v, 1)),
+        "prompt tokens from cache": key("cached_fraction", pct)}),
+    "disaggregated-transfer": Table("disaggregated.json", rows_of("transfer"), {
+        "prompt tokens": key("prompt_tokens", num), "shipped": key("bytes", lambda v: f"{num(v / 2**20, 2)} MiB"),
+        "of every layer's": lambda r: pct(r["bytes"] / r["all_layers_bytes"], 0),
+        "written": key("write_ms", lambda v: f"{num(v, 2)} ms"), "read": key("read_ms", lambda v: f"{num(v, 2)} ms")}),
     "memory": Table("memory.json", rows_of("models"), {
         "model": key("model"), "groups": key("groups"), "waste": key("waste_fraction", lambda v: pct(v, 4)),
         "padded groups": key("padded_groups"), "padding layers": key("padding_layers"),
