@@ -94,7 +94,21 @@ def make_shared_system(num_requests: int, seed: int = 0, systems=8, system=(800,
             for _ in range(num_requests)]
 
 
-TRACES = {"mixed": make_trace, "multi-turn": make_chats, "shared-system": make_shared_system}
+def make_send_twice(num_requests: int, seed: int = 0, prompt=(1000, 4000), output=(20, 200)) -> list[TraceRequest]:
+    """Long prompts that share nothing, each sent again once its first send
+    has finished (a regenerated answer, a retried call): the second send
+    can hit all but the prompt's last block, if the cache kept the state at
+    its end (vLLM 0.32 misses until the third send on hybrids, vllm#45238)."""
+    rng = random.Random(seed)
+    firsts = [TraceRequest([rng.randrange(1, VOCAB) for _ in range(rng.randint(*prompt))], rng.randint(*output),
+                           [rng.randrange(1, VOCAB) for _ in range(8)]) for _ in range((num_requests + 1) // 2)]
+    again = [TraceRequest(first.tokens, rng.randint(*output), [rng.randrange(1, VOCAB) for _ in range(8)], after=i)
+             for i, first in enumerate(firsts)]
+    return (firsts + again)[:num_requests]
+
+
+TRACES = {"mixed": make_trace, "multi-turn": make_chats, "shared-system": make_shared_system,
+          "send-twice": make_send_twice}
 
 
 def trace_named(name: str, num_requests: int) -> list[TraceRequest]:

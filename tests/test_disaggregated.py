@@ -115,3 +115,18 @@ def test_a_salt_never_crosses_and_a_held_prefix_loads_nothing(family_model, tmp_
     assert sum(decode.stats["kv_tier_loads_by_group"]["disk"]) == loads
     for out in (other, mine, again):
         check_tokens(reference, doc, out.outputs[0].token_ids)
+
+
+def test_chunked_prefill_and_drafts_on_the_decode_side_keep_the_tokens(family_model, tmp_path):
+    # The prefill engine computes the prompt in chunks of 16 tokens; the
+    # decode engine verifies prompt-lookup drafts while it decodes.
+    family, path, reference = family_model
+    prefill = engine(path, tmp_path, "prefill", max_num_batched_tokens=16)
+    decode = engine(path, tmp_path, "decode", speculative_method="ngram", num_speculative_tokens=3,
+                    prompt_lookup_min=1, prompt_lookup_max=2)  # (a token seen before proposes what followed it)
+    doc = documents(1, length=65)[0]
+    run(prefill, doc, FIRST)
+    out = run(decode, doc, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    check_tokens(reference, doc, out.outputs[0].token_ids)
+    assert out.metrics.num_cached_tokens == (len(doc) - 1) // 4 * 4
+    assert decode.stats["spec_draft_tokens"] > 0
