@@ -94,17 +94,25 @@ def make_shared_system(num_requests: int, seed: int = 0, systems=8, system=(800,
             for _ in range(num_requests)]
 
 
-def make_send_twice(num_requests: int, seed: int = 0, prompt=(1000, 4000), output=(20, 200)) -> list[TraceRequest]:
-    """Long prompts that share nothing, each sent again once its first send
-    has finished (a regenerated answer, a retried call): the second send
-    can hit all but the prompt's last block, if the cache kept the state at
-    its end (vLLM 0.32 misses until the third send on hybrids, vllm#45238)."""
+def make_send_twice(num_requests: int, seed: int = 0, prompt=(1000, 4000), output=(20, 200),
+                    lanes=8) -> list[TraceRequest]:
+    """Long prompts that share nothing, each sent again as soon as its first
+    send has finished (a regenerated answer, a retried call), by `lanes`
+    clients, each sending its next prompt once the last one came back
+    twice: the second send can hit all but the prompt's last block, if the
+    cache kept the state at its end (vLLM 0.32 misses until the third send
+    on hybrids, vllm#45238)."""
     rng = random.Random(seed)
-    firsts = [TraceRequest([rng.randrange(1, VOCAB) for _ in range(rng.randint(*prompt))], rng.randint(*output),
-                           [rng.randrange(1, VOCAB) for _ in range(8)]) for _ in range((num_requests + 1) // 2)]
-    again = [TraceRequest(first.tokens, rng.randint(*output), [rng.randrange(1, VOCAB) for _ in range(8)], after=i)
-             for i, first in enumerate(firsts)]
-    return (firsts + again)[:num_requests]
+    trace: list[TraceRequest] = []
+    last: list[int | None] = [None] * lanes  # each lane's latest request
+    while len(trace) < num_requests:
+        lane = len(trace) // 2 % lanes
+        tokens = [rng.randrange(1, VOCAB) for _ in range(rng.randint(*prompt))]
+        for _ in range(2):
+            trace.append(TraceRequest(tokens, rng.randint(*output), [rng.randrange(1, VOCAB) for _ in range(8)],
+                                      after=last[lane]))
+            last[lane] = len(trace) - 1
+    return trace[:num_requests]  # a request always comes after the one it follows: the cut keeps every `after`
 
 
 TRACES = {"mixed": make_trace, "multi-turn": make_chats, "shared-system": make_shared_system,

@@ -205,3 +205,24 @@ def test_adjacent_blocks_taken_apart_make_one_run_for_a_wide_block():
     blocks = wide_again.take([(1, 8)], lambda need: [])[0]
     wide = wide_again.take([(8, 1)], lambda need: blocks)[0][0]  # freed first to last: joins too
     assert wide_again.runs[wide] is None
+
+
+def test_a_checkpoint_on_probation_keeps_its_lru_place_for_its_grace_then_goes_first():
+    # A prompt-end checkpoint released on probation stays in LRU order while
+    # less than an eighth of the pool's pages has been released after it (a
+    # prompt sent again soon still finds it), then is the first to go.
+    from hybridkv.core.block_cache import BlockCache
+
+    cache = BlockCache(num_pages=33, num_groups=1)  # 32 usable pages; a grace of 33 // 8 = 4 pages
+    blocks = cache.allocate([(1, 32)])[0]
+    cache.store(0, blocks, [bytes([i]) * 32 for i in range(32)])
+    cache.release(blocks[0])
+    cache.release(blocks[1])
+    cache.release(blocks[2], probation=True)
+    assert cache.allocate([(1, 1)]) == [[blocks[0]]]  # within its grace: the oldest block goes
+    for block in blocks[3:6]:
+        cache.release(block)  # 3 pages after it: still within its grace
+    assert cache.allocate([(1, 1)]) == [[blocks[1]]]
+    cache.release(blocks[6])  # the 4th: its grace is over
+    assert cache.allocate([(1, 1)]) == [[blocks[2]]]  # first, before the older blocks 3 to 6
+    assert cache.evictions["probation"] == [1] and cache.evictions["lru"] == [2]

@@ -30,7 +30,7 @@ failed: it never held its content).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from operator import itemgetter
 
@@ -45,6 +45,9 @@ _SPILLED = ("lru", "probation")
 # update (a prefill's blocks, nearly always new content); below it, the
 # checks that the shortcut needs cost more than the per-block loop.
 _BULK_STORE = 8
+# A block released on probation keeps its place in LRU order until this
+# fraction of the pool's pages has been released after it (see BlockCache).
+PROBATION_GRACE_FRACTION = 8
 
 
 class BlockCache:
@@ -59,6 +62,18 @@ class BlockCache:
         # in the queue because popping a block returns its entry anyway.)
         self._free: OrderedDict[int, bool] = OrderedDict()
         self._free_pages = 0  # pages of the blocks in the queue
+        # Probation waits out a grace first: a block released on probation
+        # stays in LRU order until `probation_grace` more pages have been
+        # released after it, then goes before any other (`_probation`:
+        # (block, pages released when it was) in release order, checked
+        # against `_probation_stamp` since a block may be taken and released
+        # again meanwhile). A prompt sent again soon after (a regenerated
+        # answer, a retry) still finds its state; under pressure the state
+        # goes first, as a chat's next turn resumes elsewhere.
+        self.probation_grace = num_pages // PROBATION_GRACE_FRACTION
+        self._released_pages = 0
+        self._probation: deque[tuple[int, int]] = deque()
+        self._probation_stamp: dict[int, int] = {}
         self.cached: list[dict] = [{} for _ in range(num_groups)]  # per group: key -> block
         # Per group, key -> {block: None}: other blocks holding the content of
         # the block that the map names (see "Copies of one content").
@@ -114,7 +129,11 @@ class BlockCache:
         on_probation = []
         got = 0
         while got < pages:
-            block, probation = free.popitem(last=False)
+            block = self._expired_probation()
+            if block is not None:
+                probation = free.pop(block)
+            else:
+                block, probation = free.popitem(last=False)
             if key[block] is not None:
                 (on_probation if probation else keyed).append(block)
             got += widths[block]
@@ -125,6 +144,18 @@ class BlockCache:
         if on_probation:
             self.evict(on_probation, "probation")
         return out
+
+    def _expired_probation(self) -> int | None:
+        """The oldest block on probation whose grace is over and that still
+        waits, on probation, in the free queue (None: none)."""
+        queue, stamp, free = self._probation, self._probation_stamp, self._free
+        while queue and self._released_pages - queue[0][1] >= self.probation_grace:
+            block, released = queue.popleft()
+            if stamp.get(block) == released:
+                del stamp[block]
+                if free.get(block) is True:
+                    return block
+        return None
 
     def touch(self, block: int) -> None:
         """One more reference (a prefix hit or a fork)."""
@@ -166,16 +197,21 @@ class BlockCache:
         return len(table) > 1 and NULL not in table and 0 not in itemgetter(*table)(self.ref)
 
     def release(self, block: int, probation: bool = False) -> None:
-        """One reference less. `probation`: the block stays cached but enters
-        the free queue at the head, first to go if memory runs short (a
-        checkpoint unlikely to be reused)."""
+        """One reference less. `probation`: the block stays cached, and once
+        its grace is over (see __init__) it is the first to go if memory
+        runs short (a checkpoint unlikely to be reused but soon)."""
         ref = self.ref
         ref[block] -= 1
         if ref[block] == 0:
             self._free[block] = probation
-            if probation or self.key[block] is None:
+            width = self.allocator.widths[block]
+            self._free_pages += width
+            self._released_pages += width
+            if self.key[block] is None:
                 self._free.move_to_end(block, last=False)
-            self._free_pages += self.allocator.widths[block]
+            elif probation:
+                self._probation.append((block, self._released_pages))
+                self._probation_stamp[block] = self._released_pages
 
     # -- keys ------------------------------------------------------------------
     def store(self, group: int, blocks: Sequence[int], keys: Sequence, tokens: Sequence | None = None,

@@ -10,9 +10,10 @@ likely, after the Marconi paper's observation that reuse concentrates at a
 few positions:
 * the end of the prompt, rounded down to the block size (a request with the
   same prompt, a regenerated answer, hits there). Once the request has moved
-  on, this state enters the free queue on probation (at its head): kept while
-  memory is free, first to go under pressure, because in a chat the next turn
-  resumes from the end of the answer, not of the prompt;
+  on, this state enters the free queue on probation: in LRU order for a
+  grace (an eighth of the pool's pages released after it: a prompt sent
+  again soon finds it), then first to go, because in a chat the next turn
+  resumes from the end of the answer, not of the prompt (block_cache.py);
 * the branch point: the end of the longest prefix this prompt shares with
   another request's, earlier or waiting beside it (a shared system prompt or
   chat history shows up as such a prefix from its second use on, and is then
