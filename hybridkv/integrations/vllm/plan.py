@@ -14,23 +14,23 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-
-@dataclass
-class Load:
-    request_id: str
-    blocks: list[tuple[int, bytes, int]]  # (group, key, block id), in position order
+from ...core.tiers import BlockLoad, BlockStore
 
 
 @dataclass
 class TierPlan(KVConnectorMetadata):
+    """One step's copies, in the entries hybridkv's own engine plans with
+    (core/tiers.py), a block's "pages" being its vLLM block id. A request's
+    loads are all or nothing."""
     step: int
-    loads: list[Load] = field(default_factory=list)
-    stores: list[tuple[int, bytes, int]] = field(default_factory=list)  # (group, key, block id)
+    loads: list[BlockLoad] = field(default_factory=list)  # in position order, per request
+    loading: list[str] = field(default_factory=list)  # the requests whose loads these are (each reported back)
+    stores: list[BlockStore] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # finished requests whose blocks wait for these stores
     clear: bool = False  # forget everything first (vLLM's reset of the connector cache)
 
     def has_work(self) -> bool:
-        return bool(self.loads or self.stores or self.released or self.clear)
+        return bool(self.loading or self.stores or self.released or self.clear)
 
 
 @dataclass

@@ -34,7 +34,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...tiers import has_block
 from .groups import TierGroups
-from .plan import Load, TierPlan, TierReport
+from ...core.tiers import BlockLoad, BlockStore
+from .plan import TierPlan, TierReport
 
 MEDIUM = {"host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -112,11 +113,12 @@ class TierScheduler:
                     tier = held.get(keys[j])
                     # (None: the mirror changed since match; the worker fails
                     # the load and vLLM recomputes.)
-                    items.append((g, keys[j], ids[j]))
+                    items.append(BlockLoad(request.request_id, g, keys[j], (ids[j],), tier or ""))
                     self.stats["loaded_blocks"][g] += 1
                     if tier is not None:
                         sources[j] = "disk" if tier == "disk" or sources.get(j) == "disk" else "host"
-        self.plan.loads.append(Load(request.request_id, items))
+        self.plan.loads.extend(items)
+        self.plan.loading.append(request.request_id)
         # Where each served token came from: a position is from disk if any
         # group's block for it is (the slowest tier it waited for).
         by_source: dict = {}
@@ -173,7 +175,7 @@ class TierScheduler:
         self.pending[item] = self.step
         self.stats["stored_blocks"][group] += 1
         self.stats["stores_" + reason] += 1
-        return [(group, key, block_id)]
+        return [BlockStore(group, key, (block_id,))]
 
     def _pin(self, blocks: list) -> None:
         """Keep `blocks` out of the free queue until the workers copied them."""
@@ -280,6 +282,7 @@ class TierScheduler:
         everything, starting with the next step's plan."""
         self.plan.clear = True
         self.plan.loads.clear()  # (none can be in flight: vLLM resets with no request running)
+        self.plan.loading.clear()
         if self.events is not None:
             for g, held in enumerate(self.held):
                 for tier in ("host", "disk"):

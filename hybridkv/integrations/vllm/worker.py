@@ -89,17 +89,21 @@ class TierWorker:
             return
         if plan.clear:
             self.store.clear()
-        for job in plan.loads:
-            self.received.add(job.request_id)
-            if not self._load(job.blocks):
-                self.failed.add(job.request_id)
+        by_request: dict[str, list] = {request_id: [] for request_id in plan.loading}
+        for load in plan.loads:
+            by_request[load.request_id].append(load)
+        for request_id, loads in by_request.items():
+            self.received.add(request_id)
+            if not self._load(loads):
+                self.failed.add(request_id)
 
-    def _load(self, blocks: list) -> bool:
-        for group, key, block_id in blocks:
-            content = self.store.read(group, key)
-            if content is None or content.shape[0] != len(self.layers[group]):
+    def _load(self, loads: list) -> bool:
+        for load in loads:
+            content = self.store.read(load.group, load.key)
+            if content is None or content.shape[0] != len(self.layers[load.group]):
                 return False
-            for layer, page in zip(self.layers[group], content):
+            (block_id,) = load.pages
+            for layer, page in zip(self.layers[load.group], content):
                 layer.write(block_id, page)
         return True
 
@@ -110,8 +114,8 @@ class TierWorker:
         if plan is None:
             return
         by_group: dict[int, list] = {}
-        for group, key, block_id in plan.stores:
-            by_group.setdefault(group, []).append((key, block_id))
+        for store in plan.stores:
+            by_group.setdefault(store.group, []).append((store.key, store.pages[0]))
         for group, items in by_group.items():
             ids = torch.tensor([block_id for _, block_id in items], dtype=torch.long)
             pages = torch.stack([layer.read(ids) for layer in self.layers[group]], dim=1).cpu()
