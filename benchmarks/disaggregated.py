@@ -21,21 +21,18 @@ write and read them through the disk tier in /dev/shm.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 
-import httpx
 import ray
 from ray import serve
 
 from benchmarks import harness
-from benchmarks.ray_replicas import free_port, model_path
+from benchmarks.ray_replicas import free_port, model_path, run_requests
 from hybridkv.serving.ray import build_application, start_ray
 
 
@@ -44,47 +41,6 @@ def workload(seed: int, requests: int, long_len: int, short_len: int, vocab: int
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(long_len if i % 2 == 0 else short_len)]
             for i in range(requests)]
-
-
-def stream_requests(base: str, prompts: list, clients: int, max_tokens: int) -> list[dict]:
-    """Each prompt streamed by one of `clients` concurrent clients: its TTFT,
-    the gaps between its later tokens, and its cached prompt tokens."""
-    todo = list(enumerate(prompts))
-    lock = threading.Lock()
-    out: list[dict] = [None] * len(prompts)
-
-    def client():
-        with httpx.Client(base_url=base, timeout=600) as http:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    i, prompt = todo.pop(0)
-                start = time.perf_counter()
-                times, usage = [], None
-                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                with http.stream("POST", "/bench/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"] and chunk["choices"][0]["text"]:
-                            times.append(time.perf_counter())
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                gaps = [b - a for a, b in zip(times, times[1:])]
-                out[i] = {"ttft": (times[0] if times else time.perf_counter()) - start,
-                          "itl": statistics.fmean(gaps) if gaps else None, "prompt": usage["prompt_tokens"],
-                          "cached": usage["prompt_tokens_details"]["cached_tokens"]}
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def transfer_cost(path: str, kv_cache_memory: str, prompt_len: int, directory: str) -> dict:
@@ -153,10 +109,10 @@ def run(args) -> dict:
                     app = build_application(path, model_name=args.model, num_replicas=1, prefill_replicas=1,
                                             engine_options=dict(options, kv_disk_cache=directory))
                 serve.run(app, name="bench", route_prefix="/bench")
-                stream_requests(base, [[11, 12, 13]], 1, 2)  # warm-up: the first call's set-up
+                run_requests(base, "bench", [[11, 12, 13]], 1, 2)  # warm-up: the first call's set-up
                 t0 = time.perf_counter()
-                results = stream_requests(base, workload(round_, args.requests, args.long, args.short, vocab),
-                                          args.clients, args.max_tokens)
+                results = run_requests(base, "bench", workload(round_, args.requests, args.long, args.short, vocab),
+                                       args.clients, args.max_tokens)
                 wall = time.perf_counter() - t0
                 serve.delete("bench")
             finally:

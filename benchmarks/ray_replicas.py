@@ -57,7 +57,9 @@ def workload(seed: int, families: int, per_family: int, prefix_len: int, questio
 
 
 def run_requests(base: str, app: str, prompts: list, clients: int, max_tokens: int) -> list[dict]:
-    """Send `prompts` (token ids) over `clients` concurrent streaming clients."""
+    """Send `prompts` (token ids) over `clients` concurrent streaming clients:
+    per prompt its TTFT, the mean gap between its later tokens, its prompt
+    and cached tokens."""
     todo = list(enumerate(prompts))
     lock = threading.Lock()
     out: list[dict] = [None] * len(prompts)
@@ -70,7 +72,7 @@ def run_requests(base: str, app: str, prompts: list, clients: int, max_tokens: i
                         return
                     i, prompt = todo.pop(0)
                 start = time.perf_counter()
-                ttft, usage = None, None
+                times, usage = [], None  # when each streamed text arrived
                 body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                         "stream": True, "stream_options": {"include_usage": True}}
                 with http.stream("POST", f"/{app}/v1/completions", json=body) as r:
@@ -79,11 +81,13 @@ def run_requests(base: str, app: str, prompts: list, clients: int, max_tokens: i
                         if not line.startswith("data: {"):
                             continue
                         chunk = json.loads(line[6:])
-                        if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                            ttft = time.perf_counter() - start
+                        if chunk["choices"] and chunk["choices"][0]["text"]:
+                            times.append(time.perf_counter())
                         if chunk.get("usage"):
                             usage = chunk["usage"]
-                out[i] = {"ttft": ttft if ttft is not None else time.perf_counter() - start,
+                gaps = [b - a for a, b in zip(times, times[1:])]
+                out[i] = {"ttft": (times[0] if times else time.perf_counter()) - start,
+                          "itl": statistics.fmean(gaps) if gaps else None,  # the mean gap between later tokens
                           "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
     threads = [threading.Thread(target=client) for _ in range(clients)]

@@ -128,8 +128,9 @@ class BlockCache:
         keyed = []
         on_probation = []
         got = 0
+        waiting = self._probation  # (empty without recurrent groups: no call per block then)
         while got < pages:
-            block = self._expired_probation()
+            block = self._expired_probation() if waiting else None
             if block is not None:
                 probation = free.pop(block)
             else:
