@@ -120,6 +120,10 @@ class TierIndex:
             index.clear()
         self.changed()
 
+    def on_disk(self, group: int, key: bytes) -> bool:
+        ref = self.index[group].get(key)
+        return ref is not None and ref.tier == "disk"
+
     def learn(self, held: Iterable[tuple]) -> None:
         """Blocks another process put where these tiers read, (group, key,
         tier): the index holds them from now on (a damaged one fails its

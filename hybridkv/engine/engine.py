@@ -201,10 +201,8 @@ class Engine:
                 self._copy_tiers(self.tier_index.take())  # what was decided, first
                 disk = self.tiers.disk
                 if disk is not None and disk.writable:
-                    index = self.tier_index.index
-                    stores = [BlockStore(g, key, tuple(pages)) for g in range(len(index))
-                              for key, pages in self.kv.cached_pages(g)
-                              if getattr(index[g].get(key), "tier", None) != "disk"]
+                    stores = [BlockStore(g, key, tuple(pages)) for g in range(len(self.layout.groups))
+                              for key, pages in self.kv.cached_pages(g) if not self.tier_index.on_disk(g, key)]
                     self._copy_tiers(TierPlan(stores, flush=True))
         finally:
             self.executor.close()
@@ -400,17 +398,15 @@ class Engine:
             n = s.count if s.drafts else int(s.completes)
             positions = s.seq.request.scored_positions(s.start, s.count)
             m = len(positions) if positions else 0
-            if s.seq.seq_id in lost:
-                self.scheduler.preempt(s.seq)
-                s.seq.request.metrics.first_scheduled_time = None  # its hit is counted again when admitted
-            else:
+            if s.seq.seq_id not in lost:
                 kept.append(s)
                 rows.extend(range(row, row + n))
                 scored_rows.extend(range(scored_row, scored_row + m))
             row += n
             scored_row += m
-        for seq in [seq for seq in self.scheduler.running if seq.seq_id in lost]:  # (none outside the step)
+        for seq in [seq for seq in self.scheduler.running if seq.seq_id in lost]:
             self.scheduler.preempt(seq)
+            seq.request.metrics.first_scheduled_time = None  # its hit is counted again when admitted
         logits = logits[rows] if logits.shape[0] else logits
         if scored is not None:
             scored = PromptLogprobs(*(t[scored_rows] for t in scored))
@@ -470,7 +466,6 @@ class Engine:
         block's hit, as a decode engine's lookup of the same prompt takes),
         written now, before any later step may reuse their pages."""
         bs = self.layout.block_size
-        index = self.tier_index.index
         stores = []
         for s in steps:
             request = s.seq.request
@@ -481,8 +476,7 @@ class Engine:
             page = self.layout.page_size_bytes
             request.metrics.kv_handoff_bytes = sum(len(pages) for _, _, pages in blocks) * page
             request.metrics.kv_all_layers_bytes = self.layout.all_layers_bytes(hit)
-            stores += [BlockStore(g, key, pages) for g, key, pages in blocks
-                       if getattr(index[g].get(key), "tier", None) != "disk"]
+            stores += [BlockStore(g, key, pages) for g, key, pages in blocks if not self.tier_index.on_disk(g, key)]
         if stores:
             self._copy_tiers(TierPlan(stores, flush=True))
 
