@@ -68,7 +68,7 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512)
         model = JambaForCausalLM(config)
-    elif family in RECURRENT_FAMILIES or family.startswith("qwen3"):
+    elif family in RECURRENT_FAMILIES or family.startswith("qwen3") or family == "bamba_one_group":
         model = recurrent_family(family)
     else:
         raise ValueError(family)
@@ -76,16 +76,17 @@ def build(family: str, path: str, sliding_window: int = 8, seed: int = 0, dtype=
     # parameters so the recurrent state really matters in the comparison.
     # gpt-oss's sinks start near 0 and its experts' biases at 0: make both
     # matter (a sink ignored anywhere then moves the logits).
+    recurrent = family in RECURRENT_FAMILIES or family == "bamba_one_group"
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("A_log", "mamba.D", "mixer.D", "dt_bias")) or "dt_proj.bias" in name:
                 param.add_(0.3 * torch.randn_like(param))
-            if family in RECURRENT_FAMILIES and name.endswith(("mamba.D", "mixer.D")):
+            if recurrent and name.endswith(("mamba.D", "mixer.D")):
                 # Mamba-2: the skip term D x small beside what the state carries
                 # (a state written wrong must show in the logits, not drown in D x),
                 # and steps dt = softplus(dt_bias + ...) of 0.1-2, not the init's 0.001-0.1.
                 param.mul_(0.1)
-            if family in RECURRENT_FAMILIES and name.endswith("dt_bias"):
+            if recurrent and name.endswith("dt_bias"):
                 param.copy_(torch.randn_like(param))
             if family.startswith("qwen3") and name.endswith("A_log"):
                 # Decays exp(-A softplus(...)) with A in 0.1-1, not the init's up to 16 (which
@@ -141,6 +142,10 @@ def recurrent_family(family: str):
     if family == "bamba":
         config = tf.BambaConfig(**_COMMON, **_MAMBA2, num_hidden_layers=3, attn_layer_indices=[1],
                                 intermediate_size=96)
+        return tf.BambaForCausalLM(config)
+    if family == "bamba_one_group":  # one group of B/C for all heads: fewer groups than tensor-parallel ranks
+        config = tf.BambaConfig(**_COMMON, **dict(_MAMBA2, mamba_n_groups=1), num_hidden_layers=3,
+                                attn_layer_indices=[1], intermediate_size=96)
         return tf.BambaForCausalLM(config)
     if family == "falcon_h1":
         config = tf.FalconH1Config(

@@ -3,8 +3,8 @@ processes over gloo, each with its half of the heads, MLP width, Mamba
 channels, experts' width and vocabulary, one manager in the driver. Greedy
 outputs equal the one-process engine's and transformers' argmax, on Gemma-3
 and Jamba, through prefix hits, chunked prefill, preemption in a tiny pool
-and speculative decoding; a size that does not divide, a model with layers
-it cannot split and a worker that dies are errors, not hangs."""
+and speculative decoding; a size that does not divide and a worker that
+dies are errors, not hangs."""
 
 from __future__ import annotations
 
@@ -79,18 +79,11 @@ def test_preemption_and_speculative_decoding_on_two_ranks(gemma3):
     assert spec == ample and stats["spec_draft_tokens"] > 0
 
 
-def test_sizes_that_do_not_divide_and_unsplit_layers_are_refused(gemma3):
-    from types import SimpleNamespace
-
-    from hybridkv.modeling.tensor_split import rank_config
-
+def test_sizes_that_do_not_divide_are_refused(gemma3):
+    # (every family splits: tests/test_tensor_parallel_families.py; their sizes there)
     path, _ = gemma3
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         Engine(path, progress=False, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="qwen3_next has layers it does not split yet"):
-        rank_config(SimpleNamespace(model_type="qwen3_next"), 2)
-    with pytest.raises(ValueError, match="does not split gpt-oss yet: its attention sinks"):
-        rank_config(SimpleNamespace(model_type="gpt_oss"), 2)
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def _mamba2_spec(cfg: dict, family: str, dtype: str, state_dtype: str, names: di
                          kind="mamba2")
 
 
-_MAMBA2_NAMES = {
+MAMBA2_NAMES = {
     "bamba": {"n_heads": "mamba_n_heads", "d_head": "mamba_d_head", "n_groups": "mamba_n_groups",
               "d_state": "mamba_d_state", "d_conv": "mamba_d_conv", "expand": "mamba_expand"},
     "granitemoehybrid": {"n_heads": "mamba_n_heads", "d_head": "mamba_d_head", "n_groups": "mamba_n_groups",
@@ -116,7 +116,7 @@ _MAMBA2_NAMES = {
     "nemotron_h": {"n_heads": "mamba_num_heads", "d_head": "mamba_head_dim", "n_groups": "n_groups",
                    "d_state": "ssm_state_size", "d_conv": "conv_kernel", "expand": "expand"},
 }
-_MAMBA2_NAMES["falcon_h1"] = _MAMBA2_NAMES["bamba"]
+MAMBA2_NAMES["falcon_h1"] = MAMBA2_NAMES["bamba"]
 
 
 def _layer_kinds(cfg: dict, model_type: str) -> list[str]:
@@ -216,8 +216,8 @@ def specs_from_config(config: dict, dtype: str | None = None, state_dtype: str =
 def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) -> RecurrentSpec:
     if model_type == "jamba":
         return _mamba1_spec(cfg, dtype, state_dtype)
-    if model_type in _MAMBA2_NAMES:
-        return _mamba2_spec(cfg, model_type, dtype, state_dtype, _MAMBA2_NAMES[model_type])
+    if model_type in MAMBA2_NAMES:
+        return _mamba2_spec(cfg, model_type, dtype, state_dtype, MAMBA2_NAMES[model_type])
     if model_type in GATED_DELTA_TYPES:
         # Gated DeltaNet: a causal conv over q, k, v and a per-head k x v state.
         k_heads = _need(cfg, "linear_num_key_heads", model_type)
@@ -231,7 +231,9 @@ def _recurrent_spec(cfg: dict, model_type: str, dtype: str, state_dtype: str) ->
     if model_type == "lfm2":
         # The gated short convolution keeps only its window: the L_cache - 1
         # inputs (B * x, hidden wide) before the next token.
+        # (short_conv_channels: a tensor-parallel rank's share of them, modeling/tensor_split.py)
         width = cfg.get("conv_L_cache", 3)
-        return RecurrentSpec(shapes=((_need(cfg, "hidden_size", model_type), width - 1),), dtypes=(dtype,),
+        channels = cfg.get("short_conv_channels") or _need(cfg, "hidden_size", model_type)
+        return RecurrentSpec(shapes=((channels, width - 1),), dtypes=(dtype,),
                              kind="short_conv")
     raise ValueError(f"{model_type}: recurrent layers are not supported")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
@@ -40,34 +41,56 @@ class GatedDeltaNet(CacheLayer, nn.Module):
     def __init__(self, config, grouped: bool):
         nn.Module.__init__(self)
         hidden = config.hidden_size
-        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        if self.v_heads % self.k_heads:
-            raise ValueError(f"Gated DeltaNet needs linear_num_key_heads ({self.k_heads}) to divide "
-                             f"linear_num_value_heads ({self.v_heads})")
+        if v_heads % k_heads:
+            raise ValueError(f"Gated DeltaNet needs linear_num_key_heads ({k_heads}) to divide "
+                             f"linear_num_value_heads ({v_heads})")
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"Gated DeltaNet layers with hidden_act {config.hidden_act!r} are not supported "
                              f"(SiLU only)")
-        keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        self.conv_dim = 2 * keys + values
+        # Tensor parallelism (layers/parallel.py): a rank holds its share of
+        # the key heads and of the value heads they serve (their rows of the
+        # projections, conv channels, A_log, dt_bias; out_proj's columns),
+        # so its conv window and states are those heads'. Qwen3-Next's
+        # projections, grouped by key head, split into contiguous rows.
+        self.ranks = ranks = current_ranks()
+        self.k_heads, self.v_heads = k_heads // ranks.world, v_heads // ranks.world
+        keys, values = k_heads * self.k_dim, v_heads * self.v_dim
+        k_rows, v_rows = ranks.share(keys), ranks.share(values)
+        self.v_head_rows = ranks.share(v_heads)
+        self.conv_rows = [k_rows, slice(keys + k_rows.start, keys + k_rows.stop),
+                          slice(2 * keys + v_rows.start, 2 * keys + v_rows.stop)]
+        self.conv_dim = 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
         width = config.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
                                 padding=width - 1)
         self.grouped = grouped
         if grouped:
-            self.in_proj_qkvz = Linear(hidden, 2 * keys + 2 * values, bias=False)
-            self.in_proj_ba = Linear(hidden, 2 * self.v_heads, bias=False)
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * keys + 2 * values, bias=False)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * v_heads, bias=False)
         else:
-            self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
-            self.in_proj_z = Linear(hidden, values, bias=False)
-            self.in_proj_b = Linear(hidden, self.v_heads, bias=False)
-            self.in_proj_a = Linear(hidden, self.v_heads, bias=False)
+            self.in_proj_qkv = ColumnParallelLinear(hidden, 2 * keys + values, bias=False, rows=self.conv_rows)
+            self.in_proj_z = ColumnParallelLinear(hidden, values, bias=False)
+            self.in_proj_b = ColumnParallelLinear(hidden, v_heads, bias=False)
+            self.in_proj_a = ColumnParallelLinear(hidden, v_heads, bias=False)
         self.in_proj: Linear | None = None
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         # Per value head over its V channels: norm(o) * weight * silu(z).
         self.norm = GatedGroupRMSNorm(self.v_dim, 1, config.rms_norm_eps, gate_first=False)
-        self.out_proj = Linear(values, hidden, bias=False)
+        self.out_proj = RowParallelLinear(values, hidden, bias=False)
+
+    def checkpoint_part(self, name: str, ndim: int):
+        """The rank's value heads' A_log and dt_bias, its conv channels (the
+        projections answer for themselves)."""
+        if self.ranks.world == 1:
+            return None
+        if name in ("dt_bias", "A_log"):
+            return (self.v_head_rows,)
+        if name == "conv1d.weight":
+            return (self.conv_rows, slice(None), slice(None))
+        return None
 
     def fuse(self) -> None:
         """After loading: every input projection as one product, rows q, k,

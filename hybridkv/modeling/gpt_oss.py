@@ -26,30 +26,52 @@ import torch
 from torch import nn
 
 from ..layers.linear import Linear
+from ..layers.parallel import current_ranks
 from ..layers.step import capturing
 from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class GptOssAttention(LlamaAttention):
-    """Llama's attention (rotary, biases from `attention_bias`) with a sink per query head."""
+    """Llama's attention (rotary, biases from `attention_bias`) with a sink
+    per query head (under tensor parallelism the rank's heads' sinks)."""
 
     def __init__(self, config):
         super().__init__(config)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.head_rows = self.ranks.share(config.num_attention_heads)
+
+    def checkpoint_part(self, name: str, ndim: int):
+        return (self.head_rows,) if name == "sinks" and self.ranks.world > 1 else None
 
 
 class GptOssExperts(nn.Module):
-    """The experts' weights, stacked as the checkpoints store them."""
+    """The experts' weights, stacked as the checkpoints store them. Under
+    tensor parallelism each expert is split by its width: a rank holds its
+    share of the interleaved gate/up columns (whole pairs) and of down's
+    rows, down's bias on rank 0 only (the sum has it once); its outputs are
+    partial sums."""
 
     def __init__(self, config):
         super().__init__()
+        self.ranks = ranks = current_ranks()
         experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * inter))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
-        self.down_proj = nn.Parameter(torch.zeros(experts, inter, hidden))
-        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        local = inter // ranks.world
+        self.rows, self.pairs = ranks.share(inter), ranks.share(2 * inter)
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * local))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * local))
+        self.down_proj = nn.Parameter(torch.zeros(experts, local, hidden))
+        if ranks.rank == 0:
+            self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        else:
+            self.register_parameter("down_proj_bias", None)
         self.alpha = config.swiglu_alpha
         self.limit = config.swiglu_limit
+
+    def checkpoint_part(self, name: str, ndim: int):
+        if self.ranks.world == 1:
+            return None
+        return {"gate_up_proj": (slice(None), slice(None), self.pairs), "gate_up_proj_bias": (slice(None), self.pairs),
+                "down_proj": (slice(None), self.rows)}.get(name)
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e on rows x [rows, hidden]."""
@@ -57,7 +79,8 @@ class GptOssExperts(nn.Module):
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
         activated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return activated @ self.down_proj[e] + self.down_proj_bias[e]
+        out = activated @ self.down_proj[e]
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[e]
 
 
 class GptOssMoE(nn.Module):
@@ -90,7 +113,7 @@ class GptOssMoE(nn.Module):
                 # would open a parallel region per expert on the CPU, ~30x
                 # the cost at decode sizes.)
                 out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
-        return out
+        return self.experts.ranks.all_reduce(out)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

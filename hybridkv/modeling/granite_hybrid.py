@@ -17,7 +17,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
+from ..layers.parallel import ColumnParallelLinear, VocabParallelHead, current_ranks
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
 from .bamba import mamba2_mixer
@@ -36,28 +36,48 @@ class GraniteAttention(PagedSelfAttention):
 
 class SharedMLP(GatedMLP):
     """The shared expert: gate and up stored as one weight (`input_linear`,
-    gate first), `output_linear` down."""
+    gate first), `output_linear` down. Under tensor parallelism a rank holds
+    its share of the gate rows and of the up rows; down's partial sums are
+    left to the layer, which reduces them once with the experts'."""
 
     def __init__(self, hidden: int, intermediate: int, activation: str):
-        super().__init__(hidden, intermediate, activation)
+        super().__init__(hidden, intermediate, activation, reduce=False)
         del self.gate_proj, self.up_proj
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        share = current_ranks().share(intermediate)
+        up = slice(intermediate + share.start, intermediate + share.stop)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * intermediate, bias=False, rows=[share, up])
 
     def fuse(self) -> None:
         pass  # stored fused
 
 
 class GraniteMoE(nn.Module):
+    """The experts stacked; under tensor parallelism each split by its
+    width (its share of the gate rows and of the up rows of
+    `input_linear`, the matching columns of `output_linear`), the router
+    whole; partial sums, reduced by the layer."""
+
     def __init__(self, config):
         super().__init__()
+        self.ranks = ranks = current_ranks()
         experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.top_k = config.num_experts_per_tok
         self.router = Linear(hidden, experts, bias=False)
-        self.input_linear = nn.Parameter(torch.zeros(experts, 2 * inner, hidden))
-        self.output_linear = nn.Parameter(torch.zeros(experts, hidden, inner))
+        local = inner // ranks.world
+        self.share = ranks.share(inner)
+        self.gate_up_rows = [self.share, slice(inner + self.share.start, inner + self.share.stop)]
+        self.input_linear = nn.Parameter(torch.zeros(experts, 2 * local, hidden))
+        self.output_linear = nn.Parameter(torch.zeros(experts, hidden, local))
         self.act = F.silu if config.hidden_act in ("silu", "swish") else None
         if self.act is None:
             raise ValueError(f"Granite-4.0-H experts with activation {config.hidden_act!r} are not supported")
+
+    def checkpoint_part(self, name: str, ndim: int):
+        if self.ranks.world == 1 or name not in ("input_linear", "output_linear"):
+            return None
+        if name == "input_linear":
+            return (slice(None), self.gate_up_rows)
+        return (slice(None), slice(None), self.share)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.input_linear[e]).chunk(2, dim=-1)
@@ -82,6 +102,7 @@ class GraniteDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
+        self.ranks = current_ranks()
 
     def forward(self, x, cos_sin, batch):
         h = self.input_layernorm(x)
@@ -91,7 +112,7 @@ class GraniteDecoderLayer(nn.Module):
         out = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(h) + out
-        return x + out * self.residual_multiplier
+        return x + self.ranks.all_reduce(out) * self.residual_multiplier  # (both partial sums under TP)
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):

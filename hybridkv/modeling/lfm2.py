@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
 from ..layers.recurrent_state import padded_chunks
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
@@ -39,13 +38,25 @@ def mlp_width(config) -> int:
 
 
 class ShortConv(CacheLayer, nn.Module):
+    """Tensor parallelism (layers/parallel.py): a rank holds its share of
+    the channels (their b, c and x rows of in_proj, their conv; out_proj's
+    columns), so its window is those channels'."""
+
     def __init__(self, config):
         nn.Module.__init__(self)
         hidden, width, bias = config.hidden_size, config.conv_L_cache, config.conv_bias
-        self.hidden = hidden
-        self.conv = nn.Conv1d(hidden, hidden, width, groups=hidden, bias=bias, padding=width - 1)
-        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        self.ranks = ranks = current_ranks()
+        self.channels = share = ranks.share(hidden)
+        self.hidden = local = hidden // ranks.world
+        self.conv = nn.Conv1d(local, local, width, groups=local, bias=bias, padding=width - 1)
+        rows = [slice(part * hidden + share.start, part * hidden + share.stop) for part in range(3)]
+        self.in_proj = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, rows=rows)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
+
+    def checkpoint_part(self, name: str, ndim: int):
+        if self.ranks.world == 1 or name not in ("conv.weight", "conv.bias"):
+            return None
+        return (self.channels,) + (slice(None),) * (ndim - 1)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         meta = batch.recurrent[self.group]

@@ -173,27 +173,24 @@ def tensor_names(paths: list[str]) -> list[str]:
 
 def _read_part(f, offset: int, like: torch.Tensor, part: tuple) -> torch.Tensor:
     """`like[part]` of the tensor stored at `offset` (shape and dtype of
-    `like`), reading only its bytes: a slice of rows is one read, a slice of
-    a matrix's columns one read per row."""
-    if isinstance(part[0], list):  # several row ranges, one after the other
-        return torch.cat([_read_part(f, offset, like, (rows, *part[1:])) for rows in part[0]])
+    `like`), reading only its bytes. `part` holds one slice per leading
+    dimension, or a list of slices (several ranges, one after the other);
+    a run of whole trailing dimensions is one read per range: a slice of
+    rows is one read, a slice of a matrix's columns one read per row, a
+    slice of stacked experts' columns one read per expert row."""
+    first, rest = part[0], part[1:]
+    if isinstance(first, list):
+        return torch.cat([_read_part(f, offset, like, (rows, *rest)) for rows in first])
     size = like.element_size()
-    r0, r1, _ = part[0].indices(like.shape[0])
-    if all(p == slice(None) for p in part[1:]):
-        row_bytes = like[0].numel() * size if like.dim() > 1 else size
+    r0, r1, _ = first.indices(like.shape[0])
+    row_bytes = like[0].numel() * size if like.dim() > 1 else size
+    if all(p == slice(None) for p in rest):
         out = torch.empty((r1 - r0, *like.shape[1:]), dtype=like.dtype)
         f.seek(offset + r0 * row_bytes)
         if f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != out.numel() * size:
             raise ValueError("a tensor is cut short")
         return out
-    c0, c1, _ = part[1].indices(like.shape[1])
-    out = torch.empty((r1 - r0, c1 - c0), dtype=like.dtype)
-    rows = out.view(torch.uint8).numpy()
-    for i, r in enumerate(range(r0, r1)):
-        f.seek(offset + (r * like.shape[1] + c0) * size)
-        if f.readinto(memoryview(rows[i])) != (c1 - c0) * size:
-            raise ValueError("a tensor is cut short")
-    return out
+    return torch.stack([_read_part(f, offset + r * row_bytes, like[0], rest) for r in range(r0, r1)])
 
 
 def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True,

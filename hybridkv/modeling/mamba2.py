@@ -17,30 +17,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import Linear
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
 
 
+def _shift(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
 class GatedGroupRMSNorm(nn.Module):
     """RMS norm of y over `groups` equal groups of channels, with the SiLU
     gate applied before it (`gate_first`, Mamba-2's default) or after it.
-    In float32; the weight scales the normalised values."""
+    In float32; the weight scales the normalised values.
 
-    def __init__(self, size: int, groups: int, eps: float, gate_first: bool = True):
+    `shared_group=(group, groups)`: under tensor parallelism with fewer
+    groups than ranks, y is this rank's part of group `group` of `groups`
+    whose other parts the other ranks hold: the sum of squares is summed
+    over the ranks (one all-reduce of [tokens, groups]) and divided by the
+    whole group's width, `size` x the ranks sharing it."""
+
+    def __init__(self, size: int, groups: int, eps: float, gate_first: bool = True,
+                 shared_group: tuple[int, int] | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.groups, self.eps, self.gate_first = groups, eps, gate_first
+        self.shared_group = shared_group
+        self.ranks = current_ranks()
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = y.float()
         silu = F.silu(gate.float())
         if self.gate_first:
             y = y * silu
-        shape = y.shape
-        grouped = y.reshape(*shape[:-1], self.groups, -1)
-        y = F.rms_norm(grouped, grouped.shape[-1:], None, self.eps).reshape(shape) * self.weight.float()
+        if self.shared_group is not None:
+            group, groups = self.shared_group
+            squares = y.new_zeros(*y.shape[:-1], groups)
+            squares[..., group] = (y * y).sum(-1)
+            width = y.shape[-1] * self.ranks.world // groups
+            y = y * torch.rsqrt(self.ranks.all_reduce(squares)[..., group, None] / width + self.eps)
+            y = y * self.weight.float()
+        else:
+            shape = y.shape
+            grouped = y.reshape(*shape[:-1], self.groups, -1)
+            y = F.rms_norm(grouped, grouped.shape[-1:], None, self.eps).reshape(shape) * self.weight.float()
         return y if self.gate_first else y * silu
 
 
@@ -58,24 +79,58 @@ class Mamba2Mixer(CacheLayer, nn.Module):
         nn.Module.__init__(self)
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba-2 layers with activation {activation!r} are not supported (SiLU only)")
-        self.heads, self.head_dim, self.groups, self.state = heads, head_dim, groups, state
-        self.inner = heads * head_dim
-        self.conv_dim = self.inner + 2 * groups * state
-        self.in_proj = Linear(hidden, self.inner + self.conv_dim + heads, bias=in_bias)
+        # Tensor parallelism (layers/parallel.py): a rank holds its share of
+        # the heads (their x, z, dt rows of in_proj, conv channels, A, D,
+        # dt_bias, norm weight, out_proj columns) and the groups its heads
+        # read (whole groups when there are at least as many as ranks, else
+        # the one group, which its neighbours hold too), so its conv and SSM
+        # states are its heads'. The sizes were checked (modeling/tensor_split.py).
+        self.ranks = ranks = current_ranks()
+        local_heads, local_groups = heads // ranks.world, max(1, groups // ranks.world)
+        first_head = ranks.rank * local_heads
+        first_group = ranks.rank * local_groups if groups >= ranks.world else first_head // (heads // groups)
+        inner, bc = heads * head_dim, groups * state
+        x_rows = slice(first_head * head_dim, (first_head + local_heads) * head_dim)
+        bc_rows = slice(first_group * state, (first_group + local_groups) * state)
+        self.head_rows = slice(first_head, first_head + local_heads)
+        self.x_rows = x_rows
+        # the rank's conv channels (x, B, C) and in_proj rows (z, x, B, C, dt), each as parts of the whole
+        self.conv_rows = [x_rows, _shift(bc_rows, inner), _shift(bc_rows, inner + bc)]
+        in_rows = [x_rows, *(_shift(r, inner) for r in self.conv_rows), _shift(self.head_rows, 2 * inner + 2 * bc)]
+        self.heads, self.head_dim, self.groups, self.state = local_heads, head_dim, local_groups, state
+        self.inner = local_heads * head_dim
+        self.conv_dim = self.inner + 2 * local_groups * state
+        self.in_proj = ColumnParallelLinear(hidden, 2 * inner + 2 * bc + heads, bias=in_bias, rows=in_rows)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_width, groups=self.conv_dim, bias=conv_bias,
                                 padding=conv_width - 1)
-        self.dt_bias = nn.Parameter(torch.ones(heads))
-        self.A_log = nn.Parameter(torch.zeros(heads))
-        self.D = nn.Parameter(torch.ones(heads))
+        self.dt_bias = nn.Parameter(torch.ones(local_heads))
+        self.A_log = nn.Parameter(torch.zeros(local_heads))
+        self.D = nn.Parameter(torch.ones(local_heads))
         if norm is not None:
-            self.norm = GatedGroupRMSNorm(self.inner, groups, eps, gate_first=norm == "gated")
+            shared = (first_group, groups) if groups < ranks.world else None
+            self.norm = GatedGroupRMSNorm(self.inner, local_groups, eps, gate_first=norm == "gated",
+                                          shared_group=shared)
         else:
             self.norm = None
-        self.out_proj = Linear(self.inner, hidden, bias=out_bias)
+        self.out_proj = RowParallelLinear(inner, hidden, bias=out_bias)
         self.dt_limit = tuple(float(v) for v in dt_limit)
         # A plain tensor, not a buffer: the model is built on the meta
         # device and loads parameters only; it moves on first use.
-        self.in_scale = None if in_scale is None else in_scale.to("cpu")
+        self.in_scale = None if in_scale is None else torch.cat([in_scale[r] for r in in_rows]).to("cpu")
+
+    def checkpoint_part(self, name: str, ndim: int):
+        """The rank's heads' or channels' part of the parameters indexed by
+        them (the projections answer for themselves)."""
+        if self.ranks.world == 1:
+            return None
+        rest = (slice(None),) * (ndim - 1)
+        if name in ("dt_bias", "A_log", "D"):
+            return (self.head_rows,) + rest
+        if name in ("conv1d.weight", "conv1d.bias"):
+            return (self.conv_rows,) + rest
+        if name == "norm.weight":
+            return (self.x_rows,)
+        return None
 
     def _dt(self, raw: torch.Tensor) -> torch.Tensor:
         dt = F.softplus(raw.float() + self.dt_bias.float())

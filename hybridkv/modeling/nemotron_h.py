@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
 from ..layers.step import StepBatch
 from .base import CausalLM
 from .experts import mix_experts
@@ -45,12 +45,14 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReluSquaredMLP(nn.Module):
-    """down(relu(up(x))^2)."""
+    """down(relu(up(x))^2); under tensor parallelism split by its width
+    (up by rows, down by columns), down's partial sums left to the caller
+    where `reduce` is False."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce: bool = True):
         super().__init__()
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
 
     def forward(self, x):
         return self.down_proj(relu2(self.up_proj(x)))
@@ -86,15 +88,21 @@ class NemotronHRouter(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
+    """Tensor parallelism: every expert and the shared expert split by
+    width, the router and the latent projections whole; the experts'
+    partial sums are reduced once (in the latent space where there is one,
+    before its projection back), the shared expert's with them."""
+
     def __init__(self, config):
         super().__init__()
+        self.ranks = current_ranks()
         latent = getattr(config, "moe_latent_size", None)
         width = latent or config.hidden_size
         self.gate = NemotronHRouter(config)
-        self.experts = nn.ModuleList(ReluSquaredMLP(width, config.moe_intermediate_size, config.mlp_bias)
+        self.experts = nn.ModuleList(ReluSquaredMLP(width, config.moe_intermediate_size, config.mlp_bias, reduce=False)
                                      for _ in range(config.n_routed_experts))
         self.shared_experts = ReluSquaredMLP(config.hidden_size, config.moe_shared_expert_intermediate_size,
-                                             config.mlp_bias)
+                                             config.mlp_bias, reduce=latent is not None)
         if latent is not None:
             self.fc1_latent_proj = Linear(config.hidden_size, latent, bias=config.mlp_bias)
             self.fc2_latent_proj = Linear(latent, config.hidden_size, bias=config.mlp_bias)
@@ -107,8 +115,8 @@ class NemotronHMoE(nn.Module):
         out = mix_experts(inner, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts),
                           dtype=torch.float32).to(x.dtype)
         if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)
-        return out + self.shared_experts(x)
+            return self.fc2_latent_proj(self.ranks.all_reduce(out)) + self.shared_experts(x)
+        return self.ranks.all_reduce(out + self.shared_experts(x))
 
 
 def nemotron_mamba(config) -> Mamba2Mixer:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import ColumnParallelLinear, current_ranks
 from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
 from .experts import mix_experts
@@ -41,7 +42,9 @@ class GatedAttention(PagedSelfAttention):
     def __init__(self, config):
         super().__init__(config)
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = Linear(config.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
+        # each head's query and gate side by side: a rank's heads are contiguous rows
+        self.q_proj = ColumnParallelLinear(config.hidden_size, 2 * config.num_attention_heads * self.head_dim,
+                                           bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
 
@@ -54,15 +57,20 @@ class GatedAttention(PagedSelfAttention):
 
 
 class SparseMoE(nn.Module):
+    """Tensor parallelism: the experts and the shared expert split by
+    width, the router and the shared expert's gate whole; the partial sums
+    reduced once."""
+
     def __init__(self, config):
         super().__init__()
+        self.ranks = current_ranks()
         hidden, experts = config.hidden_size, config.num_experts
         self.top_k = config.num_experts_per_tok
         self.normalise = getattr(config, "norm_topk_prob", True)
         self.gate = Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(hidden, config.moe_intermediate_size, config.hidden_act)
+        self.experts = nn.ModuleList(GatedMLP(hidden, config.moe_intermediate_size, config.hidden_act, reduce=False)
                                      for _ in range(experts))
-        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act, reduce=False)
         self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +78,7 @@ class SparseMoE(nn.Module):
         if self.normalise:
             weights = weights / weights.sum(-1, keepdim=True)
         out = mix_experts(x, weights.to(x.dtype), chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.ranks.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
 
 
 def is_moe_layer(config, index: int) -> bool:
