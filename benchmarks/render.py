@@ -355,6 +355,10 @@ TABLES: dict[str, Table] = {
         "plan / step": lambda r: f"{r['plan_bytes_per_step']:,.0f} B" if "plan_bytes_per_step" in r else "-",
         "plan µs / step": lambda r: num(r["plan_us_per_step"]) if "plan_us_per_step" in r else "-",
         "same tokens": lambda r: "yes" if r["same_tokens"] else "no"}),
+    "gated-delta": Table("gated_delta.json", rows_of("tokens"), {
+        "heads (key / value)": key("shape"), "work": key("work"), "requests": key("requests"),
+        "tokens each": key("tokens"), "torch reference µs / token": key("reference_us_per_token", lambda v: num(v, 2)),
+        "C µs / token": key("c_us_per_token", lambda v: num(v, 2)), "speed-up": key("speedup", times)}),
     "tensor-parallel-families": Table("tensor_parallel_families.json", rows_of("steps"), {
         "model": key("model"), "ranks": key("tp"), "ms / decode step": key("ms_per_decode_step", lambda v: num(v, 1)),
         "tok/s": key("tokens_per_s", lambda v: num(v, 0)), "of one process": key("vs_one_process", times),

@@ -165,6 +165,13 @@ def test_cpu_linear_quick(tmp_path):
     assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["products"])
 
 
+def test_gated_delta_quick(tmp_path):
+    text, data = run("gated_delta", tmp_path)
+    assert "speed-up" in text
+    assert {row["work"] for row in data["tokens"]} == {"decode", "prefill"}
+    assert all(row["reference_us_per_token"] > 0 and row["c_us_per_token"] > 0 for row in data["tokens"])
+
+
 def test_real_gemma3_quick(tmp_path):
     real_gguf_path()
     text, data = run("real_gemma3", tmp_path, "--no-llamacpp")

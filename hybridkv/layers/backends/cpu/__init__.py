@@ -2,8 +2,9 @@
 CPU step in hybridkv's C kernels (kernels.c) and oneDNN's products:
 
 * decode attention reads each query's keys where they lie in the pool
-  (attention.py); stores, prefill chunks and Mamba states stay the
-  reference's;
+  (attention.py); stores and prefill attention stay the reference's;
+* the gated delta rule (Gated DeltaNet) token by token on the states in
+  place (recurrent.py); the other recurrent kinds run the reference's ops;
 * RMS norms, Gemma's q/k norm + rotary and the gated activation in one C
   pass each (modules.py, swapped in for the shared modules);
 * whole decoder layers as one C call on decode steps of up to four rows
@@ -24,7 +25,6 @@ import torch
 
 from ....core.dtypes import KV_CACHE_DTYPES
 from ..base import Backend, Capabilities, PrepareReport
-from ..reference.recurrent import ReferenceRecurrent
 
 
 class Unavailable(RuntimeError):
@@ -64,9 +64,10 @@ class CpuBackend(Backend):
 
     def __init__(self):
         from .attention import CpuAttention
+        from .recurrent import CpuRecurrent
 
         self.lib = kernels()
-        super().__init__(CpuAttention(self.lib), ReferenceRecurrent())
+        super().__init__(CpuAttention(self.lib), CpuRecurrent(self.lib))
 
     def prepare(self, model, layout, device) -> PrepareReport:
         from ...dtypes import TORCH_DTYPES

@@ -329,6 +329,46 @@ def check_row_max(lib) -> None:
         raise AssertionError("row_max's indices differ from torch's max")
 
 
+def check_gated_delta(lib) -> None:
+    """The gated delta rule against the reference's one-token step, token
+    by token: three requests of different lengths (padding past them),
+    two key heads for four value heads, value heads of 20 channels (a tail
+    past the vector width), states at scattered rows of a wider buffer,
+    one row a request does not own left alone."""
+    from ...gated_delta_ops import gated_delta_step
+
+    gen = torch.Generator().manual_seed(6)
+    requests, length, key_heads, value_heads, key_dim, value_dim = 3, 5, 2, 4, 16, 20
+    q = F.normalize(torch.randn(requests, length, key_heads, key_dim, generator=gen), dim=-1) * key_dim ** -0.5
+    k = F.normalize(torch.randn(requests, length, key_heads, key_dim, generator=gen), dim=-1)
+    v = torch.randn(requests, length, value_heads, value_dim, generator=gen)
+    g = -torch.rand(requests, length, value_heads, generator=gen)
+    beta = torch.rand(requests, length, value_heads, generator=gen)
+    lengths = torch.tensor([5, 3, 1])
+    size = value_heads * key_dim * value_dim
+    flat = torch.randn(5, size + 7, generator=gen)  # rows of a wider buffer, as the gathered states hold them
+    states = flat[:, :size].view(5, value_heads, key_dim, value_dim)
+    rows = torch.tensor([3, 0, 4])
+    before = states.clone()
+    out = torch.empty(requests, length, value_heads, value_dim)
+    if lib.gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), lengths.data_ptr(),
+                       requests, length, key_heads, value_heads, key_dim, value_dim, flat.data_ptr(),
+                       rows.data_ptr(), flat.stride(0), out.data_ptr(), 1) != 0:
+        raise AssertionError("gated_delta failed")
+    for r in range(requests):
+        s = before[rows[r]][None]
+        for t in range(length):
+            if t >= lengths[r]:
+                if out[r, t].abs().max() != 0:
+                    raise AssertionError("gated_delta wrote past a request's length")
+                continue
+            o, s = gated_delta_step(q[r, t][None], k[r, t][None], v[r, t][None], g[r, t][None], beta[r, t][None], s)
+            _close(out[r, t], o[0], "gated_delta's output")
+        _close(states[rows[r]], s[0], "gated_delta's state")
+    if not torch.equal(states[[1, 2]], before[[1, 2]]):
+        raise AssertionError("gated_delta changed a state row it was not given")
+
+
 def check(lib) -> None:
     """Every exported function of the library against torch."""
     with torch.inference_mode():
@@ -337,3 +377,4 @@ def check(lib) -> None:
         check_gated_activation(lib)
         check_decode_layer(lib)
         check_row_max(lib)
+        check_gated_delta(lib)

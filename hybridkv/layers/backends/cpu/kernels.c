@@ -1194,6 +1194,72 @@ int row_max(const float *x, int64_t rows, int64_t cols, int64_t stride, float *v
     return 0;
 }
 
+/* The gated delta rule (layers/gated_delta_ops.py) token by token, for
+ * `requests` runs of tokens side by side, each from its float32 state,
+ * updated in place. Per value head h (of key head h / (value_heads /
+ * key_heads)) and token t: S = exp(g) S; u = beta (v - S^T k);
+ * S += k u^T; o = S^T q, with S [key_dim, value_dim] row-major. Two passes
+ * over S a token: the decay with the read of S^T k, then the write with
+ * the read of S^T q. Sequential, so a run cut anywhere leaves the same
+ * states, to the bit, as one pass.
+ *
+ * q, k [requests, length, key_heads, key_dim]; v [requests, length,
+ * value_heads, value_dim]; g, beta [requests, length, value_heads]; all
+ * float32, contiguous. Request r's state is at states + rows[r] *
+ * row_stride: [value_heads, key_dim, value_dim]. out [requests, length,
+ * value_heads, value_dim]: past a request's length, zeros. Returns 0, or
+ * -1 where value_dim is over 1,024. */
+int gated_delta(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                const int64_t *lengths, int64_t requests, int64_t length, int64_t key_heads, int64_t value_heads,
+                int64_t key_dim, int64_t value_dim, float *states, const int64_t *rows, int64_t row_stride,
+                float *out, int threads)
+{
+    if (value_dim > 1024)
+        return -1;
+    const int64_t per_key = value_heads / key_heads, K = key_dim, V = value_dim;
+    const int64_t work = requests * value_heads * length * K * V;
+#pragma omp parallel for schedule(static) num_threads(threads) if (work > PARALLEL_WORK)
+    for (int64_t rh = 0; rh < requests * value_heads; rh++) {
+        const int64_t r = rh / value_heads, h = rh % value_heads, kh = h / per_key;
+        float *S = states + rows[r] * row_stride + h * K * V;
+        float kv[1024], u[1024];
+        for (int64_t t = 0; t < length; t++) {
+            const int64_t at = r * length + t;
+            float *o = out + (at * value_heads + h) * V;
+            if (t >= lengths[r]) {
+                memset(o, 0, (size_t)V * sizeof(float));
+                continue;
+            }
+            const float *qt = q + (at * key_heads + kh) * K, *kt = k + (at * key_heads + kh) * K;
+            const float *vt = v + (at * value_heads + h) * V;
+            const float decay = expf(g[at * value_heads + h]), b = beta[at * value_heads + h];
+            for (int64_t j = 0; j < V; j++)
+                kv[j] = 0.0f;
+            for (int64_t i = 0; i < K; i++) {
+                float *row = S + i * V;
+                const float ki = kt[i];
+                for (int64_t j = 0; j < V; j++) {
+                    row[j] *= decay;
+                    kv[j] += ki * row[j];
+                }
+            }
+            for (int64_t j = 0; j < V; j++) {
+                u[j] = b * (vt[j] - kv[j]);
+                o[j] = 0.0f;
+            }
+            for (int64_t i = 0; i < K; i++) {
+                float *row = S + i * V;
+                const float ki = kt[i], qi = qt[i];
+                for (int64_t j = 0; j < V; j++) {
+                    row[j] += ki * u[j];
+                    o[j] += qi * row[j];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* The sizes of the structs above, in the order they are declared, for the
  * loader to check against its own (library.py). */
 void struct_sizes(int64_t *out)
