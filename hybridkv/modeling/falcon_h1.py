@@ -20,12 +20,11 @@ import torch
 from torch import nn
 
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .bamba import mamba2_mixer
-from .base import CacheLayer, CausalLM
-from .mamba2 import Mamba2Mixer
+from .base import CacheLayer
+from .mamba2 import Mamba2Mixer, mamba2_mixer
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -84,16 +83,11 @@ class FalconH1DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class FalconH1ForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(FalconH1DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
-        self.rotary = Rotary(*inverse_frequencies(config))
+class FalconH1ForCausalLM(DecoderStack):
+    final_norm = "final_layernorm"
+
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        return FalconH1DecoderLayer(config)
 
     def cache_layers(self) -> dict[str, CacheLayer]:
         """Two per decoder layer: its attention under the layer's name, its
@@ -101,12 +95,8 @@ class FalconH1ForCausalLM(CausalLM):
         return {(name if isinstance(module, Mamba2Mixer) else name.rsplit(".", 1)[0]): module
                 for name, module in self.named_modules() if isinstance(module, CacheLayer)}
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, batch)
-        return self.model.final_layernorm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) * self.config.lm_head_multiplier).float()

@@ -17,10 +17,9 @@ from torch import nn
 
 from ..layers.decoder import DecoderParts
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
 from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
 from ..layers.step import StepBatch
-from .base import CausalLM
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -65,33 +64,38 @@ class GemmaDecoderLayer(nn.Module):
         return x + h
 
 
-class GemmaForCausalLM(CausalLM):
-    """Gemma-3 text (`qk_norm=True`) or Gemma-2 (`qk_norm=False`)."""
+class GemmaForCausalLM(DecoderStack):
+    """Gemma-3 text (`qk_norm`) or Gemma-2 (without): embeddings times
+    sqrt(hidden), a rotary embedding per layer type, logits soft-capped."""
 
     # the multimodal Gemma-3's vision tower, in the older layout and in transformers 5's
     unused_weights = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+    unit_offset = True
+    qk_norm = True
 
-    def __init__(self, config, qk_norm: bool = True):
+    def __init__(self, config):
         super().__init__(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layer_types = list(config.layer_types)
-        attn_softcap = None if qk_norm else getattr(config, "attn_logit_softcapping", None)
-        self.model.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, qk_norm, attn_softcap) for _ in self.layer_types)
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = {}
         for layer_type in set(self.layer_types):
-            inv_freq, scaling = inverse_frequencies(config, layer_type if qk_norm else None, config.head_dim)
+            inv_freq, scaling = inverse_frequencies(config, layer_type if self.qk_norm else None, config.head_dim)
             self.rotary[layer_type] = Rotary(inv_freq, scaling)
         self.embed_scale = config.hidden_size ** 0.5
 
+    def has_rotary(self, config) -> bool:
+        return False  # one per layer type, built above
+
+    def decoder_layers(self, config) -> list[nn.Module]:
+        softcap = None if self.qk_norm else getattr(config, "attn_logit_softcapping", None)
+        return [GemmaDecoderLayer(config, self.qk_norm, softcap) for _ in config.layer_types]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight  # the scale rounded to the weights' dtype, as transformers does
+        return self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
-        x = self.model.embed_tokens(batch.input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        x = self.embed(batch.input_ids)
         cos_sin = {t: r.cos_sin(batch.positions, x.dtype) for t, r in self.rotary.items()}
         for layer, layer_type in zip(self.model.layers, self.layer_types):
             x = layer(x, cos_sin[layer_type], batch)
@@ -105,5 +109,4 @@ class GemmaForCausalLM(CausalLM):
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
-    def __init__(self, config):
-        super().__init__(config, qk_norm=False)
+    qk_norm = False

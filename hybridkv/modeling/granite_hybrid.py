@@ -17,12 +17,12 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, VocabParallelHead, current_ranks
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.parallel import ColumnParallelLinear, current_ranks
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .bamba import mamba2_mixer
-from .base import CausalLM
 from .experts import mix_experts
+from .mamba2 import mamba2_mixer
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -115,17 +115,12 @@ class GraniteDecoderLayer(nn.Module):
         return x + self.ranks.all_reduce(out) * self.residual_multiplier  # (both partial sums under TP)
 
 
-class GraniteMoeHybridForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(GraniteDecoderLayer(config, t in ("full_attention", "attention"))
-                                          for t in config.layer_types)
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
-        self.rotary = Rotary(*inverse_frequencies(config)) if config.position_embedding_type == "rope" else None
+class GraniteMoeHybridForCausalLM(DecoderStack):
+    def decoder_layers(self, config) -> list[nn.Module]:
+        return [GraniteDecoderLayer(config, t in ("full_attention", "attention")) for t in config.layer_types]
+
+    def has_rotary(self, config) -> bool:
+        return config.position_embedding_type == "rope"
 
     def weight_name(self, checkpoint_name: str) -> str | None:
         return (checkpoint_name.replace(".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj.")
@@ -134,12 +129,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                 .replace(".block_sparse_moe.input_linear.weight", ".block_sparse_moe.input_linear")
                 .replace(".block_sparse_moe.output_linear.weight", ".block_sparse_moe.output_linear"))
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids) * self.config.embedding_multiplier
-        cos_sin = None if self.rotary is None else self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, batch)
-        return self.model.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.config.logits_scaling).float()

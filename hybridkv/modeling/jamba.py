@@ -18,11 +18,12 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
-from .base import CacheLayer, CausalLM
+from .base import CacheLayer
 from .experts import mix_experts
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -144,32 +145,18 @@ class JambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, batch):
+    def forward(self, x, cos_sin, batch):
         mixer = self.self_attn if self.is_attention else self.mamba
         x = x + mixer(self.input_layernorm(x), batch)
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class JambaForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        period, offset = config.attn_layer_period, config.attn_layer_offset
-        e_period, e_offset = config.expert_layer_period, config.expert_layer_offset
-        moe = config.num_experts > 1
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            JambaDecoderLayer(config, i % period == offset, moe and i % e_period == e_offset)
-            for i in range(config.num_hidden_layers))
-        self.model.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
+class JambaForCausalLM(DecoderStack):
+    final_norm = "final_layernorm"
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.final_layernorm(x)
+    def has_rotary(self, config) -> bool:
+        return False  # the Mamba layers carry order
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        moe = config.num_experts > 1 and index % config.expert_layer_period == config.expert_layer_offset
+        return JambaDecoderLayer(config, index % config.attn_layer_period == config.attn_layer_offset, moe)

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from ..layers.recurrent_state import padded_chunks
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .base import CacheLayer, CausalLM
+from .base import CacheLayer
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -108,32 +109,17 @@ class Lfm2DecoderLayer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Lfm2ForCausalLM(CausalLM):
+class Lfm2ForCausalLM(DecoderStack):
+    final_norm = "embedding_norm"
+    eps = "norm_eps"
     # checkpoint names -> ours (the MLP as w1/w3/w2, attention's output as out_proj)
     RENAMES = ((".feed_forward.w1.", ".feed_forward.gate_proj."), (".feed_forward.w3.", ".feed_forward.up_proj."),
                (".feed_forward.w2.", ".feed_forward.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."))
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(Lfm2DecoderLayer(config, t != "conv") for t in config.layer_types)
-        self.model.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
-        self.rotary = Rotary(*inverse_frequencies(config))
+    def decoder_layers(self, config) -> list[nn.Module]:
+        return [Lfm2DecoderLayer(config, t != "conv") for t in config.layer_types]
 
     def weight_name(self, checkpoint_name: str) -> str | None:
         for old, new in self.RENAMES:
             checkpoint_name = checkpoint_name.replace(old, new)
         return checkpoint_name
-
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, batch)
-        return self.model.embedding_norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

@@ -13,10 +13,9 @@ from torch import nn
 
 from ..layers.decoder import DecoderParts
 from ..layers.norm import RMSNorm
-from ..layers.parallel import VocabParallelHead
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .base import CausalLM
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -48,34 +47,6 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(CausalLM):
-    # the final norm's convention (layers/norm.py): Llama's `w * x`, in float32
-    # before casting back where `scale_in_float32`, or Gemma's `(1 + w) * x` where `unit_offset`
-    scale_in_float32 = False
-    unit_offset = False
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=self.unit_offset,
-                                  scale_in_float32=self.scale_in_float32)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
-        inv_freq, scaling = inverse_frequencies(config)
-        self.rotary = Rotary(inv_freq, scaling)
-
+class LlamaForCausalLM(DecoderStack):
     def decoder_layer(self, config, index: int) -> nn.Module:
-        """Layer `index` of the stack."""
         return LlamaDecoderLayer(config)
-
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos_sin, batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

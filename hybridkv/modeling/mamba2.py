@@ -175,3 +175,16 @@ class Mamba2Mixer(CacheLayer, nn.Module):
         else:
             y_all = y_all * F.silu(z.float())
         return self.out_proj(y_all.to(h.dtype))
+
+
+def mamba2_mixer(config, intermediate: int | None = None, **options) -> Mamba2Mixer:
+    """The Mamba-2 mixer as the configs that name it `mamba_*` describe it
+    (Bamba, Granite-4.0-H, Falcon-H1)."""
+    heads = config.mamba_n_heads
+    inner = intermediate or config.mamba_expand * config.hidden_size
+    head_dim = config.mamba_d_head if isinstance(config.mamba_d_head, int) else inner // heads
+    options.setdefault("out_bias", config.mamba_proj_bias)
+    return Mamba2Mixer(config.hidden_size, heads, head_dim, config.mamba_n_groups, config.mamba_d_state,
+                       config.mamba_d_conv, conv_bias=config.mamba_conv_bias, in_bias=config.mamba_proj_bias,
+                       eps=config.rms_norm_eps, dt_limit=tuple(config.time_step_limit or (0.0, float("inf"))),
+                       activation=config.hidden_act, **options)

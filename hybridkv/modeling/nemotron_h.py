@@ -23,11 +23,10 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, current_ranks
-from ..layers.step import StepBatch
-from .base import CausalLM
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
 from .experts import mix_experts
 from .mamba2 import Mamba2Mixer
+from .stack import DecoderStack
 from .sublayers import PagedSelfAttention
 
 BLOCK_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -143,33 +142,24 @@ class NemotronHBlock(nn.Module):
             raise ValueError(f"Nemotron-H block type {block_type!r} is not supported")
         self.takes_batch = block_type in ("linear_attention", "full_attention")
 
-    def forward(self, x, batch):
+    def forward(self, x, cos_sin, batch):
         h = self.norm(x)
         return x + (self.mixer(h, batch) if self.takes_batch else self.mixer(h))
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHForCausalLM(DecoderStack):
+    embedding = "embeddings"
+    final_norm = "norm_f"
+    eps = "layer_norm_epsilon"
+
     def __init__(self, config):
-        super().__init__(config)
         activation = getattr(config, "mlp_hidden_act", "relu2")
         if activation != "relu2":
             raise ValueError(f"Nemotron-H with mlp_hidden_act {activation!r} is not supported (relu2 only)")
-        self.model = nn.Module()
-        self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(NemotronHBlock(config, t) for t in block_types(config))
-        self.model.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size)
-        self.tie_weights()
+        super().__init__(config)
 
-    def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.tie(self.model.embeddings)
+    def has_rotary(self, config) -> bool:
+        return False  # attention without positional encoding
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embeddings(batch.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.norm_f(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def decoder_layers(self, config) -> list[nn.Module]:
+        return [NemotronHBlock(config, t) for t in block_types(config)]
