@@ -319,6 +319,33 @@ def test_a_consumer_loads_what_a_producer_in_another_process_wrote(serve, tiny_g
     assert_same(decoded, cold)
 
 
+@pytest.mark.parametrize("step_tokens", [None, 64])
+def test_a_producer_writes_a_prompt_s_blocks_in_the_step_that_computes_them(serve, tiny_gemma3, tmp_path,
+                                                                           step_tokens):
+    # A consumer asked as soon as the producer answered (a proxy's next
+    # request) finds every block a hit on the prompt reads: stored after the
+    # forward pass that computed them, before vLLM hands the token back
+    # (with 64-token steps, over four steps), not in a step after the finish.
+    from vllm import SamplingParams
+
+    disk = str(tmp_path / "kv")
+    options = {} if step_tokens is None else {"max_num_batched_tokens": step_tokens}
+    producer = serve(tiny_gemma3, {"disk_dir": disk}, kv_role="kv_producer", **options)
+    producer.llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=1),
+                          use_tqdm=False)  # (no settle: not one engine step more)
+    groups, stats = producer.tiers.groups, producer.tiers.stats
+    end = (len(PROMPT) - 1) // groups.block_size  # the whole blocks a hit on the prompt reads
+    needed = sum(end - groups.first_needed(g, end) for g in range(len(groups.layout.groups)))
+    assert stats["stores_prefilled"] == needed and stats["stores_finished"] == 0
+    assert not producer.tiers.prefilling
+    assert sum(len(held) for held in producer.tiers.held) == needed  # the workers reported them written
+    assert len(glob.glob(os.path.join(disk, "*", "g*", "*.kv"))) == needed
+    consumer = serve(tiny_gemma3, {"disk_dir": disk}, kv_role="kv_consumer")
+    decoded = consumer.generate(PROMPT)
+    assert decoded[2] == end * groups.block_size
+    assert_same(decoded, serve(tiny_gemma3).generate(PROMPT))
+
+
 def test_a_producer_or_consumer_needs_the_shared_directory(serve, tiny_gemma3):
     with pytest.raises(Exception, match="needs kv_connector_extra_config's 'disk_dir'"):
         serve(tiny_gemma3, {"host_memory": "64MiB"}, kv_role="kv_consumer")

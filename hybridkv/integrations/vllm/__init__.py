@@ -15,8 +15,18 @@ tier surviving restarts. Tested with vLLM 0.32.0 (`pip install
     plan.py       what the two sides tell each other each step
     groups.py     vLLM's groups as a hybridkv layout; keys; the identity on disk
     options.py    kv_connector_extra_config
+    proxy.py      prefill and decode on two vLLM servers behind one address
+
+The connector is imported when vLLM asks for it (the proxy runs without
+importing vLLM).
 """
 
-from .connector import HybridkvConnector
-
 __all__ = ["HybridkvConnector"]
+
+
+def __getattr__(name: str):
+    if name == "HybridkvConnector":
+        from .connector import HybridkvConnector
+
+        return HybridkvConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -85,7 +85,8 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
         if vllm_config.kv_transfer_config.kv_role == "kv_consumer":  # learns what a producer writes meanwhile
             shared = (options.disk_dir, [identity(vllm_config, groups, rank)
                                          for rank in range(vllm_config.parallel_config.tensor_parallel_size)])
-        return TierScheduler(groups, held, lookahead, events, shared)
+        return TierScheduler(groups, held, lookahead, events, shared,
+                             producer=vllm_config.kv_transfer_config.kv_role == "kv_producer")
 
     # -- scheduler side -------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -101,7 +102,7 @@ class HybridkvConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return self._scheduler.build_plan()
+        return self._scheduler.build_plan(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.reported(connector_output.kv_connector_worker_meta, connector_output.finished_recving,

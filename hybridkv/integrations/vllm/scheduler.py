@@ -43,8 +43,14 @@ SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 class TierScheduler:
     def __init__(self, groups: TierGroups, held: list[dict], lookahead: int, events: bool,
-                 shared: tuple[str, list[bytes]] | None = None):
+                 shared: tuple[str, list[bytes]] | None = None, producer: bool = False):
         self.groups = groups
+        # vLLM's kv_role "kv_producer": a prompt's blocks are stored in the
+        # step that computes them (after its forward pass, before its outputs
+        # go back), so a consumer asking as soon as the producer answered
+        # finds them; a request's block ids, as the steps give them out.
+        self.producer = producer
+        self.prefilling: dict[str, tuple[object, list[list[int]]]] = {}
         self.held = held  # per group: key -> "host" | "disk" (the workers' tiers, mirrored)
         # vLLM's kv_role "kv_consumer": (directory, each rank's identity) where
         # a producer writes; a request's blocks found there join `held`.
@@ -62,7 +68,8 @@ class TierScheduler:
         self.pending: dict[tuple[int, bytes], int] = {}  # stores sent, not yet reported -> their step
         self.pins: deque[tuple[int, list]] = deque()  # (step, pinned pool blocks) until the workers copied them
         self.stats = {"hit_tokens": 0, "loaded_blocks": [0] * len(held), "stored_blocks": [0] * len(held),
-                      "stores_finished": 0, "stores_evicting": 0, "failed_loads": 0}
+                      "stores_finished": 0, "stores_evicting": 0, "stores_prefilled": 0,
+                      "failed_loads": 0}
 
     # -- hits ---------------------------------------------------------------
     def match(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -70,6 +77,8 @@ class TierScheduler:
         that the tiers serve (loaded asynchronously), and no side effect
         but remembering the answer for the allocation that follows."""
         self.lookups.pop(request.request_id, None)
+        if self.producer:
+            self.prefilling.setdefault(request.request_id, (request, []))
         bs = self.groups.block_size
         # Whole blocks, and at least one token left to compute (its logits).
         keys = self.groups.keys(request.block_hashes, (request.num_tokens - 1) // bs)
@@ -145,6 +154,7 @@ class TierScheduler:
         cached copy is stored if vLLM kept one, which it does where a later
         hit can end (the window at the prompt's end): pinned until copied."""
         self.learned.discard(request.request_id)
+        self.prefilling.pop(request.request_id, None)
         if self.loading.pop(request.request_id, None) is not None:
             return False  # finished before its load was done: nothing of it is computed yet
         bs = self.groups.block_size
@@ -218,13 +228,54 @@ class TierScheduler:
             self.block_pool.free_block_queue.prepend_n(free)
 
     # -- the step -----------------------------------------------------------
-    def build_plan(self) -> TierPlan:
+    def build_plan(self, scheduler_output=None) -> TierPlan:
         """vLLM's build_connector_meta: this step's plan, then a new one."""
+        if self.producer and scheduler_output is not None:
+            self._store_prefills(scheduler_output)
         self._pin_evictable()
         plan = self.plan
         self.step += 1
         self.plan = TierPlan(self.step)
         return plan
+
+    def _store_prefills(self, out) -> None:
+        """A producer's stores of the prompt blocks this step completes: the
+        ones a hit on the whole prompt reads (a sliding-window group's last
+        window), from the block ids the step gives each request (vLLM's
+        scheduler output: a new request's, then each step's new ones)."""
+        whole = set()  # requests whose whole block table this step gives (null blocks where a window moved on)
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self.prefilling:
+                self.prefilling[new.req_id][1][:] = [list(ids) for ids in new.block_ids]
+                whole.add(new.req_id)
+        cached = out.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if rid in self.prefilling and ids is not None:
+                tracked = self.prefilling[rid][1]
+                if rid in cached.resumed_req_ids or not tracked:
+                    tracked[:] = [list(g) for g in ids]
+                    whole.add(rid)
+                else:
+                    for mine, more in zip(tracked, ids):
+                        mine.extend(more)
+        bs = self.groups.block_size
+        for rid, count in out.num_scheduled_tokens.items():
+            if rid not in self.prefilling:
+                continue
+            request, block_ids = self.prefilling[rid]
+            prompt = request.num_prompt_tokens
+            before, after = request.num_computed_tokens, min(prompt, request.num_computed_tokens + count)
+            end = (prompt - 1) // bs  # the blocks a hit on the prompt reads (its last token is computed)
+            keys = self.groups.keys(request.block_hashes, min(end, after // bs))
+            for g, ids in enumerate(block_ids):
+                # The blocks this step computes, and on a whole table the local hit's too: an id
+                # tracked from an earlier step may have been freed since (a window moved on).
+                first = self.groups.first_needed(g, end)
+                for j in range(first if rid in whole else max(first, before // bs), len(keys)):
+                    if j < len(ids) and ids[j]:
+                        self.plan.stores.extend(self._store(g, keys[j], ids[j], reason="prefilled"))
+            if after >= prompt:
+                del self.prefilling[rid]
 
     def reported(self, report: TierReport | None, finished_recving, failed_recving) -> None:
         """vLLM's update_connector_output: the workers' changes to the tiers."""
