@@ -6,7 +6,8 @@ fresh replicas: "2 replicas" (each computes its prompts and decodes them,
 the hybrid router) and "1 prefill + 1 decode" (`prefill_replicas=1`: the
 prefill replica computes each prompt and leaves the blocks a hit of it
 reads in a directory under /dev/shm; the decode replica loads them and
-decodes). The load mixes long prompts with short ones, every answer long,
+decodes; a prompt of at most `local_prefill_tokens`, 64, past the decode
+replica's hit is computed there, no transfer). The load mixes long prompts with short ones, every answer long,
 sent by concurrent streaming clients; prompts share nothing. Measured by
 the client: TTFT (to the first streamed text) and the mean gap between a
 request's later tokens (ITL). Then the transfer alone, from the layout and

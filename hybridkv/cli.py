@@ -176,7 +176,8 @@ def _serve_replicas(args) -> int:
         name = os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     serve_replicas(model, model_name=args.served_model_name or name, num_replicas=replicas, address=args.address,
                    host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-                   engine_options=engine_options, prefill_replicas=args.prefill_replicas, **_limits(args))
+                   engine_options=engine_options, prefill_replicas=args.prefill_replicas,
+                   local_prefill_tokens=args.local_prefill_tokens, **_limits(args))
     return 0
 
 
@@ -285,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
                        help="with --replicas N: P prefill replicas before the N decode ones, meeting in "
                             "--kv-disk-cache (default 0: every replica does both)")
+    serve.add_argument("--local-prefill-tokens", type=int, default=64, metavar="T",
+                       help="with --prefill-replicas: a prompt whose part past the decode replicas' best hit is at "
+                            "most T tokens is computed by the decode replica, with no transfer (default 64)")
     serve.add_argument("--address", default=None, metavar="RAY_ADDRESS",
                        help="with --replicas: join this Ray cluster (default: start a local Ray)")
     serve.set_defaults(func=_serve)

@@ -49,7 +49,7 @@ from ..server.metrics import ServerMetrics
 from ..server.protocol import APIError
 from ..kv_events.feed import EventReporter
 from .processes import end_processes, processes_below
-from .ray_router import HybridPrefixRouter, replica_stats
+from .ray_router import HybridPrefixRouter, replica_stats, router_of
 
 APP_NAME = "hybridkv"
 REPLICA_HEADER = "x-hybridkv-replica"
@@ -209,9 +209,12 @@ class ReplicaCall:
 class ReplicaSet:
     """create_app's engine client over the engine deployment's handle."""
 
-    def __init__(self, handle, tokenizer, retries: int, prefill=None):
+    def __init__(self, handle, tokenizer, retries: int, prefill=None, local_prefill_tokens: int = 0):
         self.handle = handle
         self.prefill = prefill  # the prefill replicas' handle, or None
+        # A prompt whose part past the decode replicas' best hit is at most
+        # this many tokens is computed by the decode replica (no transfer).
+        self.local_prefill_tokens = local_prefill_tokens
         self.tokenizer = tokenizer
         self.retries = retries
         self.server_metrics = ServerMetrics()
@@ -219,7 +222,8 @@ class ReplicaSet:
                                "one serving them failed before any of their output reached the client",
                                registry=self.server_metrics.registry)
         self.prefills = Counter("hybridkv_prefills", "Prompts computed by a prefill replica, by outcome (done; "
-                                "failed: the decode replica computed the prompt itself)", labelnames=["outcome"],
+                                "failed: the decode replica computed the prompt itself; local: the part past a "
+                                "decode replica's hit was short enough to compute there)", labelnames=["outcome"],
                                 registry=self.server_metrics.registry)
         self.max_model_len = None
         self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
@@ -239,8 +243,18 @@ class ReplicaSet:
             raise ValueError("empty prompt: a request needs at least one token")
         kwargs = dict(token_ids=list(token_ids), params=params, request_id=request_id, cache_salt=cache_salt)
         if self.prefill is not None and params.prompt_logprobs is None:
-            await self._prefill(kwargs)
+            if len(token_ids) - self._decode_hit(token_ids, cache_salt) <= self.local_prefill_tokens:
+                self.prefills.labels("local").inc()
+            else:
+                await self._prefill(kwargs)
         return await ReplicaCall(self, kwargs, buffered=not stream).open()
+
+    def _decode_hit(self, token_ids: list[int], cache_salt) -> int:
+        """The longest hit on the prompt a decode replica holds (0 where the
+        handle's router is not the hybrid one)."""
+        deployment = self.handle.deployment_id
+        router = router_of(deployment.app_name, deployment.name)
+        return router.best_hit(token_ids, cache_salt) if router is not None else 0
 
     async def _prefill(self, kwargs: dict) -> None:
         """The prompt on a prefill replica, one token long: it leaves the
@@ -267,9 +281,10 @@ class ReplicaSet:
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine_handle, model_dir: str, model_name: str, api_key: str | None = None,
-                       retries: int = 2, limits: dict | None = None, prefill_handle=None):
+                       retries: int = 2, limits: dict | None = None, prefill_handle=None,
+                       local_prefill_tokens: int = 0):
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_dir(model_dir, progress=False))
-        self.engine_client = ReplicaSet(engine_handle, tokenizer, retries, prefill_handle)
+        self.engine_client = ReplicaSet(engine_handle, tokenizer, retries, prefill_handle, local_prefill_tokens)
         self.model_name, self.api_key, self.limits = model_name, api_key, limits or {}
 
     def __serve_build_asgi_app__(self):
@@ -281,7 +296,7 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
                       stats_period_s: float = 1.0, snapshot_every: int = 20, replica_cpus: float = 1.0,
                       max_ongoing_requests: int = 256, max_waiting: int = 512, health_check_period_s: float = 5.0,
                       retries: int = 2, max_body_bytes: int | None = None, max_prompt_chars: int | None = None,
-                      prefill_replicas: int = 0):
+                      prefill_replicas: int = 0, local_prefill_tokens: int = 64):
     """The Ray Serve application: `serve.run(build_application(...))`.
     `router`: "hybrid" (HybridPrefixRouter) or "default" (Ray's
     power-of-two-choices, for comparison). `replica_cpus`: what a replica
@@ -289,11 +304,15 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
     `max_prompt_chars`: the ingress's bounds (hybridkv.server.create_app).
     `prefill_replicas`: that many prefill replicas before the
     `num_replicas` decode ones (engine_options must name the
-    `kv_disk_cache` directory they share)."""
+    `kv_disk_cache` directory they share); a prompt whose part past the
+    decode replicas' best hit is at most `local_prefill_tokens` is computed
+    by the decode replica (a short prompt, or one a decode replica holds)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if prefill_replicas < 0:
         raise ValueError(f"prefill_replicas must be >= 0, got {prefill_replicas}")
+    if local_prefill_tokens < 0:
+        raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
     engine_options = dict(engine_options or {})
     if prefill_replicas and not engine_options.get("kv_disk_cache"):
         raise ValueError("prefill replicas need kv_disk_cache: the directory the prefill and decode replicas "
@@ -320,7 +339,7 @@ def build_application(model_dir: str, *, model_name: str, num_replicas: int = 2,
     limits = {"max_body_bytes": max_body_bytes, "max_prompt_chars": max_prompt_chars}
     prefill = engines("PrefillReplica", prefill_replicas, "prefill") if prefill_replicas else None
     decode = engines("EngineReplica", num_replicas, "decode" if prefill_replicas else None)
-    return ingress.bind(decode, model_dir, model_name, api_key, retries, limits, prefill)
+    return ingress.bind(decode, model_dir, model_name, api_key, retries, limits, prefill, local_prefill_tokens)
 
 
 def _ranks(engine_options: dict | None) -> int:

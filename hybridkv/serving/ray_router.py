@@ -33,6 +33,9 @@ from ..kv_events.feed import IndexFeed, RecentRoutes
 # process last saw them: the ingress's /metrics reads it (the ingress and its
 # handle's router share the process).
 REPLICA_STATS: dict[tuple[str, str], dict[str, dict]] = {}
+# (application, deployment) -> the router of this process: the ingress asks
+# it how much of a prompt the deployment's replicas hold (`best_hit`).
+ROUTERS: dict[tuple[str, str], "HybridPrefixRouter"] = {}
 
 
 def replica_stats() -> dict:
@@ -41,6 +44,12 @@ def replica_stats() -> dict:
     module globals it uses; both find the one dict through the imported
     module."""
     return importlib.import_module(__name__).REPLICA_STATS
+
+
+def router_of(app_name: str, deployment: str) -> "HybridPrefixRouter | None":
+    """This process's router of a deployment (ROUTERS, found as
+    REPLICA_STATS is), or None before its first call."""
+    return importlib.import_module(__name__).ROUTERS.get((app_name, deployment))
 
 
 class HybridPrefixRouter(RequestRouter):
@@ -54,6 +63,7 @@ class HybridPrefixRouter(RequestRouter):
         self.recent = RecentRoutes(recent_horizon_s)
         self.num_routed = 0
         self.num_routed_to_hit = 0
+        importlib.import_module(__name__).ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self._replicas) - {r.replica_id for r in replicas}
@@ -86,12 +96,9 @@ class HybridPrefixRouter(RequestRouter):
             queues[r.replica_id.unique_id] = queue or 0
         names = [r.replica_id.unique_id for r in candidate_replicas]
         keys = self._keys(pending_request)  # hashed once, for the hits and the held runs
-        hits = self.feed.hits(token_ids, kwargs.get("cache_salt"), keys) if token_ids else {}
+        hits = self._hits(names, token_ids, kwargs.get("cache_salt"), keys)
         held = None
         if keys:
-            reports = {n: self.feed.reports.get(n, 0) for n in names}
-            recent = self.recent.hits(reports, keys, self.feed.index.block_size, time.monotonic())
-            hits = {n: max(hits.get(n, 0), recent.get(n, 0)) for n in names}
             # The leading blocks a replica holds past its hit: where a
             # family's next computation leaves the checkpoint its later
             # requests hit (RoutingRule's affinity).
@@ -105,6 +112,25 @@ class HybridPrefixRouter(RequestRouter):
             self.num_routed += 1
             self.num_routed_to_hit += hits.get(first, 0) > 0
         return [[by_name[n]] for n in order]
+
+    def _hits(self, names: list[str], token_ids, cache_salt, keys: list) -> dict[str, int]:
+        """Each replica's hit on the prompt in tokens: what its reports
+        say, or what the prompts routed to it lately will leave there."""
+        hits = self.feed.hits(token_ids, cache_salt, keys) if token_ids else {}
+        if keys:
+            reports = {n: self.feed.reports.get(n, 0) for n in names}
+            recent = self.recent.hits(reports, keys, self.feed.index.block_size, time.monotonic())
+            hits = {n: max(hits.get(n, 0), recent.get(n, 0)) for n in names}
+        return hits
+
+    def best_hit(self, token_ids: list[int], cache_salt=None) -> int:
+        """The longest hit on the prompt any of the replicas holds, in tokens."""
+        self._take_reports()
+        if not token_ids or self.feed.index is None:
+            return 0
+        names = [r.replica_id.unique_id for r in self._replicas.values()]
+        keys = self.feed.index.block_keys(token_ids, cache_salt)[0]
+        return max(self._hits(names, token_ids, cache_salt, keys).values(), default=0)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         keys = self._keys(pending_request)
