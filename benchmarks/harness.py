@@ -129,6 +129,57 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# -- another revision, side by side -----------------------------------------------------
+
+def checkout(revision: str) -> tuple[str, str]:
+    """A git worktree of `revision` with its C kernels built: (path, its
+    short commit). `remove_checkout(path)` when done."""
+    import tempfile
+
+    commit = subprocess.run(["git", "rev-parse", "--short=12", revision], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    path = tempfile.mkdtemp(prefix=f"hybridkv-{commit}-")
+    subprocess.run(["git", "worktree", "add", "--detach", "--force", path, commit], cwd=ROOT, check=True,
+                   capture_output=True)
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from hybridkv.cli import "
+                    "main; main(['build-kernels'])", path], cwd=path, check=True, capture_output=True)
+    return path, commit
+
+
+def remove_checkout(path: str) -> None:
+    import shutil
+
+    subprocess.run(["git", "worktree", "remove", "--force", path], cwd=ROOT, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# A function of a benchmark file, in a fresh process that imports hybridkv
+# from the tree measured (first on the path, which the processes it starts
+# inherit) and the function from this tree's file.
+_CHILD = """
+import importlib.util, json, os, sys
+tree, here, name, args = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+sys.path.insert(0, tree)
+sys.path.append(os.path.dirname(os.path.dirname(here)))  # this tree's benchmarks package, if the tree has none
+spec = importlib.util.spec_from_file_location("measured", here)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("RESULT " + json.dumps(getattr(module, name)(*args)))
+"""
+
+
+def call_in_tree(tree: str, file: str, name: str, args: list, threads: int, timeout: float = 3600) -> dict:
+    """`name(*args)` of benchmark file `file` with the hybridkv of `tree`,
+    in a process of its own with `threads` threads: its JSON result."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, tree, os.path.abspath(file), name, json.dumps(args)],
+                          capture_output=True, text=True, env=env, cwd=tree, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{name} in {tree} failed:\n{proc.stderr[-3000:]}")
+
+
 # -- repeats ---------------------------------------------------------------------------
 
 def interleaved(variants: dict[str, Callable[[], T]], repeat: int) -> dict[str, list[T]]:

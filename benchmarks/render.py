@@ -355,6 +355,10 @@ TABLES: dict[str, Table] = {
         "plan / step": lambda r: f"{r['plan_bytes_per_step']:,.0f} B" if "plan_bytes_per_step" in r else "-",
         "plan µs / step": lambda r: num(r["plan_us_per_step"]) if "plan_us_per_step" in r else "-",
         "same tokens": lambda r: "yes" if r["same_tokens"] else "no"}),
+    "recurrent-prefill": Table("recurrent_prefill.json", rows_of("prefill"), {
+        "model": key("model"), "code": key("code"), "block size": key("block_size"),
+        "TTFT mean": key("ttft_mean", seconds), "p90": key("ttft_p90", seconds), "hit rate": key("hit_rate", pct),
+        "steps": key("steps"), "a lone 560-token prompt's steps": key("lone_prompt_steps")}),
     "gated-delta": Table("gated_delta.json", rows_of("tokens"), {
         "heads (key / value)": key("shape"), "work": key("work"), "requests": key("requests"),
         "tokens each": key("tokens"), "torch reference µs / token": key("reference_us_per_token", lambda v: num(v, 2)),

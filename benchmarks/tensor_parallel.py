@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from benchmarks import harness
@@ -127,43 +123,6 @@ def measure(path: str, tp: int, batch: int, new_tokens: int, prompt_len: int) ->
         engine.close()
 
 
-# A fresh process per measurement, importing hybridkv from the tree measured
-# (first on the path, which the workers it spawns inherit) and `measure`
-# from this file.
-_CHILD = """
-import importlib.util, json, os, sys
-tree, here, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-sys.path.insert(0, tree)
-sys.path.append(os.path.dirname(os.path.dirname(here)))  # this tree's benchmarks.harness, if the tree has none
-spec = importlib.util.spec_from_file_location("tensor_parallel_measure", here)
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-print("RESULT " + json.dumps(module.measure(*args)))
-"""
-
-
-def measure_in(tree: str, threads: int, *args) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, tree, os.path.abspath(__file__), json.dumps(args)],
-                          capture_output=True, text=True, env=env, cwd=tree, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"measurement in {tree} failed:\n{proc.stderr[-3000:]}")
-
-
-def checkout(revision: str) -> tuple[str, str]:
-    """A worktree of `revision` with its C kernels built: (path, commit)."""
-    commit = subprocess.run(["git", "rev-parse", "--short=12", revision], cwd=harness.ROOT, check=True,
-                            capture_output=True, text=True).stdout.strip()
-    path = tempfile.mkdtemp(prefix=f"hybridkv-{commit}-")
-    subprocess.run(["git", "worktree", "add", "--detach", "--force", path, commit], cwd=harness.ROOT, check=True,
-                   capture_output=True)
-    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from hybridkv.cli import "
-                    "main; main(['build-kernels'])", path], cwd=path, check=True, capture_output=True)
-    return path, commit
-
-
 def arguments(parser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny-gemma3 (--quick: it, few tokens, batch 4)")
     parser.add_argument("--models", default=None,
@@ -180,7 +139,7 @@ def run(args) -> dict:
     names = args.models.split(",") if args.models else ["tiny-gemma3" if args.tiny else "gemma3-270m"]
     trees = {"this tree": harness.ROOT}
     if args.baseline:
-        baseline, commit = checkout(args.baseline)
+        baseline, commit = harness.checkout(args.baseline)
         trees[commit] = baseline
     rows = []
     print(f"decode of {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
@@ -193,8 +152,9 @@ def run(args) -> dict:
             mine = []
             for tp in (1, 2):
                 runs = harness.interleaved(
-                    {code: (lambda tree=tree: measure_in(tree, args.threads, path, tp, batch, args.new_tokens,
-                                                         args.prompt_len)) for code, tree in trees.items()},
+                    {code: (lambda tree=tree: harness.call_in_tree(
+                        tree, __file__, "measure", [path, tp, batch, args.new_tokens, args.prompt_len],
+                        args.threads)) for code, tree in trees.items()},
                     args.repeat)
                 for code, measured in runs.items():
                     row = min(measured, key=lambda r: r["ms_per_decode_step"])  # the quietest repeat
@@ -214,9 +174,7 @@ def run(args) -> dict:
                       f"{str(row['same_tokens']):>12}")
     finally:
         if args.baseline:
-            subprocess.run(["git", "worktree", "remove", "--force", baseline], cwd=harness.ROOT,
-                           capture_output=True)
-            shutil.rmtree(baseline, ignore_errors=True)
+            harness.remove_checkout(baseline)
     return {"steps": rows}
 
 

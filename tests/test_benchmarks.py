@@ -165,6 +165,13 @@ def test_cpu_linear_quick(tmp_path):
     assert all(row["f_linear_s"] > 0 and row["onednn_packed_s"] > 0 for row in data["products"])
 
 
+def test_recurrent_prefill_quick(tmp_path):
+    text, data = run("recurrent_prefill", tmp_path)
+    (row,) = data["prefill"]
+    assert row["lone_prompt_steps"] == 1 and row["ttft_mean"] > 0 and row["code"] == "this tree"
+    assert "lone prompt steps" in text
+
+
 def test_gated_delta_quick(tmp_path):
     text, data = run("gated_delta", tmp_path)
     assert "speed-up" in text
