@@ -742,3 +742,57 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         x, dt, A, B, C, state, lengths, y, h, channels, *x.stride(), *dt.stride(), *A.stride(), *B.stride(),
         *C.stride(), *state.stride(), *y.stride(), *h.stride(), STATE=n, STATE_PAD=_pow2(n), BLOCK_I=block_i)
     return y, h
+
+
+# -- Gated DeltaNet: the gated delta rule, token by token ------------------------------
+@triton.jit
+def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, len_ptr, state_ptr, rows_ptr, out_ptr,
+                        length, key_heads, value_heads, value_dim, s_state,
+                        KEY_DIM: tl.constexpr, KEY_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (request, value head, tile of value channels), the
+    state tile [K, BLOCK_V] in registers through the request's tokens:
+    S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q. The state
+    is read from and written back to its row of the gathered states."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (value_heads // key_heads)
+    kk = tl.arange(0, KEY_PAD)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = kk < KEY_DIM, vv < value_dim
+    tile = k_ok[:, None] & v_ok[None, :]
+    at_state = state_ptr + tl.load(rows_ptr + r) * s_state + h * KEY_DIM * value_dim
+    S = tl.load(at_state + kk[:, None] * value_dim + vv[None, :], mask=tile, other=0.0)
+    n = tl.load(len_ptr + r)
+    for t in range(0, n):
+        at = r * length + t
+        q = tl.load(q_ptr + (at * key_heads + kh) * KEY_DIM + kk, mask=k_ok, other=0.0)
+        k = tl.load(k_ptr + (at * key_heads + kh) * KEY_DIM + kk, mask=k_ok, other=0.0)
+        v = tl.load(v_ptr + (at * value_heads + h) * value_dim + vv, mask=v_ok, other=0.0)
+        decay = tl.exp(tl.load(g_ptr + at * value_heads + h))
+        beta = tl.load(beta_ptr + at * value_heads + h)
+        S = S * decay
+        u = beta * (v - tl.sum(S * k[:, None], axis=0))
+        S = S + k[:, None] * u[None, :]
+        tl.store(out_ptr + (at * value_heads + h) * value_dim + vv, tl.sum(S * q[:, None], axis=0), mask=v_ok)
+    tl.store(at_state + kk[:, None] * value_dim + vv[None, :], S, mask=tile)
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                lengths: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """layers/gated_delta_ops.py's rule token by token for R requests side
+    by side, from and back to their float32 states in place: q, k `[R, L,
+    Hk, K]`, v `[R, L, Hv, V]`, g, beta `[R, L, Hv]` (float32, contiguous),
+    request r's tokens the first lengths[r], its state row `rows[r]` of
+    `states` `[*, Hv, K, V]` (each row contiguous). Returns o `[R, L, Hv,
+    V]` float32, 0 past a request's length. Sequential: a run cut anywhere
+    leaves the states one pass leaves."""
+    requests, length, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[-2:]
+    out = torch.zeros(requests, length, value_heads, value_dim, dtype=torch.float32, device=v.device)
+    if requests == 0 or length == 0:
+        return out
+    block_v = min(64, _pow2(value_dim))
+    _gated_delta_kernel[(requests, value_heads, triton.cdiv(value_dim, block_v))](
+        q, k, v, g, beta, lengths, states, rows, out, length, key_heads, value_heads, value_dim, states.stride(0),
+        KEY_DIM=key_dim, KEY_PAD=_pow2(key_dim), BLOCK_V=block_v)
+    return out

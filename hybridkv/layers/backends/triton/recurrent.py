@@ -5,11 +5,17 @@ are gathered and written back, Mamba-1's scanned by a kernel (one program
 per chunk and channel tile walking the tokens; the reference launches a
 few ops per token), the conv and verified chunks (which keep every
 token's state) by the reference; a chunk with checkpoints inside runs
-in pieces, the kernel scanning each (layers/recurrent_state.py). Groups of other
-kinds (Mamba-2, the short conv, Gated DeltaNet) are gathered whole, decode
-rows too, and run the reference's ops (the prepare report says so)."""
+in pieces, the kernel scanning each (layers/recurrent_state.py). Gated
+DeltaNet groups are gathered whole, decode rows too, and a kernel steps
+their float32 states in place, one program per request, value head and
+tile of value channels walking the tokens (decodes and chunks alike;
+verified chunks, which keep every token's state, and bfloat16 states run
+the reference). Groups of the other kinds (Mamba-2, the short conv) are
+gathered whole and run the reference's ops (the prepare report says so)."""
 
 from __future__ import annotations
+
+import torch
 
 from ...dtypes import TORCH_DTYPES
 from ...recurrent_state import MambaMetadata, metadata
@@ -19,13 +25,14 @@ from ..reference.recurrent import ReferenceRecurrent, gathered_build
 
 class TritonRecurrent(ReferenceRecurrent):
     name = "triton"
-    kinds = frozenset({"mamba"})
+    kinds = frozenset({"mamba", "gated_delta"})
+    in_pool = frozenset({"mamba"})  # the kinds whose decode states the kernels read and write in the pool
 
     def __init__(self, ops):
         self.ops = ops
 
     def build(self, inputs: StepInputs, buffers, read, write, zero, kind: str = "mamba", saves=()) -> MambaMetadata:
-        if kind not in self.kinds:
+        if kind not in self.in_pool:
             return gathered_build(inputs, buffers, read, write, saves)
         decodes, chunks = inputs.decodes, inputs.chunks
         # Only the chunks run on gathered states (the reference scan), and
@@ -57,6 +64,31 @@ class TritonRecurrent(ReferenceRecurrent):
             return super().ssm_step(meta, layer_name, x, dt, A, B, C, D, gate)
         offset, dtype = self._part(meta, layer_name, 1)
         return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
+
+    # Gated DeltaNet: its groups are gathered whole (no step pages); decode
+    # rows and chunks step the gathered float32 states in place by a kernel.
+    def _gated_delta(self, state, rows, q, k, v, g, beta, lengths):
+        q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+        return self.ops.gated_delta(q, k, v, g, beta, lengths.to(torch.int64).contiguous(), state,
+                                    rows.to(torch.int64).contiguous())
+
+    @staticmethod
+    def _in_place(state) -> bool:
+        return state.dtype == torch.float32 and state[0].is_contiguous()
+
+    def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
+        state = meta.state_views(layer_name)[1]
+        if not self._in_place(state):
+            return super().gated_delta_step(meta, layer_name, q, k, v, g, beta)
+        ones = torch.ones(q.shape[0], dtype=torch.int64, device=q.device)
+        return self._gated_delta(state, meta.step_rows, q[:, None], k[:, None], v[:, None], g[:, None],
+                                 beta[:, None], ones)[:, 0]
+
+    def gated_delta_prefill(self, meta: MambaMetadata, layer_name: str, rows, q, k, v, g, beta, lengths, keep=False):
+        state = meta.state_views(layer_name)[1]
+        if keep or not self._in_place(state):  # verified drafts keep each token's state: the reference's
+            return super().gated_delta_prefill(meta, layer_name, rows, q, k, v, g, beta, lengths, keep)
+        return self._gated_delta(state, rows, q, k, v, g, beta, lengths)
 
     def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
         if keep:  # verified drafts keep each token's state: the reference's scan
