@@ -359,8 +359,9 @@ TABLES: dict[str, Table] = {
         "model": key("model"), "code": key("code"), "block size": key("block_size"),
         "TTFT mean": key("ttft_mean", seconds), "p90": key("ttft_p90", seconds), "hit rate": key("hit_rate", pct),
         "steps": key("steps"), "a lone 560-token prompt's steps": key("lone_prompt_steps")}),
-    "gated-delta": Table("gated_delta.json", rows_of("tokens"), {
-        "heads (key / value)": key("shape"), "work": key("work"), "requests": key("requests"),
+    "recurrent-kernels": Table("recurrent_kernels.json", rows_of("tokens"), {
+        "kind": lambda r: {"gated_delta": "Gated DeltaNet", "ssd": "Mamba-2"}[r.get("kind", "gated_delta")],
+        "heads": key("shape"), "work": key("work"), "requests": key("requests"),
         "tokens each": key("tokens"), "torch reference µs / token": key("reference_us_per_token", lambda v: num(v, 2)),
         "C µs / token": key("c_us_per_token", lambda v: num(v, 2)), "speed-up": key("speedup", times)}),
     "tensor-parallel-families": Table("tensor_parallel_families.json", rows_of("steps"), {

@@ -172,10 +172,11 @@ def test_recurrent_prefill_quick(tmp_path):
     assert "lone prompt steps" in text
 
 
-def test_gated_delta_quick(tmp_path):
-    text, data = run("gated_delta", tmp_path)
+def test_recurrent_kernels_quick(tmp_path):
+    text, data = run("recurrent_kernels", tmp_path)
     assert "speed-up" in text
-    assert {row["work"] for row in data["tokens"]} == {"decode", "prefill"}
+    assert {(row["kind"], row["work"]) for row in data["tokens"]} == {
+        (kind, work) for kind in ("gated_delta", "ssd") for work in ("decode", "prefill")}
     assert all(row["reference_us_per_token"] > 0 and row["c_us_per_token"] > 0 for row in data["tokens"])
 
 

@@ -369,6 +369,46 @@ def check_gated_delta(lib) -> None:
         raise AssertionError("gated_delta changed a state row it was not given")
 
 
+def check_ssd(lib) -> None:
+    """Mamba-2's state update against the reference's one-token step, token
+    by token: three requests of different lengths (padding past them),
+    four heads in two groups, head channels of 5 and a state of 20 (tails
+    past the vector width), states at scattered rows of a wider buffer,
+    the rows a request does not own left alone."""
+    from ...ssd_ops import ssd_step
+
+    gen = torch.Generator().manual_seed(7)
+    requests, length, heads, head_dim, groups, state_size = 3, 5, 4, 5, 2, 20
+    x = torch.randn(requests, length, heads, head_dim, generator=gen)
+    dt = torch.rand(requests, length, heads, generator=gen) + 0.1
+    A = -torch.rand(heads, generator=gen) - 0.1
+    B = torch.randn(requests, length, groups, state_size, generator=gen)
+    C = torch.randn(requests, length, groups, state_size, generator=gen)
+    D = torch.randn(heads, generator=gen)
+    lengths = torch.tensor([5, 3, 1])
+    size = heads * head_dim * state_size
+    flat = torch.randn(5, size + 3, generator=gen)
+    states = flat[:, :size].view(5, heads, head_dim, state_size)
+    rows = torch.tensor([3, 0, 4])
+    before = states.clone()
+    y = torch.empty(requests, length, heads, head_dim)
+    lib.ssd(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), lengths.data_ptr(),
+            requests, length, heads, head_dim, groups, state_size, flat.data_ptr(), rows.data_ptr(), flat.stride(0),
+            y.data_ptr(), 1)
+    for r in range(requests):
+        s = before[rows[r]][None]
+        for t in range(length):
+            if t >= lengths[r]:
+                if y[r, t].abs().max() != 0:
+                    raise AssertionError("ssd wrote past a request's length")
+                continue
+            out, s = ssd_step(x[r, t][None], dt[r, t][None], A, B[r, t][None], C[r, t][None], D, s)
+            _close(y[r, t], out[0], "ssd's output")
+        _close(states[rows[r]], s[0], "ssd's state")
+    if not torch.equal(states[[1, 2]], before[[1, 2]]):
+        raise AssertionError("ssd changed a state row it was not given")
+
+
 def check(lib) -> None:
     """Every exported function of the library against torch."""
     with torch.inference_mode():
@@ -378,3 +418,4 @@ def check(lib) -> None:
         check_decode_layer(lib)
         check_row_max(lib)
         check_gated_delta(lib)
+        check_ssd(lib)

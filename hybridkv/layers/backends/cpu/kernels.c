@@ -1260,6 +1260,52 @@ int gated_delta(const float *q, const float *k, const float *v, const float *g, 
     return 0;
 }
 
+/* Mamba-2's state update (layers/ssd_ops.py) token by token, for
+ * `requests` runs of tokens side by side, each from its float32 state,
+ * updated in place. Per head h (of group h / (heads / groups)) and token t:
+ * S = exp(dt A_h) S + dt x B^T; y = S C + D_h x, with S [head_dim,
+ * state_size] row-major: one pass over S a token. Sequential, so a run cut
+ * anywhere leaves the same states, to the bit, as one pass.
+ *
+ * x [requests, length, heads, head_dim]; dt [requests, length, heads];
+ * A, D [heads]; B, C [requests, length, groups, state_size]; all float32,
+ * contiguous. Request r's state is at states + rows[r] * row_stride:
+ * [heads, head_dim, state_size]. y [requests, length, heads, head_dim]:
+ * past a request's length, zeros. */
+void ssd(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
+         const int64_t *lengths, int64_t requests, int64_t length, int64_t heads, int64_t head_dim, int64_t groups,
+         int64_t state_size, float *states, const int64_t *rows, int64_t row_stride, float *y, int threads)
+{
+    const int64_t per_group = heads / groups, P = head_dim, N = state_size;
+    const int64_t work = requests * heads * length * P * N;
+#pragma omp parallel for schedule(static) num_threads(threads) if (work > PARALLEL_WORK)
+    for (int64_t rh = 0; rh < requests * heads; rh++) {
+        const int64_t r = rh / heads, h = rh % heads, g = h / per_group;
+        float *S = states + rows[r] * row_stride + h * P * N;
+        for (int64_t t = 0; t < length; t++) {
+            const int64_t at = r * length + t;
+            float *out = y + (at * heads + h) * P;
+            if (t >= lengths[r]) {
+                memset(out, 0, (size_t)P * sizeof(float));
+                continue;
+            }
+            const float *xt = x + (at * heads + h) * P;
+            const float *Bt = B + (at * groups + g) * N, *Ct = C + (at * groups + g) * N;
+            const float step = dt[at * heads + h], decay = expf(step * A[h]);
+            for (int64_t p = 0; p < P; p++) {
+                float *row = S + p * N;
+                const float input = step * xt[p];
+                float acc = 0.0f;
+                for (int64_t n = 0; n < N; n++) {
+                    row[n] = decay * row[n] + input * Bt[n];
+                    acc += row[n] * Ct[n];
+                }
+                out[p] = acc + D[h] * xt[p];
+            }
+        }
+    }
+}
+
 /* The sizes of the structs above, in the order they are declared, for the
  * loader to check against its own (library.py). */
 void struct_sizes(int64_t *out)

@@ -1,16 +1,18 @@
 """The cpu backend's recurrent side: the reference's ops on gathered states,
-with the gated delta rule (Qwen3-Next's and Qwen3.5's Gated DeltaNet) in C
-(kernels.c `gated_delta`): decode steps and prefill chunks run the
-recurrence token by token on the states where the gathered rows hold
-them, in place, where the reference makes a copy of the rows and runs the
-chunked form in torch (a triangular solve and ~20 products a chunk, which
-at the heads' sizes cost more than the recurrence's own 4 K V flops a
-token). Being sequential, a chunk cut at a checkpoint leaves the state a
-chunk ending there leaves, to the bit.
+with Mamba-2's state update (SSD: Nemotron-H, Granite-4.0-H, Bamba,
+Falcon-H1; kernels.c `ssd`) and the gated delta rule (Gated DeltaNet:
+Qwen3-Next, Qwen3.5; `gated_delta`) in C: decode steps and prefill chunks
+run the recurrence token by token on the states where the gathered rows
+hold them, in place, where the reference makes a copy of the rows and runs
+the chunked form in torch (masked cumulative sums, a triangular solve and
+batched products a chunk, which at these heads' sizes cost more than the
+recurrence's own few flops per state element a token). Being sequential,
+a chunk cut at a checkpoint leaves the state a chunk ending there leaves,
+to the bit.
 
-The C path takes float32 states (the default `recurrent_state_dtype`);
+The C paths take float32 states (the default `recurrent_state_dtype`);
 bfloat16 states, and chunks that keep every token's state (verified
-drafts), run the reference's ops.
+drafts), run the reference's ops, as do Mamba-1 and the short conv.
 """
 
 from __future__ import annotations
@@ -46,6 +48,32 @@ class CpuRecurrent(ReferenceRecurrent):
     @staticmethod
     def _runs_in_c(state: torch.Tensor) -> bool:
         return state.dtype == torch.float32 and state.device.type == "cpu" and state[0].is_contiguous()
+
+    def _ssd(self, state: torch.Tensor, rows: torch.Tensor, x, dt, A, B, C, D, lengths) -> torch.Tensor:
+        """kernels.c ssd over [R, L, ...] inputs from state rows `rows` of
+        `state` [*, H, P, N] (float32, each row contiguous)."""
+        requests, length, heads, head_dim = x.shape
+        groups, state_size = B.shape[-2:]
+        x, dt, A, B, C, D = (t.float().contiguous() for t in (x, dt, A, B, C, D))
+        rows, lengths = rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+        y = torch.empty(requests, length, heads, head_dim, dtype=torch.float32)
+        self.lib.ssd(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
+                     lengths.data_ptr(), requests, length, heads, head_dim, groups, state_size, state.data_ptr(),
+                     rows.data_ptr(), state.stride(0), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
+        state = meta.state_views(layer_name)[1]
+        if not self._runs_in_c(state):
+            return super().ssd_step(meta, layer_name, x, dt, A, B, C, D)
+        ones = torch.ones(x.shape[0], dtype=torch.int64)
+        return self._ssd(state, meta.step_rows, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, ones)[:, 0]
+
+    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
+        state = meta.state_views(layer_name)[1]
+        if keep or not self._runs_in_c(state):
+            return super().ssd_prefill(meta, layer_name, rows, x, dt, A, B, C, D, lengths, keep)
+        return self._ssd(state, rows, x, dt, A, B, C, D, lengths)
 
     def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
         state = meta.state_views(layer_name)[1]
