@@ -329,12 +329,31 @@ def check_row_max(lib) -> None:
         raise AssertionError("row_max's indices differ from torch's max")
 
 
+def _check_recurrence(what: str, out, states, before, rows, lengths, step) -> None:
+    """A C recurrence's outputs `out` [R, L, ...] and states (rows `rows` of
+    `states`, which held `before`) against `step(r, t, state) -> (output,
+    state)`, the reference's one-token update, token by token; nothing
+    written past a request's length, no other row changed."""
+    for r in range(out.shape[0]):
+        s = before[rows[r]][None]
+        for t in range(out.shape[1]):
+            if t >= lengths[r]:
+                if out[r, t].abs().max() != 0:
+                    raise AssertionError(f"{what} wrote past a request's length")
+                continue
+            o, s = step(r, t, s)
+            _close(out[r, t], o[0], f"{what}'s output")
+        _close(states[rows[r]], s[0], f"{what}'s state")
+    others = sorted(set(range(states.shape[0])) - set(rows.tolist()))
+    if not torch.equal(states[others], before[others]):
+        raise AssertionError(f"{what} changed a state row it was not given")
+
+
 def check_gated_delta(lib) -> None:
     """The gated delta rule against the reference's one-token step, token
     by token: three requests of different lengths (padding past them),
     two key heads for four value heads, value heads of 20 channels (a tail
-    past the vector width), states at scattered rows of a wider buffer,
-    one row a request does not own left alone."""
+    past the vector width), states at scattered rows of a wider buffer."""
     from ...gated_delta_ops import gated_delta_step
 
     gen = torch.Generator().manual_seed(6)
@@ -344,37 +363,25 @@ def check_gated_delta(lib) -> None:
     v = torch.randn(requests, length, value_heads, value_dim, generator=gen)
     g = -torch.rand(requests, length, value_heads, generator=gen)
     beta = torch.rand(requests, length, value_heads, generator=gen)
-    lengths = torch.tensor([5, 3, 1])
+    lengths, rows = torch.tensor([5, 3, 1]), torch.tensor([3, 0, 4])
     size = value_heads * key_dim * value_dim
     flat = torch.randn(5, size + 7, generator=gen)  # rows of a wider buffer, as the gathered states hold them
     states = flat[:, :size].view(5, value_heads, key_dim, value_dim)
-    rows = torch.tensor([3, 0, 4])
     before = states.clone()
-    out = torch.empty(requests, length, value_heads, value_dim)
+    out = torch.zeros(requests, length, value_heads, value_dim)
     if lib.gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), lengths.data_ptr(),
                        requests, length, key_heads, value_heads, key_dim, value_dim, flat.data_ptr(),
                        rows.data_ptr(), flat.stride(0), out.data_ptr(), 1) != 0:
         raise AssertionError("gated_delta failed")
-    for r in range(requests):
-        s = before[rows[r]][None]
-        for t in range(length):
-            if t >= lengths[r]:
-                if out[r, t].abs().max() != 0:
-                    raise AssertionError("gated_delta wrote past a request's length")
-                continue
-            o, s = gated_delta_step(q[r, t][None], k[r, t][None], v[r, t][None], g[r, t][None], beta[r, t][None], s)
-            _close(out[r, t], o[0], "gated_delta's output")
-        _close(states[rows[r]], s[0], "gated_delta's state")
-    if not torch.equal(states[[1, 2]], before[[1, 2]]):
-        raise AssertionError("gated_delta changed a state row it was not given")
+    _check_recurrence("gated_delta", out, states, before, rows, lengths, lambda r, t, s: gated_delta_step(
+        q[r, t][None], k[r, t][None], v[r, t][None], g[r, t][None], beta[r, t][None], s))
 
 
 def check_ssd(lib) -> None:
     """Mamba-2's state update against the reference's one-token step, token
-    by token: three requests of different lengths (padding past them),
-    four heads in two groups, head channels of 5 and a state of 20 (tails
-    past the vector width), states at scattered rows of a wider buffer,
-    the rows a request does not own left alone."""
+    by token: three requests of different lengths, four heads in two
+    groups, head channels of 5 and a state of 20 (tails past the vector
+    width), states at scattered rows of a wider buffer."""
     from ...ssd_ops import ssd_step
 
     gen = torch.Generator().manual_seed(7)
@@ -385,28 +392,17 @@ def check_ssd(lib) -> None:
     B = torch.randn(requests, length, groups, state_size, generator=gen)
     C = torch.randn(requests, length, groups, state_size, generator=gen)
     D = torch.randn(heads, generator=gen)
-    lengths = torch.tensor([5, 3, 1])
+    lengths, rows = torch.tensor([5, 3, 1]), torch.tensor([3, 0, 4])
     size = heads * head_dim * state_size
     flat = torch.randn(5, size + 3, generator=gen)
     states = flat[:, :size].view(5, heads, head_dim, state_size)
-    rows = torch.tensor([3, 0, 4])
     before = states.clone()
-    y = torch.empty(requests, length, heads, head_dim)
+    y = torch.zeros(requests, length, heads, head_dim)
     lib.ssd(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(), lengths.data_ptr(),
             requests, length, heads, head_dim, groups, state_size, flat.data_ptr(), rows.data_ptr(), flat.stride(0),
             y.data_ptr(), 1)
-    for r in range(requests):
-        s = before[rows[r]][None]
-        for t in range(length):
-            if t >= lengths[r]:
-                if y[r, t].abs().max() != 0:
-                    raise AssertionError("ssd wrote past a request's length")
-                continue
-            out, s = ssd_step(x[r, t][None], dt[r, t][None], A, B[r, t][None], C[r, t][None], D, s)
-            _close(y[r, t], out[0], "ssd's output")
-        _close(states[rows[r]], s[0], "ssd's state")
-    if not torch.equal(states[[1, 2]], before[[1, 2]]):
-        raise AssertionError("ssd changed a state row it was not given")
+    _check_recurrence("ssd", y, states, before, rows, lengths, lambda r, t, s: ssd_step(
+        x[r, t][None], dt[r, t][None], A, B[r, t][None], C[r, t][None], D, s))
 
 
 def check(lib) -> None:

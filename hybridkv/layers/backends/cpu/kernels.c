@@ -1207,8 +1207,8 @@ int row_max(const float *x, int64_t rows, int64_t cols, int64_t stride, float *v
  * value_heads, value_dim]; g, beta [requests, length, value_heads]; all
  * float32, contiguous. Request r's state is at states + rows[r] *
  * row_stride: [value_heads, key_dim, value_dim]. out [requests, length,
- * value_heads, value_dim]: past a request's length, zeros. Returns 0, or
- * -1 where value_dim is over 1,024. */
+ * value_heads, value_dim]: nothing is written past a request's length.
+ * Returns 0, or -1 where value_dim is over 1,024. */
 int gated_delta(const float *q, const float *k, const float *v, const float *g, const float *beta,
                 const int64_t *lengths, int64_t requests, int64_t length, int64_t key_heads, int64_t value_heads,
                 int64_t key_dim, int64_t value_dim, float *states, const int64_t *rows, int64_t row_stride,
@@ -1223,13 +1223,9 @@ int gated_delta(const float *q, const float *k, const float *v, const float *g, 
         const int64_t r = rh / value_heads, h = rh % value_heads, kh = h / per_key;
         float *S = states + rows[r] * row_stride + h * K * V;
         float kv[1024], u[1024];
-        for (int64_t t = 0; t < length; t++) {
+        for (int64_t t = 0; t < lengths[r]; t++) {
             const int64_t at = r * length + t;
             float *o = out + (at * value_heads + h) * V;
-            if (t >= lengths[r]) {
-                memset(o, 0, (size_t)V * sizeof(float));
-                continue;
-            }
             const float *qt = q + (at * key_heads + kh) * K, *kt = k + (at * key_heads + kh) * K;
             const float *vt = v + (at * value_heads + h) * V;
             const float decay = expf(g[at * value_heads + h]), b = beta[at * value_heads + h];
@@ -1271,7 +1267,7 @@ int gated_delta(const float *q, const float *k, const float *v, const float *g, 
  * A, D [heads]; B, C [requests, length, groups, state_size]; all float32,
  * contiguous. Request r's state is at states + rows[r] * row_stride:
  * [heads, head_dim, state_size]. y [requests, length, heads, head_dim]:
- * past a request's length, zeros. */
+ * nothing is written past a request's length. */
 void ssd(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
          const int64_t *lengths, int64_t requests, int64_t length, int64_t heads, int64_t head_dim, int64_t groups,
          int64_t state_size, float *states, const int64_t *rows, int64_t row_stride, float *y, int threads)
@@ -1282,13 +1278,9 @@ void ssd(const float *x, const float *dt, const float *A, const float *B, const 
     for (int64_t rh = 0; rh < requests * heads; rh++) {
         const int64_t r = rh / heads, h = rh % heads, g = h / per_group;
         float *S = states + rows[r] * row_stride + h * P * N;
-        for (int64_t t = 0; t < length; t++) {
+        for (int64_t t = 0; t < lengths[r]; t++) {
             const int64_t at = r * length + t;
             float *out = y + (at * heads + h) * P;
-            if (t >= lengths[r]) {
-                memset(out, 0, (size_t)P * sizeof(float));
-                continue;
-            }
             const float *xt = x + (at * heads + h) * P;
             const float *Bt = B + (at * groups + g) * N, *Ct = C + (at * groups + g) * N;
             const float step = dt[at * heads + h], decay = expf(step * A[h]);

@@ -37,7 +37,7 @@ class CpuRecurrent(ReferenceRecurrent):
         q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
         rows = rows.to(torch.int64).contiguous()
         lengths = lengths.to(torch.int64).contiguous()
-        out = torch.empty(requests, length, value_heads, value_dim, dtype=torch.float32)
+        out = torch.zeros(requests, length, value_heads, value_dim, dtype=torch.float32)  # (0 past a length)
         if self.lib.gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                 lengths.data_ptr(), requests, length, key_heads, value_heads, key_dim, value_dim,
                                 state.data_ptr(), rows.data_ptr(), state.stride(0), out.data_ptr(),
@@ -56,7 +56,7 @@ class CpuRecurrent(ReferenceRecurrent):
         groups, state_size = B.shape[-2:]
         x, dt, A, B, C, D = (t.float().contiguous() for t in (x, dt, A, B, C, D))
         rows, lengths = rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
-        y = torch.empty(requests, length, heads, head_dim, dtype=torch.float32)
+        y = torch.zeros(requests, length, heads, head_dim, dtype=torch.float32)  # (0 past a length)
         self.lib.ssd(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
                      lengths.data_ptr(), requests, length, heads, head_dim, groups, state_size, state.data_ptr(),
                      rows.data_ptr(), state.stride(0), y.data_ptr(), torch.get_num_threads())
