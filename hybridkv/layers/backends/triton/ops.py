@@ -796,3 +796,55 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         q, k, v, g, beta, lengths, states, rows, out, length, key_heads, value_heads, value_dim, states.stride(0),
         KEY_DIM=key_dim, KEY_PAD=_pow2(key_dim), BLOCK_V=block_v)
     return out
+
+
+# -- Mamba-2: the SSD state update, token by token -------------------------------------
+@triton.jit
+def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, len_ptr, state_ptr, rows_ptr, y_ptr,
+                length, heads, groups, head_dim, s_state,
+                STATE: tl.constexpr, STATE_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program per (request, head, tile of head channels), the state
+    tile [BLOCK_P, N] in registers through the request's tokens:
+    S = exp(dt A) S + dt x B^T; y = S C + D x. The state is read from and
+    written back to its row of the gathered states."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // (heads // groups)
+    pp = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nn = tl.arange(0, STATE_PAD)
+    p_ok, n_ok = pp < head_dim, nn < STATE
+    tile = p_ok[:, None] & n_ok[None, :]
+    at_state = state_ptr + tl.load(rows_ptr + r) * s_state + h * head_dim * STATE
+    S = tl.load(at_state + pp[:, None] * STATE + nn[None, :], mask=tile, other=0.0)
+    A = tl.load(a_ptr + h)
+    D = tl.load(d_ptr + h)
+    n = tl.load(len_ptr + r)
+    for t in range(0, n):
+        at = r * length + t
+        x = tl.load(x_ptr + (at * heads + h) * head_dim + pp, mask=p_ok, other=0.0)
+        dt = tl.load(dt_ptr + at * heads + h)
+        B = tl.load(b_ptr + (at * groups + g) * STATE + nn, mask=n_ok, other=0.0)
+        C = tl.load(c_ptr + (at * groups + g) * STATE + nn, mask=n_ok, other=0.0)
+        S = tl.exp(dt * A) * S + (dt * x)[:, None] * B[None, :]
+        tl.store(y_ptr + (at * heads + h) * head_dim + pp, tl.sum(S * C[None, :], axis=1) + D * x, mask=p_ok)
+    tl.store(at_state + pp[:, None] * STATE + nn[None, :], S, mask=tile)
+
+
+def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+        lengths: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """layers/ssd_ops.py's update token by token for R requests side by
+    side, from and back to their float32 states in place: x `[R, L, H, P]`,
+    dt `[R, L, H]` (after softplus and clamp), A, D `[H]`, B, C `[R, L, G,
+    N]` (float32, contiguous), request r's tokens the first lengths[r], its
+    state row `rows[r]` of `states` `[*, H, P, N]` (each row contiguous).
+    Returns y `[R, L, H, P]` float32, 0 past a request's length."""
+    requests, length, heads, head_dim = x.shape
+    groups, state = B.shape[-2:]
+    y = torch.zeros(requests, length, heads, head_dim, dtype=torch.float32, device=x.device)
+    if requests == 0 or length == 0:
+        return y
+    block_p = min(32, _pow2(head_dim))
+    _ssd_kernel[(requests, heads, triton.cdiv(head_dim, block_p))](
+        x, dt, A, B, C, D, lengths, states, rows, y, length, heads, groups, head_dim, states.stride(0),
+        STATE=state, STATE_PAD=_pow2(state), BLOCK_P=block_p)
+    return y

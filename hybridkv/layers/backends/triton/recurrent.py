@@ -5,13 +5,13 @@ are gathered and written back, Mamba-1's scanned by a kernel (one program
 per chunk and channel tile walking the tokens; the reference launches a
 few ops per token), the conv and verified chunks (which keep every
 token's state) by the reference; a chunk with checkpoints inside runs
-in pieces, the kernel scanning each (layers/recurrent_state.py). Gated
-DeltaNet groups are gathered whole, decode rows too, and a kernel steps
-their float32 states in place, one program per request, value head and
-tile of value channels walking the tokens (decodes and chunks alike;
-verified chunks, which keep every token's state, and bfloat16 states run
-the reference). Groups of the other kinds (Mamba-2, the short conv) are
-gathered whole and run the reference's ops (the prepare report says so)."""
+in pieces, the kernel scanning each (layers/recurrent_state.py). Mamba-2
+and Gated DeltaNet groups are gathered whole, decode rows too, and a
+kernel steps their float32 states in place, one program per request, head
+and tile of channels walking the tokens (decodes and chunks alike; the
+conv is the reference's; verified chunks, which keep every token's state,
+and bfloat16 states run the reference). Short-conv groups are gathered
+whole and run the reference's ops (the prepare report says so)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..reference.recurrent import ReferenceRecurrent, gathered_build
 
 class TritonRecurrent(ReferenceRecurrent):
     name = "triton"
-    kinds = frozenset({"mamba", "gated_delta"})
+    kinds = frozenset({"mamba", "mamba2", "gated_delta"})
     in_pool = frozenset({"mamba"})  # the kinds whose decode states the kernels read and write in the pool
 
     def __init__(self, ops):
@@ -65,8 +65,27 @@ class TritonRecurrent(ReferenceRecurrent):
         offset, dtype = self._part(meta, layer_name, 1)
         return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
 
-    # Gated DeltaNet: its groups are gathered whole (no step pages); decode
-    # rows and chunks step the gathered float32 states in place by a kernel.
+    # Mamba-2 and Gated DeltaNet: their groups are gathered whole (no step
+    # pages); decode rows and chunks step the gathered float32 states in
+    # place by a kernel.
+    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
+        state = meta.state_views(layer_name)[1]
+        if not self._in_place(state):
+            return super().ssd_step(meta, layer_name, x, dt, A, B, C, D)
+        ones = torch.ones(x.shape[0], dtype=torch.int64, device=x.device)
+        return self._ssd(state, meta.step_rows, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, ones)[:, 0]
+
+    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
+        state = meta.state_views(layer_name)[1]
+        if keep or not self._in_place(state):  # verified drafts keep each token's state: the reference's
+            return super().ssd_prefill(meta, layer_name, rows, x, dt, A, B, C, D, lengths, keep)
+        return self._ssd(state, rows, x, dt, A, B, C, D, lengths)
+
+    def _ssd(self, state, rows, x, dt, A, B, C, D, lengths):
+        x, dt, A, B, C, D = (t.float().contiguous() for t in (x, dt, A, B, C, D))
+        return self.ops.ssd(x, dt, A, B, C, D, lengths.to(torch.int64).contiguous(), state,
+                            rows.to(torch.int64).contiguous())
+
     def _gated_delta(self, state, rows, q, k, v, g, beta, lengths):
         q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
         return self.ops.gated_delta(q, k, v, g, beta, lengths.to(torch.int64).contiguous(), state,
