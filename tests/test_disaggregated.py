@@ -3,8 +3,9 @@ directory both read: the prefill engine leaves there exactly the blocks a
 hit of each prompt reads (every full-attention block, the window's last
 blocks, the recurrent state at the last whole block), the decode engine's
 lookup finds them by name and its plan loads them; greedy tokens equal
-transformers', a damaged transfer is recomputed, a salt never crosses, and
-a decode engine that holds the prefix already loads nothing."""
+transformers', a damaged or half-written transfer is recomputed, a salt
+never crosses, and a decode engine that holds the prefix already loads
+nothing."""
 
 from __future__ import annotations
 
@@ -98,6 +99,47 @@ def test_a_damaged_transfer_is_recomputed_with_the_same_tokens(family_model, tmp
     check_tokens(reference, doc, out.outputs[0].token_ids)
     assert decode.stats["kv_tier_failed_loads"] > 0 and out.metrics.num_cached_tokens == 0
     assert decode.kv.num_free_pages == decode.kv.num_total_pages  # nothing left held
+
+
+def test_a_prefill_engine_that_stops_partway_costs_the_decode_side_time_not_tokens(family_model, tmp_path,
+                                                                                   monkeypatch):
+    # A prefill engine that died while its blocks were being written: half
+    # of its files are there, the rest never were, and one write was cut
+    # short (its temporary file left, its writer gone). What it ships is
+    # what the whole prompt's hit reads (a window's last blocks, the state
+    # at the last block), so half of it is no hit at all: the decode engine
+    # loads nothing, computes the prompt and gives transformers' tokens;
+    # nothing is left held.
+    from hybridkv.tiers.disk import DiskTier
+
+    family, path, reference = family_model
+    doc = documents(1)[0]
+    whole = engine(path, tmp_path / "whole", "prefill")
+    run(whole, doc, FIRST)
+    whole.close()
+    files = len(glob.glob(os.path.join(str(tmp_path / "whole"), "*", "g*", "*.kv")))
+    written, write = [], DiskTier.write
+
+    def dying(self, group, key, content):  # the process is gone after half of its files
+        if len(written) >= files // 2:
+            return []
+        written.append((group, key))
+        return write(self, group, key, content)
+
+    monkeypatch.setattr(DiskTier, "write", dying)
+    prefill = engine(path, tmp_path, "prefill")
+    run(prefill, doc, FIRST)
+    prefill.close()  # (its flush at close writes nothing more either: the process is gone)
+    monkeypatch.setattr(DiskTier, "write", write)
+    (a_file,) = glob.glob(os.path.join(str(tmp_path), "*", "g*", "*.kv"))[:1]
+    with open(f"{a_file[:-3]}0.kv.{'0' * 12}-999999999-abcd.tmp", "wb") as f:
+        f.write(b"half a block")
+    decode = engine(path, tmp_path, "decode")
+    out = run(decode, doc, GREEDY)
+    check_tokens(reference, doc, out.outputs[0].token_ids)
+    assert 0 < len(written) < files and out.metrics.num_cached_tokens == 0
+    assert decode.stats["kv_tier_failed_loads"] == 0  # (no load of a block that is not there)
+    assert decode.kv.num_free_pages == decode.kv.num_total_pages
 
 
 def test_a_salt_never_crosses_and_a_held_prefix_loads_nothing(family_model, tmp_path):
