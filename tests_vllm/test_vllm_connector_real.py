@@ -2,7 +2,8 @@
 Gemma-3 270M (15 sliding-window layers, window 512, and 3 full-attention
 layers), with a prompt longer than the window: blocks restored from host
 memory, from disk, and after a restart over the same directory give the
-cold run's tokens and logprobs."""
+cold run's tokens and logprobs; so do blocks a producer vLLM wrote for a
+consumer vLLM (prefill and decode on two engines)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ def test_real_gemma3_host_disk_and_restart_equal_a_cold_run(serve, real_gemma3, 
     assert again[2] == 672
     assert again[0] == cold[0] and max_logprob_diff(again[1], cold[1]) < CLOSE
     assert again[0] == pool[0] and again[1] == pool[1]
+
+
+def test_real_gemma3_prefill_on_one_vllm_decode_on_another(serve, real_gemma3, prompt, tmp_path):
+    # Two vLLMs (kv_role kv_producer, then kv_consumer) over one directory:
+    # the producer computes the prompt (one token) and writes, in the step
+    # that computes them, the blocks a hit on it reads (every full-attention
+    # block, the windows' last blocks); the consumer loads them and answers
+    # as vLLM alone does.
+    disk = str(tmp_path / "kv")
+    producer = serve(real_gemma3, {"disk_dir": disk}, kv_role="kv_producer")
+    producer.generate(prompt, max_tokens=1)
+    stats = producer.tiers.stats
+    assert stats["stores_prefilled"] > 0 and stats["stores_finished"] == 0
+    consumer = serve(real_gemma3, {"disk_dir": disk}, kv_role="kv_consumer")
+    decoded = consumer.generate(prompt, max_tokens=8)
+    assert decoded[2] == 672  # 699 // 32 whole blocks, from the producer's files
+    alone = serve(real_gemma3).generate(prompt, max_tokens=8)
+    assert decoded[0] == alone[0] and max_logprob_diff(decoded[1], alone[1]) < CLOSE
