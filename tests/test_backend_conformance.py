@@ -555,7 +555,7 @@ def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
         missing = sorted(set(KINDS) - b.recurrent.kinds)
         assert sorted(k for k in KINDS if any(f"for {k} layers" in d for d in report.declined)) == missing, report
         if name == "triton":
-            assert missing == ["gated_delta", "mamba2", "short_conv"]
+            assert missing == ["short_conv"]
         else:
             assert missing == []
 
