@@ -82,7 +82,7 @@ def test_the_boundary_is_read_from_the_c_source(lib):
     # with the compiled library's (checked at load).
     assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
-                                  "row_max", "gated_delta", "ssd", "struct_sizes"}
+                                  "row_max", "gated_delta", "ssd", "host_all_reduce", "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]
     assert [name for name, _ in lib.structs["paged_cache"]._fields_][:2] == ["data", "page_stride"]

@@ -75,6 +75,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..layers.parallel import use_host_reduce
+from .host_reduce import create_segment, open_host_reduce, segment_path
 from .plan_wire import decode, decode_tiers, encode, encode_tiers
 
 log = logging.getLogger("hybridkv.tensor_parallel")
@@ -113,9 +115,15 @@ class TensorParallelExecutor:
         context = mp.get_context("spawn")
         pipes = [context.Pipe(duplex=False) for _ in range(1, world)]  # (the worker's end, the driver's)
         self.beats = context.RawArray("q", world)  # rank r's heartbeats, counted by rank r (rank 0's unused)
+        # On the CPU the ranks' all-reduces go through one shared-memory segment (engine/host_reduce.py).
+        self.segment = None
+        if self.backend == "gloo":
+            self.segment = segment_path()
+            create_segment(self.segment, world)
+        self.host_reduce = None
         self.workers = [context.Process(target=_worker, name=f"hybridkv-tp-{rank}", daemon=True,
                                         args=(rank, world, port, self.backend, model_dir, worker_options,
-                                              pipes[rank - 1][0], timeout, self.beats, self.beat))
+                                              pipes[rank - 1][0], timeout, self.beats, self.beat, self.segment))
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
@@ -124,8 +132,12 @@ class TensorParallelExecutor:
         try:
             self._wait_for("joined")
             dist.init_process_group(self.backend, store=self.store, world_size=world, rank=0, timeout=self.timeout)
+            if self.segment is not None:
+                self.host_reduce = open_host_reduce(self.segment, 0, world, timeout)
+                use_host_reduce(self.host_reduce)
         except BaseException:
             self._stop_workers()
+            self._drop_segment()
             raise
         self.wire = PlanWire([driver_end for _, driver_end in pipes])
         for worker_end, _ in pipes:
@@ -170,6 +182,8 @@ class TensorParallelExecutor:
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
+        finally:
+            self._drop_segment()  # every rank has mapped it (or is gone): its name can go
         threading.Thread(target=self._watch, name="hybridkv-tp-watchdog", daemon=True).start()
 
     def watch(self, on_failure) -> None:
@@ -215,6 +229,8 @@ class TensorParallelExecutor:
         timeout, then tell the listeners."""
         self.failure = message
         log.error("%s", message)
+        if self.host_reduce is not None:
+            self.host_reduce.abort()  # a rank waiting in an all-reduce gives up now
         for worker in self.workers:
             worker.kill()
         for on_failure in self._listeners:
@@ -278,6 +294,17 @@ class TensorParallelExecutor:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.store = None
+            if self.host_reduce is not None:
+                use_host_reduce(None)
+            self._drop_segment()
+
+    def _drop_segment(self) -> None:
+        if self.segment is not None:
+            try:
+                os.unlink(self.segment)
+            except FileNotFoundError:
+                pass
+            self.segment = None
 
 
 class PlanWire:
@@ -313,7 +340,7 @@ class PlanWire:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, options: dict,
-            connection, timeout: float, beats, beat: float) -> None:
+            connection, timeout: float, beats, beat: float, segment: str | None) -> None:
     """A rank other than the driver: load this rank's shard, then beat
     (`_beat`) and act on every message the driver sends (a plan to run,
     tier copies to make) until it sends None."""
@@ -321,10 +348,12 @@ def _worker(rank: int, world: int, port: int, backend: str, model_dir: str, opti
         torch.set_num_threads(options.pop("threads", torch.get_num_threads()))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        timeout = datetime.timedelta(seconds=timeout)
+        seconds, timeout = timeout, datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         store.set(f"joined/{rank}", "1")
         dist.init_process_group(backend, store=store, world_size=world, rank=rank, timeout=timeout)
+        if segment is not None:
+            use_host_reduce(open_host_reduce(segment, rank, world, seconds))
         from ..layers.backends import choose as choose_backend
         from ..modeling.loader import load_model
         from .worker import Worker

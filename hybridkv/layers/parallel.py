@@ -35,6 +35,15 @@ from .linear import Linear
 
 # What this process's all-reduces moved (benchmarks/tensor_parallel.py reads them).
 REDUCED = {"calls": 0, "bytes": 0}
+# The process's all-reduce through shared memory, where its ranks share a
+# host (engine/host_reduce.py, installed by the tensor-parallel executor):
+# `reduce(x)` sums x in place and says True, or says False and gloo does.
+_host_reduce = [None]
+
+
+def use_host_reduce(reduce) -> None:
+    """All-reduces of this process through `reduce` (None: torch.distributed's)."""
+    _host_reduce[0] = reduce
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,9 @@ class Ranks:
         """x summed over the ranks, in place."""
         if self.world == 1:
             return x
-        dist.all_reduce(x)
+        reduce = _host_reduce[0]
+        if reduce is None or not reduce(x):
+            dist.all_reduce(x)
         REDUCED["calls"] += 1
         REDUCED["bytes"] += x.numel() * x.element_size()
         return x

@@ -11,6 +11,8 @@ equal torch's but where a float32 rounding apart falls either side of a
 bfloat16 one: in at most one element in a thousand, by one bfloat16 step
 (`_bf16_equal`); a rounding dropped or added changes far more. Attention
 rounds once, its output: within one step of torch's float32 result.
+(`host_all_reduce` needs ranks to meet: tests/test_host_reduce.py runs
+it; the backend does not call it.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@
  * float32 load or to the widening one, with no branch left.
  */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1296,6 +1297,91 @@ void ssd(const float *x, const float *dt, const float *A, const float *B, const 
             }
         }
     }
+}
+
+/* An all-reduce (sum) among the `world` processes of one host that map
+ * the same segment (engine/tensor_parallel.py makes it): each rank copies
+ * its part into its slot, every rank sums the slots in rank order (so all
+ * get the same bits), float32 sums (bfloat16 rounded once). Parts of at
+ * most `slot_bytes` each, one after the other.
+ *
+ * The segment: per rank an `arrived` and a `left` counter (64 bytes
+ * apart), an abort word after them, then the slots from byte 4096. A part
+ * numbered `seq` (the caller's count of parts so far, the same on every
+ * rank, from 1) may be written once every rank has left part seq - 1, and
+ * read once every rank has arrived with part seq. Returns the parts used,
+ * or -1 where the abort word was set, -2 past `timeout_s` of waiting. */
+#define SHM_LINE 64
+#define SHM_SLOTS 4096
+
+static int shm_wait(const char *segment, int64_t first_line, int world, int64_t value, double deadline)
+{
+    const int64_t *abort_flag = (const int64_t *)(segment + 2 * world * SHM_LINE);
+    for (int64_t spins = 0;; spins++) {
+        int ready = 1;
+        for (int i = 0; i < world && ready; i++)
+            ready = __atomic_load_n((const int64_t *)(segment + (first_line + i) * SHM_LINE), __ATOMIC_ACQUIRE) >= value;
+        if (ready)
+            return 0;
+        if (__atomic_load_n(abort_flag, __ATOMIC_ACQUIRE))
+            return -1;
+        if (spins % 1024 == 1023) {
+            if (omp_get_wtime() > deadline)
+                return -2;
+            sched_yield(); /* ranks may share cores: let the one we wait for run */
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
+int host_all_reduce(void *data, int dtype, int64_t n, char *segment, int64_t slot_bytes, int rank, int world,
+                    int64_t seq, float timeout_s)
+{
+    const int64_t size = dtype == BF16 ? 2 : 4, per_part = slot_bytes / size;
+    const double deadline = omp_get_wtime() + timeout_s;
+    int64_t parts = 0;
+    for (int64_t start = 0; start < n; start += per_part, parts++) { /* (nothing to exchange: no part at all) */
+        const int64_t count = n - start < per_part ? n - start : per_part, s = seq + parts;
+        int status = shm_wait(segment, world, world, s - 1, deadline); /* every rank done with the last part */
+        if (status)
+            return status;
+        memcpy(segment + SHM_SLOTS + rank * slot_bytes, (char *)data + start * size, (size_t)(count * size));
+        __atomic_store_n((int64_t *)(segment + rank * SHM_LINE), s, __ATOMIC_RELEASE);
+        status = shm_wait(segment, 0, world, s, deadline); /* every rank's part there */
+        if (status)
+            return status;
+        const char *slots = segment + SHM_SLOTS;
+        if (dtype == BF16) {
+            for (int64_t b = 0; b < count; b += 1024) {
+                const int64_t m = count - b < 1024 ? count - b : 1024;
+                float acc[1024];
+                for (int i = 0; i < world; i++) {
+                    const uint16_t *slot = (const uint16_t *)(slots + i * slot_bytes) + b;
+                    for (int64_t j = 0; j < m; j++) {
+                        const uint32_t bits = (uint32_t)slot[j] << 16;
+                        float f;
+                        memcpy(&f, &bits, sizeof f);
+                        acc[j] = i ? acc[j] + f : f;
+                    }
+                }
+                uint16_t *out = (uint16_t *)data + start + b;
+                for (int64_t j = 0; j < m; j++)
+                    out[j] = (uint16_t)(bf16_bits1(acc[j]) >> 16);
+            }
+        } else {
+            float *out = (float *)data + start;
+            memcpy(out, slots, (size_t)(count * size));
+            for (int i = 1; i < world; i++) {
+                const float *slot = (const float *)(slots + i * slot_bytes);
+                for (int64_t j = 0; j < count; j++)
+                    out[j] += slot[j];
+            }
+        }
+        __atomic_store_n((int64_t *)(segment + (world + rank) * SHM_LINE), s, __ATOMIC_RELEASE);
+    }
+    return (int)parts;
 }
 
 /* The sizes of the structs above, in the order they are declared, for the
