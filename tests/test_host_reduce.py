@@ -15,8 +15,6 @@ import torch
 
 from hybridkv.engine.host_reduce import SLOT_BYTES, create_segment, open_host_reduce
 
-pytest.importorskip("hybridkv.layers.backends.cpu")
-
 
 @pytest.fixture
 def ranks(tmp_path):
