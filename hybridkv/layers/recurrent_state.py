@@ -273,6 +273,50 @@ class GatheredSteps:
         return c * self._conv_step(meta, layer_name, b * x, weight, bias)
 
 
+class InPlaceRecurrences:
+    """Mamba-2's update and the gated delta rule stepped by an
+    implementation's kernels on the gathered float32 states in place, decode
+    rows and prefill chunks alike (the C and Triton sides). A subclass gives
+    `ssd_kernel(state, rows, x, dt, A, B, C, D, lengths)` and
+    `gated_delta_kernel(state, rows, q, k, v, g, beta, lengths)` over [R, L,
+    ...] inputs from state rows `rows` of `state` (each row contiguous),
+    returning float32 outputs, 0 past a length. bfloat16 states, and chunks
+    that keep every token's state (verified drafts), go to the next class in
+    line (the reference's gathered ops)."""
+
+    @staticmethod
+    def _in_place(state: torch.Tensor) -> bool:
+        return state.dtype == torch.float32 and state[0].is_contiguous()
+
+    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
+        state = meta.state_views(layer_name)[1]
+        if not self._in_place(state):
+            return super().ssd_step(meta, layer_name, x, dt, A, B, C, D)
+        ones = torch.ones(x.shape[0], dtype=torch.int64, device=x.device)
+        return self.ssd_kernel(state, meta.step_rows, x[:, None], dt[:, None], A, B[:, None], C[:, None], D,
+                               ones)[:, 0]
+
+    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
+        state = meta.state_views(layer_name)[1]
+        if keep or not self._in_place(state):
+            return super().ssd_prefill(meta, layer_name, rows, x, dt, A, B, C, D, lengths, keep)
+        return self.ssd_kernel(state, rows, x, dt, A, B, C, D, lengths)
+
+    def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
+        state = meta.state_views(layer_name)[1]
+        if not self._in_place(state):
+            return super().gated_delta_step(meta, layer_name, q, k, v, g, beta)
+        ones = torch.ones(q.shape[0], dtype=torch.int64, device=q.device)
+        return self.gated_delta_kernel(state, meta.step_rows, q[:, None], k[:, None], v[:, None], g[:, None],
+                                       beta[:, None], ones)[:, 0]
+
+    def gated_delta_prefill(self, meta: MambaMetadata, layer_name: str, rows, q, k, v, g, beta, lengths, keep=False):
+        state = meta.state_views(layer_name)[1]
+        if keep or not self._in_place(state):
+            return super().gated_delta_prefill(meta, layer_name, rows, q, k, v, g, beta, lengths, keep)
+        return self.gated_delta_kernel(state, rows, q, k, v, g, beta, lengths)
+
+
 def keep_accepted(meta: MambaMetadata, accepted: list[int]) -> None:
     """After verification (one count per `meta.verifies` entry: the drafts
     kept): write the state after each sequence's last kept token to its write

@@ -19,24 +19,22 @@ from __future__ import annotations
 
 import torch
 
-from ...recurrent_state import MambaMetadata
+from ...recurrent_state import InPlaceRecurrences
 from ..reference.recurrent import ReferenceRecurrent
 
 
-class CpuRecurrent(ReferenceRecurrent):
+class CpuRecurrent(InPlaceRecurrences, ReferenceRecurrent):
     name = "cpu"
 
     def __init__(self, lib):
         self.lib = lib
 
-    def _delta(self, state: torch.Tensor, rows: torch.Tensor, q, k, v, g, beta, lengths) -> torch.Tensor:
-        """kernels.c gated_delta over [R, L, ...] inputs from state rows
-        `rows` of `state` [*, Hv, K, V] (float32, each row contiguous)."""
+    def gated_delta_kernel(self, state: torch.Tensor, rows: torch.Tensor, q, k, v, g, beta, lengths) -> torch.Tensor:
+        """kernels.c gated_delta (recurrent_state.InPlaceRecurrences)."""
         requests, length, key_heads, key_dim = q.shape
         value_heads, value_dim = v.shape[-2:]
         q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-        rows = rows.to(torch.int64).contiguous()
-        lengths = lengths.to(torch.int64).contiguous()
+        rows, lengths = rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
         out = torch.zeros(requests, length, value_heads, value_dim, dtype=torch.float32)  # (0 past a length)
         if self.lib.gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                 lengths.data_ptr(), requests, length, key_heads, value_heads, key_dim, value_dim,
@@ -45,13 +43,8 @@ class CpuRecurrent(ReferenceRecurrent):
             raise ValueError(f"gated_delta: value heads of {value_dim} channels (the kernel takes up to 1,024)")
         return out
 
-    @staticmethod
-    def _runs_in_c(state: torch.Tensor) -> bool:
-        return state.dtype == torch.float32 and state.device.type == "cpu" and state[0].is_contiguous()
-
-    def _ssd(self, state: torch.Tensor, rows: torch.Tensor, x, dt, A, B, C, D, lengths) -> torch.Tensor:
-        """kernels.c ssd over [R, L, ...] inputs from state rows `rows` of
-        `state` [*, H, P, N] (float32, each row contiguous)."""
+    def ssd_kernel(self, state: torch.Tensor, rows: torch.Tensor, x, dt, A, B, C, D, lengths) -> torch.Tensor:
+        """kernels.c ssd (recurrent_state.InPlaceRecurrences)."""
         requests, length, heads, head_dim = x.shape
         groups, state_size = B.shape[-2:]
         x, dt, A, B, C, D = (t.float().contiguous() for t in (x, dt, A, B, C, D))
@@ -61,30 +54,3 @@ class CpuRecurrent(ReferenceRecurrent):
                      lengths.data_ptr(), requests, length, heads, head_dim, groups, state_size, state.data_ptr(),
                      rows.data_ptr(), state.stride(0), y.data_ptr(), torch.get_num_threads())
         return y
-
-    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
-        state = meta.state_views(layer_name)[1]
-        if not self._runs_in_c(state):
-            return super().ssd_step(meta, layer_name, x, dt, A, B, C, D)
-        ones = torch.ones(x.shape[0], dtype=torch.int64)
-        return self._ssd(state, meta.step_rows, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, ones)[:, 0]
-
-    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
-        state = meta.state_views(layer_name)[1]
-        if keep or not self._runs_in_c(state):
-            return super().ssd_prefill(meta, layer_name, rows, x, dt, A, B, C, D, lengths, keep)
-        return self._ssd(state, rows, x, dt, A, B, C, D, lengths)
-
-    def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
-        state = meta.state_views(layer_name)[1]
-        if not self._runs_in_c(state):
-            return super().gated_delta_step(meta, layer_name, q, k, v, g, beta)
-        ones = torch.ones(q.shape[0], dtype=torch.int64)
-        out = self._delta(state, meta.step_rows, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], ones)
-        return out[:, 0]
-
-    def gated_delta_prefill(self, meta: MambaMetadata, layer_name: str, rows, q, k, v, g, beta, lengths, keep=False):
-        state = meta.state_views(layer_name)[1]
-        if keep or not self._runs_in_c(state):
-            return super().gated_delta_prefill(meta, layer_name, rows, q, k, v, g, beta, lengths, keep)
-        return self._delta(state, rows, q, k, v, g, beta, lengths)

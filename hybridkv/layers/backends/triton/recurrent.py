@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import TORCH_DTYPES
-from ...recurrent_state import MambaMetadata, metadata
+from ...recurrent_state import InPlaceRecurrences, MambaMetadata, metadata
 from ...step import StepInputs
 from ..reference.recurrent import ReferenceRecurrent, gathered_build
 
 
-class TritonRecurrent(ReferenceRecurrent):
+class TritonRecurrent(InPlaceRecurrences, ReferenceRecurrent):
     name = "triton"
     kinds = frozenset({"mamba", "mamba2", "gated_delta"})
     in_pool = frozenset({"mamba"})  # the kinds whose decode states the kernels read and write in the pool
@@ -66,48 +66,17 @@ class TritonRecurrent(ReferenceRecurrent):
         return self.ops.mamba_ssm_step(meta.buffers.pool, *meta.step_pages, offset, dtype, x, dt, A, B, C, D, gate)
 
     # Mamba-2 and Gated DeltaNet: their groups are gathered whole (no step
-    # pages); decode rows and chunks step the gathered float32 states in
-    # place by a kernel.
-    def ssd_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D):
-        state = meta.state_views(layer_name)[1]
-        if not self._in_place(state):
-            return super().ssd_step(meta, layer_name, x, dt, A, B, C, D)
-        ones = torch.ones(x.shape[0], dtype=torch.int64, device=x.device)
-        return self._ssd(state, meta.step_rows, x[:, None], dt[:, None], A, B[:, None], C[:, None], D, ones)[:, 0]
-
-    def ssd_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep=False):
-        state = meta.state_views(layer_name)[1]
-        if keep or not self._in_place(state):  # verified drafts keep each token's state: the reference's
-            return super().ssd_prefill(meta, layer_name, rows, x, dt, A, B, C, D, lengths, keep)
-        return self._ssd(state, rows, x, dt, A, B, C, D, lengths)
-
-    def _ssd(self, state, rows, x, dt, A, B, C, D, lengths):
+    # pages); the kernels step the gathered float32 states in place
+    # (recurrent_state.InPlaceRecurrences decides when).
+    def ssd_kernel(self, state, rows, x, dt, A, B, C, D, lengths):
         x, dt, A, B, C, D = (t.float().contiguous() for t in (x, dt, A, B, C, D))
         return self.ops.ssd(x, dt, A, B, C, D, lengths.to(torch.int64).contiguous(), state,
                             rows.to(torch.int64).contiguous())
 
-    def _gated_delta(self, state, rows, q, k, v, g, beta, lengths):
+    def gated_delta_kernel(self, state, rows, q, k, v, g, beta, lengths):
         q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
         return self.ops.gated_delta(q, k, v, g, beta, lengths.to(torch.int64).contiguous(), state,
                                     rows.to(torch.int64).contiguous())
-
-    @staticmethod
-    def _in_place(state) -> bool:
-        return state.dtype == torch.float32 and state[0].is_contiguous()
-
-    def gated_delta_step(self, meta: MambaMetadata, layer_name: str, q, k, v, g, beta):
-        state = meta.state_views(layer_name)[1]
-        if not self._in_place(state):
-            return super().gated_delta_step(meta, layer_name, q, k, v, g, beta)
-        ones = torch.ones(q.shape[0], dtype=torch.int64, device=q.device)
-        return self._gated_delta(state, meta.step_rows, q[:, None], k[:, None], v[:, None], g[:, None],
-                                 beta[:, None], ones)[:, 0]
-
-    def gated_delta_prefill(self, meta: MambaMetadata, layer_name: str, rows, q, k, v, g, beta, lengths, keep=False):
-        state = meta.state_views(layer_name)[1]
-        if keep or not self._in_place(state):  # verified drafts keep each token's state: the reference's
-            return super().gated_delta_prefill(meta, layer_name, rows, q, k, v, g, beta, lengths, keep)
-        return self._gated_delta(state, rows, q, k, v, g, beta, lengths)
 
     def ssm_prefill(self, meta: MambaMetadata, layer_name: str, rows, x, dt, A, B, C, lengths, keep=False):
         if keep:  # verified drafts keep each token's state: the reference's scan
