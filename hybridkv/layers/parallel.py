@@ -108,7 +108,7 @@ def current_ranks() -> Ranks:
     return _building[-1]
 
 
-def _index(rows, ndim: int) -> tuple:
+def leading_part(rows, ndim: int) -> tuple:
     """The checkpoint index of `rows` (a slice, or a list of slices read one
     after the other) of a tensor with `ndim` dimensions."""
     return (rows,) + (slice(None),) * (ndim - 1)
@@ -129,7 +129,7 @@ class ColumnParallelLinear(Linear):
     def checkpoint_part(self, name: str, ndim: int):
         """The part of checkpoint tensor `name` (weight, bias) held here;
         None: all of it."""
-        return None if self.ranks.world == 1 else _index(self.rows, ndim)
+        return None if self.ranks.world == 1 else leading_part(self.rows, ndim)
 
 
 class RowParallelLinear(Linear):
@@ -168,7 +168,7 @@ class VocabParallelHead(Linear):
         self.ranks, self.vocab, self.part, self.rows = ranks, vocab, part, rows
 
     def checkpoint_part(self, name: str, ndim: int):
-        return None if self.ranks.world == 1 else _index(self.rows, ndim)
+        return None if self.ranks.world == 1 else leading_part(self.rows, ndim)
 
     def tie(self, embedding: torch.nn.Embedding) -> None:
         """Share the embedding's weight (this rank's rows of it: a view)."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks, leading_part
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
@@ -89,7 +89,7 @@ class GatedDeltaNet(CacheLayer, nn.Module):
         if name in ("dt_bias", "A_log"):
             return (self.v_head_rows,)
         if name == "conv1d.weight":
-            return (self.conv_rows, slice(None), slice(None))
+            return leading_part(self.conv_rows, ndim)
         return None
 
     def fuse(self) -> None:

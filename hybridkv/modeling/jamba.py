@@ -18,7 +18,7 @@ from torch import nn
 
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks, leading_part
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
@@ -67,7 +67,7 @@ class JambaMamba(CacheLayer, nn.Module):
         projections answer for themselves)."""
         if self.ranks.world == 1 or name not in self.CHANNEL_PARAMETERS:
             return None
-        return (self.channels,) + (slice(None),) * (ndim - 1)
+        return leading_part(self.channels, ndim)
 
     def _ssm_inputs(self, x: torch.Tensor):
         """dt (after bias and softplus, float32), B, C from conv outputs x [L, I]."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..layers.norm import RMSNorm
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks, leading_part
 from ..layers.recurrent_state import padded_chunks
 from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
@@ -57,7 +57,7 @@ class ShortConv(CacheLayer, nn.Module):
     def checkpoint_part(self, name: str, ndim: int):
         if self.ranks.world == 1 or name not in ("conv.weight", "conv.bias"):
             return None
-        return (self.channels,) + (slice(None),) * (ndim - 1)
+        return leading_part(self.channels, ndim)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         meta = batch.recurrent[self.group]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
+from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks, leading_part
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
@@ -123,11 +123,10 @@ class Mamba2Mixer(CacheLayer, nn.Module):
         them (the projections answer for themselves)."""
         if self.ranks.world == 1:
             return None
-        rest = (slice(None),) * (ndim - 1)
         if name in ("dt_bias", "A_log", "D"):
-            return (self.head_rows,) + rest
+            return leading_part(self.head_rows, ndim)
         if name in ("conv1d.weight", "conv1d.bias"):
-            return (self.conv_rows,) + rest
+            return leading_part(self.conv_rows, ndim)
         if name == "norm.weight":
             return (self.x_rows,)
         return None
