@@ -59,7 +59,7 @@ def kernels():
 
 class CpuBackend(Backend):
     name = "cpu"
-    # Quantized pages: int8 ones in its C kernels, float8 ones the reference's (said at prepare).
+    # Quantized pages (int8, float8) in its C kernels.
     capabilities = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset(KV_CACHE_DTYPES), capturable=False)
 
     def __init__(self):
@@ -84,7 +84,7 @@ class CpuBackend(Backend):
         if unread or (layout.groups and dtype not in STORAGE):
             what = ", ".join([f"{c} caches" for c in unread] + ([f"{dtype} queries"] if dtype not in STORAGE else []))
             report.declined.append(f"C decode attention: it reads float32 and bfloat16 queries, and float32, "
-                                   f"bfloat16 and int8 caches; {what} run the reference")
+                                   f"bfloat16, int8 and float8 caches; {what} run the reference")
         if dtype not in STORAGE:
             report.declined.append(f"C norms, rotary and activations: they read float32 and bfloat16; {dtype} runs "
                                    f"torch's")
@@ -92,7 +92,7 @@ class CpuBackend(Backend):
         report.done.append(f"{norms} RMS norms and {mlps} gated MLPs run their elementwise work in C")
         # Before packing: a wrapped layer takes the dense weights packing drops.
         if unread:  # the one-call layers store and read K/V through the same kernels
-            report.declined.append(f"one-call decoder layers: they write float32, bfloat16 and int8 pages; "
+            report.declined.append(f"one-call decoder layers: they write float32, bfloat16, int8 and float8 pages; "
                                    f"{', '.join(unread)} pages run the modules")
             wrapped = False
         else:

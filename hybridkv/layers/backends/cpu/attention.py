@@ -28,11 +28,12 @@ from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
 
-# kernels.c's storage types (its `enum { F32, BF16, I8 }`), by torch dtype:
-# what queries, activations and pages may be, and the codes of quantized
-# pages its decode attention reads (with their scales: kv_quant.py).
+# kernels.c's storage types (its `enum { F32, BF16, I8, E4M3, E5M2 }`), by
+# torch dtype: what queries, activations and pages may be, and the codes of
+# quantized pages its decode attention reads and its decoder layer writes
+# (with their scales: kv_quant.py).
 STORAGE = {torch.float32: 0, torch.bfloat16: 1}
-CODES = {torch.int8: 2}
+CODES = {torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 @dataclass
@@ -140,8 +141,8 @@ class CpuAttention(AttentionOps):
                                            softcap or 0.0, None if sinks is None else sinks.data_ptr(),
                                            out.data_ptr(), STORAGE[q.dtype], torch.get_num_threads())
         if status == -2:
-            raise ValueError("hybridkv's CPU decode attention: int8 queries, int8 pages without their scales, or "
-                             "rotated rows whose width is no power of two")
+            raise ValueError("hybridkv's CPU decode attention: quantized queries, quantized pages without their "
+                             "scales, or rotated rows whose width is no power of two")
         if status != 0:
             raise MemoryError("hybridkv's CPU decode attention could not allocate its scores")
         return out
@@ -149,7 +150,7 @@ class CpuAttention(AttentionOps):
     @staticmethod
     def supports(q: torch.Tensor, cache) -> bool:
         """The kernel reads float32 and bfloat16 queries, and pools of those
-        or of int8 codes with their scales (head dims contiguous), on the CPU."""
+        or of int8 / float8 codes with their scales (head dims contiguous), on the CPU."""
         if isinstance(cache, QuantizedCache):
             return q.dtype in STORAGE and cache.dtype in CODES and cache.codes.stride(-1) == 1 and \
                 cache.scales.stride(-1) == 1 and cache.device.type == "cpu"
@@ -158,7 +159,7 @@ class CpuAttention(AttentionOps):
 
 def paged_cache(lib, cache):
     """kernels.c's `paged_cache` for a layer's view of the pool: float32 or
-    bfloat16 (`STORAGE`), or int8 codes and their scales (`CODES`)."""
+    bfloat16 (`STORAGE`), or int8 / float8 codes and their scales (`CODES`)."""
     if isinstance(cache, QuantizedCache):  # rows rotated where kv_quant says: the kernels rotate the queries
         codes, scales = cache.codes, cache.scales
         turned = rotation(codes.dtype, codes.shape[-1], codes.device) is not None

@@ -141,6 +141,16 @@ def check_decode_attention(lib) -> None:
             if (got - expected).abs().max() > 1e-5 + 2e-5 * expected.abs().max():
                 raise AssertionError(f"{what}, int8 pages of {width}-wide rows) differs by "
                                      f"{(got - expected).abs().max().item():.3g}")
+        # float8 pages: codes (not rotated) and their scales, every code of the type among them
+        for codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scaled = cache * torch.logspace(-3, 1, cache.shape[2])[:, None, None]
+            codes, scales = quantize(scaled, codes_dtype)
+            got = CpuAttention(lib).attend_decodes(q, QuantizedCache(codes, scales), dec, 0, 0.3, softcap, sink)
+            expected = _attention(q, dequantize(codes, scales, torch.float32), pages, positions, firsts, 0.3,
+                                  softcap, sink)
+            if (got - expected).abs().max() > 1e-5 + 1e-5 * expected.abs().max():
+                raise AssertionError(f"{what}, {codes_dtype} pages) differs by "
+                                     f"{(got - expected).abs().max().item():.3g}")
 
 
 def check_norm_rotary(lib) -> None:
@@ -199,20 +209,20 @@ def check_decode_layer(lib) -> None:
     stored, x after each residual add, and (where the CPU has its bfloat16
     dot product) each product's input. The second rounding sees a
     float32 difference in the first's input, so the output is within two
-    bfloat16 steps of the rule's. And in float32 over int8 pages: the K/V
-    rotated, stored as codes and scales (kv_quant.py), attention over the
-    values the pages stand for; a code may round the other way where the
-    kernel's float32 K differs from torch's in its last bit, so the
-    output is compared to 1e-3."""
+    bfloat16 steps of the rule's. And in float32 over int8 pages (the K/V
+    rotated) and float8_e4m3fn ones: stored as codes and scales
+    (kv_quant.py), attention over the values the pages stand for; a code
+    may round the other way where the kernel's float32 K differs from
+    torch's in its last bit, so the output is compared to 1e-3."""
     gen = torch.Generator().manual_seed(3)
     hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
     # Five rows: the products' tiles take four at a time, and a fifth alone.
     positions, firsts = [5, 12, 2, 9, 15], [0, 4, 0, 8, 12]
     R = len(positions)
-    for dtype, offset, kind, every_norm, int8 in (
-            (torch.float32, 1.0, 1, True, False), (torch.float32, 0.0, 0, False, False),
-            (torch.bfloat16, 1.0, 1, True, False), (torch.bfloat16, 0.0, 0, False, False),
-            (torch.float32, 1.0, 1, True, True)):
+    for dtype, offset, kind, every_norm, codes in (
+            (torch.float32, 1.0, 1, True, None), (torch.float32, 0.0, 0, False, None),
+            (torch.bfloat16, 1.0, 1, True, None), (torch.bfloat16, 0.0, 0, False, None),
+            (torch.float32, 1.0, 1, True, torch.int8), (torch.float32, 0.0, 0, False, torch.float8_e4m3fn)):
         def rand(*shape, scale=0.2):
             return (torch.randn(*shape, generator=gen) * scale).to(dtype).float()  # values dtype holds
 
@@ -229,12 +239,18 @@ def check_decode_layer(lib) -> None:
         for name, size in (("post_attention_norm", hidden), ("post_feedforward_norm", hidden), ("q_norm", dim),
                            ("k_norm", dim)):
             w[name] = rand(size) if every_norm else None
+        if codes is not None and codes != torch.int8:
+            # K/V elements down to float8's subnormal codes (each rotary pair, d and d + dim / 2, alike)
+            spread = torch.logspace(0, -5.5, dim // 2).repeat(4 * kv_heads)
+            w["qkv"][q_heads * dim:] *= spread[:, None]
+            w["qkv_bias"][q_heads * dim:] *= spread
         cache, pages = _scattered_pool(gen, 32, bs, kv_heads, dim, positions, firsts)
         cache = rounded(cache)
-        if int8:  # pages of int8 codes of rotated rows (kv_quant.py), and the values they stand for
-            hadamard = rotation(torch.int8, dim, "cpu")
-            pool_codes = quantize(cache @ hadamard, torch.int8)
-            cache = dequantize(*pool_codes, torch.float32) @ hadamard
+        if codes is not None:  # pages of codes (int8 rows rotated: kv_quant.py), and the values they stand for
+            hadamard = rotation(codes, dim, "cpu")
+            turn = torch.eye(dim) if hadamard is None else hadamard
+            pool_codes = quantize(cache @ turn, codes)
+            cache = dequantize(*pool_codes, torch.float32) @ turn
         store_pages = pages[torch.arange(R), torch.tensor(positions) // bs - torch.tensor(firsts) // bs]
         store_offsets = torch.tensor(positions) % bs
         x = rand(R, hidden, scale=1.0)
@@ -248,7 +264,7 @@ def check_decode_layer(lib) -> None:
         if every_norm:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        stored = (lambda t: dequantize(*quantize(t @ hadamard, torch.int8), torch.float32) @ hadamard) if int8 \
+        stored = (lambda t: dequantize(*quantize(t @ turn, codes), torch.float32) @ turn) if codes is not None \
             else rounded
         for r in range(R):
             expected_cache[store_pages[r], 0, store_offsets[r]] = stored(k[r])
@@ -272,12 +288,12 @@ def check_decode_layer(lib) -> None:
                                           first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
                                           store_offsets=store_offsets.data_ptr())
         pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)
-        if int8:
+        if codes is not None:
             pool = QuantizedCache(*pool_codes)
         # The whole layer in one call, then in its three parts (a tensor-parallel
         # rank's, here with nothing to add between them: one rank's sums are whole).
         for parts in ((0,), (1, 2, 3)):
-            what = f"decode_layer ({dtype}{', int8 pages' if int8 else ''}, offset {offset}, parts {parts})"
+            what = f"decode_layer ({dtype}{f', {codes} pages' if codes else ''}, offset {offset}, parts {parts})"
             got, sums = x.to(dtype, copy=True), torch.empty(x.shape)
             for part in parts:
                 status = lib.decode_layer(layer, paged_cache(lib, pool), rows, got.data_ptr(), cos.data_ptr(),
@@ -286,7 +302,7 @@ def check_decode_layer(lib) -> None:
                 if status != 0:
                     raise AssertionError("decode_layer failed to allocate")
             written = [(int(p), int(s)) for p, s in zip(store_pages, store_offsets)]
-            if int8:
+            if codes == torch.int8:
                 if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
                     raise AssertionError(f"{what} differs by {(got - expected).abs().max().item():.3g}")
                 values = dequantize(pool.codes, pool.scales, torch.float32) @ hadamard
@@ -294,6 +310,17 @@ def check_decode_layer(lib) -> None:
                     step = pool.scales[page, :, slot] * dim ** 0.5 * 1.01
                     if ((values[page, :, slot] - expected_cache[page, :, slot]).norm(dim=-1) > step).any():
                         raise AssertionError("decode_layer's int8 K/V store differs from kv_quant's")
+                continue
+            if codes is not None:  # float8: each element within half a code of torch's K/V (3 mantissa bits)
+                if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+                    raise AssertionError(f"{what} differs by {(got - expected).abs().max().item():.3g}")
+                values = dequantize(pool.codes, pool.scales, torch.float32)
+                for r, (page, slot) in enumerate(written):
+                    for half, row in enumerate((k[r], v[r])):
+                        scale = pool.scales[page, half, slot, :, None]  # subnormal codes below 2^-6 in steps of 2^-9
+                        bound = torch.where(row.abs() < scale * 2 ** -6, scale * 2 ** -10, row.abs() * 2 ** -4) * 1.01
+                        if ((values[page, half, slot] - row).abs() > bound).any():
+                            raise AssertionError(f"decode_layer's {codes} K/V store differs from kv_quant's")
                 continue
             if dtype == torch.float32:
                 _close(got, expected, what)

@@ -192,7 +192,7 @@ class CpuDecoderLayer(nn.Module):
             cache = buffers.attention_cache(self.layer_name)
             if isinstance(cache, QuantizedCache) and cache.dtype not in CODES or \
                     not isinstance(cache, QuantizedCache) and (cache.dtype not in STORAGE or cache.stride(-1) != 1):
-                raise ValueError(f"the C decoder layer writes float32, bfloat16 or int8 K/V; {self.layer_name}'s "
+                raise ValueError(f"the C decoder layer writes float32, bfloat16, int8 or float8 K/V; {self.layer_name}'s "
                                  f"cache is {cache.dtype}")
             self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
         return self._cache[1]

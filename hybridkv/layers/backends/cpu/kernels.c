@@ -64,9 +64,13 @@ static inline vec splat(float x) { return (vec){0} + x; }
  * specialises the loops around it. */
 #define INLINE static inline __attribute__((always_inline))
 
-/* Storage types. I8: a quantized page's codes, read only (decode
- * attention), each K/V row with its float32 scale (`paged_cache`). */
-enum { F32 = 0, BF16 = 1, I8 = 2 };
+/* Storage types. I8, E4M3 (float8_e4m3fn) and E5M2 (float8_e5m2): a
+ * quantized page's codes (kv_quant.py), each K/V row with its float32
+ * scale (`paged_cache`); read by decode attention, written by the decoder
+ * layer's store. */
+enum { F32 = 0, BF16 = 1, I8 = 2, E4M3 = 3, E5M2 = 4 };
+
+static inline int is_code(int t) { return t >= I8; }
 
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -129,7 +133,7 @@ static inline float widen1(uint16_t h)
 
 static inline uint16_t narrow1(float f) { return (uint16_t)(bf16_bits1(f) >> 16); }
 
-static inline size_t size_of(int t) { return t == BF16 ? sizeof(uint16_t) : t == I8 ? 1 : sizeof(float); }
+static inline size_t size_of(int t) { return t == BF16 ? sizeof(uint16_t) : is_code(t) ? 1 : sizeof(float); }
 
 typedef int8_t cvec __attribute__((vector_size(LANES)));
 
@@ -148,6 +152,47 @@ static inline vec widen_i8(const int8_t *p)
 #endif
 }
 
+/* A float8 code as float16 bits: E5M2 is a float16's upper byte; E4M3's
+ * exponent and mantissa shifted into a float16's stand for its value over
+ * 2^8 (float16's exponent bias is 8 more), subnormals included. Neither
+ * type's infinities or NaN are ever stored (the scales keep every code
+ * within the type's largest). */
+static inline uint16_t f8_half_bits(uint8_t b, int t)
+{
+    return t == E5M2 ? (uint16_t)(b << 8) : (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+}
+
+static inline float widen_f8_1(uint8_t b, int t)
+{
+    const uint16_t h = f8_half_bits(b, t);
+    const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    const float magnitude = exponent ? ldexpf(1.0f + (float)mantissa / 1024.0f, exponent - 15)
+                                     : ldexpf((float)mantissa, -24);
+    return (h & 0x8000 ? -magnitude : magnitude) * (t == E4M3 ? 256.0f : 1.0f);
+}
+
+/* Sixteen float8 codes at p as float32. */
+static inline vec widen_f8(const uint8_t *p, int t)
+{
+#if defined(__AVX512F__) /* widened to 16 bits, moved into float16's fields, converted by the hardware */
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = t == E5M2 ? _mm256_slli_epi16(w, 8)
+                                : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                                  _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    __m512 f = _mm512_cvtph_ps(h);
+    if (t == E4M3)
+        f = _mm512_mul_ps(f, _mm512_set1_ps(256.0f));
+    vec v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    vec v;
+    for (int i = 0; i < LANES; i++)
+        v[i] = widen_f8_1(p[i], t);
+    return v;
+#endif
+}
+
 /* Element i of an array of storage type t. */
 static inline void *at(const void *p, int64_t i, int t) { return (char *)p + i * (int64_t)size_of(t); }
 
@@ -156,7 +201,7 @@ static inline void *at(const void *p, int64_t i, int t) { return (char *)p + i *
 INLINE vec load_as(const void *p, int64_t i, int t)
 {
     return t == F32 ? load((const float *)p + i) : t == I8 ? widen_i8((const int8_t *)p + i)
-                                                        : widen((const uint16_t *)p + i);
+         : t == BF16 ? widen((const uint16_t *)p + i) : widen_f8((const uint8_t *)p + i, t);
 }
 
 INLINE void store_as(void *p, int64_t i, vec v, int t)
@@ -169,7 +214,8 @@ INLINE void store_as(void *p, int64_t i, vec v, int t)
 
 INLINE float get_as(const void *p, int64_t i, int t)
 {
-    return t == F32 ? ((const float *)p)[i] : t == I8 ? (float)((const int8_t *)p)[i] : widen1(((const uint16_t *)p)[i]);
+    return t == F32 ? ((const float *)p)[i] : t == I8 ? (float)((const int8_t *)p)[i]
+         : t == BF16 ? widen1(((const uint16_t *)p)[i]) : widen_f8_1(((const uint8_t *)p)[i], t);
 }
 
 INLINE void put_as(void *p, int64_t i, float v, int t)
@@ -275,7 +321,7 @@ static inline int64_t slot(const int64_t *row_pages, int64_t p, int64_t block0, 
 
 /* One row and up to four of a KV head's query heads (count): scores
  * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
- * The cache's elements are of type ct (inlined once per type); for I8
+ * The cache's elements are of type ct (inlined once per type); for codes
  * codes, `sc` is the head's scales and `ss` their page, half and slot
  * strides: a key's score is its codes' dot product times its K scale, a
  * value's weight its softmax weight times its V scale. */
@@ -303,7 +349,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
         for (int64_t b = 0; b < row_bytes; b += 64)
             __builtin_prefetch(value + b);
         dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
-        if (ct == I8) {
+        if (is_code(ct)) {
             const float k_scale = sc[slot(row_pages, p, block0, block_size, ss[0], ss[2])];
             for (int g = 0; g < 4; g++)
                 s[g] *= k_scale;
@@ -329,7 +375,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
             total[g] += sg[i];
         }
     }
-    if (ct == I8) /* the weights times each value row's scale (the totals are the weights' own) */
+    if (is_code(ct)) /* the weights times each value row's scale (the totals are the weights' own) */
         for (int64_t i = 0; i < n; i++) {
             const float v_scale = sc[slot(row_pages, lo + i, block0, block_size, ss[0], ss[2]) + ss[1]];
             for (int g = 0; g < 4; g++)
@@ -383,7 +429,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
 
 /* One layer's paged K/V cache as the kernels address it: elements of
  * storage type `dtype`, strides in elements (page, K/V half, slot, head;
- * head_dim contiguous). I8 codes: `scales` [pages, 2, block_size,
+ * head_dim contiguous). Codes (I8, E4M3, E5M2): `scales` [pages, 2, block_size,
  * kv_heads] float32 with its own strides, in floats (page, half, slot,
  * head); NULL otherwise. */
 typedef struct {
@@ -457,6 +503,12 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     else if (c->dtype == I8)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
                      c->half_stride, c->slot_stride, dim, scale, softcap, scores, I8, sc, ss);
+    else if (c->dtype == E4M3)
+        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, E4M3, sc, ss);
+    else if (c->dtype == E5M2)
+        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, E5M2, sc, ss);
     else
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
                      c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16, sc, ss);
@@ -477,9 +529,9 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
 int decode_attention(const paged_cache *cache, const decode_rows *rows, const void *q, int64_t q_heads,
                      float scale, float softcap, const float *sinks, void *out, int dtype, int threads)
 {
-    if (dtype == I8 || (cache->dtype == I8 && cache->scales == NULL) ||
+    if (is_code(dtype) || (is_code((int)cache->dtype) && cache->scales == NULL) ||
         (cache->rotated && (cache->head_dim & (cache->head_dim - 1))))
-        return -2; /* int8 queries, codes without their scales, or rotated rows of no power-of-two width */
+        return -2; /* coded queries, codes without their scales, or rotated rows of no power-of-two width */
     const int64_t dim = cache->head_dim, groups = q_heads / cache->kv_heads, batches = (groups + 3) / 4;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2) reduction(| : failed)
@@ -547,19 +599,41 @@ static void rotate_hadamard(float *x, int64_t n)
         x[i] *= norm;
 }
 
-/* A row of n floats as int8 codes and their scale, as kv_quant.py's
- * quantize writes them: scale = max |x| / 127, code = x / scale rounded to
- * the nearest (ties to even: rintf in the default rounding mode, as
- * torch.round), a row of zeros scale 0 and codes 0. */
-static void quantize_row(const float *x, int64_t n, int8_t *codes, float *scale)
+/* |x| (at most the type's largest) as a float8 code's magnitude, to the
+ * nearest (ties to even), as torch converts: normal values by rounding
+ * float32's mantissa to the type's (a carry moves the exponent), smaller
+ * ones in steps of the type's least subnormal. */
+static inline uint8_t f8_magnitude(float x, int t)
 {
+    const int mantissa = t == E4M3 ? 3 : 2, bias = t == E4M3 ? 7 : 15, shift = 23 - mantissa;
+    const float a = fabsf(x);
+    if (a < ldexpf(1.0f, 1 - bias)) /* subnormal: a over the least one, 2^(1 - bias - mantissa) */
+        return (uint8_t)rintf(ldexpf(a, bias - 1 + mantissa));
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    bits += (1u << (shift - 1)) - 1 + ((bits >> shift) & 1);
+    return (uint8_t)((bits >> shift) - ((uint32_t)(127 - bias) << mantissa));
+}
+
+/* A row of n floats as codes of type t and their scale, as kv_quant.py's
+ * quantize writes them: scale = max |x| / the type's largest code, each
+ * x / scale clamped there and rounded to the nearest code (ties to even:
+ * rintf in the default rounding mode, as torch.round and torch's float8
+ * conversion), a row of zeros scale 0 and codes 0. */
+static void quantize_row(const float *x, int64_t n, uint8_t *codes, float *scale, int t)
+{
+    const float largest = t == I8 ? 127.0f : t == E4M3 ? 448.0f : 57344.0f;
     float top = 0.0f;
     for (int64_t i = 0; i < n; i++)
         top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-    const float s = top / 127.0f, divisor = s > 0.0f ? s : 1.0f;
+    const float s = top / largest, divisor = s > 0.0f ? s : 1.0f;
     for (int64_t i = 0; i < n; i++) {
-        const float q = rintf(x[i] / divisor);
-        codes[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+        float q = x[i] / divisor;
+        q = q > largest ? largest : q < -largest ? -largest : q;
+        if (t == I8)
+            codes[i] = (uint8_t)(int8_t)rintf(q);
+        else
+            codes[i] = (uint8_t)((q < 0.0f ? 0x80 : 0) | f8_magnitude(q, t));
     }
     *scale = s;
 }
@@ -1000,12 +1074,12 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
         const float *k = qkv + r * qkv_width + q_width, *v = k + kv_width;
         for (int64_t head = 0; head < L->kv_heads; head++) {
             const int64_t slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
-            if (ct == I8) {
+            if (is_code(ct)) {
                 float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
                                 store_offsets[r] * c->scale_slot_stride + head * c->scale_head_stride;
-                quantize_row(k + head * dim, dim, (int8_t *)c->data + slot0, scales);
-                quantize_row(v + head * dim, dim, (int8_t *)c->data + slot0 + half_stride,
-                             scales + c->scale_half_stride);
+                quantize_row(k + head * dim, dim, (uint8_t *)c->data + slot0, scales, ct);
+                quantize_row(v + head * dim, dim, (uint8_t *)c->data + slot0 + half_stride,
+                             scales + c->scale_half_stride, ct);
             } else {
                 copy_as(k + head * dim, F32, at(c->data, slot0, ct), ct, dim);
                 copy_as(v + head * dim, F32, at(c->data, slot0 + half_stride, ct), ct, dim);
@@ -1013,7 +1087,7 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
             for (int64_t s = 1; store_offsets[r] == 0 && s < block_size; s++) {
                 memset(at(c->data, page + s * slot_stride + head * head_stride, ct), 0, row_bytes);
                 memset(at(c->data, page + half_stride + s * slot_stride + head * head_stride, ct), 0, row_bytes);
-                if (ct == I8) {
+                if (is_code(ct)) {
                     float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
                                     s * c->scale_slot_stride + head * c->scale_head_stride;
                     scales[0] = scales[c->scale_half_stride] = 0.0f;
@@ -1077,7 +1151,7 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, flo
 int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows *d, void *x, const void *cos,
                  const void *sin, float *sums, int part, int threads)
 {
-    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL || (c->dtype == I8 && c->scales == NULL) ||
+    if (part < LAYER_WHOLE || part > LAYER_LAST_RESIDUAL || (is_code((int)c->dtype) && c->scales == NULL) ||
         (c->rotated && (c->head_dim & (c->head_dim - 1))))
         return -1;
     const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim;
