@@ -167,6 +167,26 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(name,
     torch.testing.assert_close(quantized.scales[rows, 0, offsets], expected_scales)
 
 
+@pytest.mark.parametrize("codes", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_c_kernels_read_every_float8_code_as_torch_does(codes):
+    # One key, its V row every finite code of the type (NaN and infinities,
+    # never stored, as 0), scale 1: the output is the row the kernel widened.
+    from hybridkv.layers.backends.cpu import kernels
+    from hybridkv.layers.backends.cpu.attention import CpuAttention, CpuDecodes
+
+    dtype = CODES[codes]
+    every = torch.arange(256, dtype=torch.uint8)
+    every[~every.view(dtype).float().isfinite()] = 0
+    pool = torch.zeros(1, 2, 1, 1, 256, dtype=torch.uint8)
+    pool[0, 1, 0, 0] = every
+    scales = torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)
+    decodes = CpuDecodes(torch.arange(1), torch.zeros(1, 1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                         torch.zeros(1, dtype=torch.int64))
+    out = CpuAttention(kernels()).attend_decodes(torch.ones(1, 1, 256), QuantizedCache(pool.view(dtype), scales),
+                                                 decodes, 0, 1.0, None)
+    assert torch.equal(out[0, 0], every.view(dtype).float())
+
+
 def test_scales_stored_with_the_wrong_token_are_caught(monkeypatch):
     case = AttentionCase(SPECS["full"], MIXED, torch.float32, seed=3)
     quantized, values = quantized_case(case, torch.int8)
