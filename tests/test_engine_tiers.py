@@ -28,7 +28,8 @@ def family_model(request, tmp_path_factory):
 
 def small_engine(path, **kw):
     # A pool for about two of these requests: every new document evicts the last.
-    probe = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256)
+    probe = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256,
+                   kv_cache_dtype=kw.get("kv_cache_dtype", "auto"))
     pages = 2 * probe.layout.pages_per_request(60, chunk=64) + 3
     return Engine(path, kv_cache_memory=pages * probe.layout.page_size_bytes, block_size=4, progress=False,
                   max_model_len=256, max_num_batched_tokens=64, **kw)
@@ -232,3 +233,48 @@ def test_a_load_that_fails_in_a_batch_leaves_the_other_requests_alone(family_mod
     assert second.stats["kv_tier_failed_loads"] > 0
     assert outs[1].metrics.num_cached_tokens >= 40  # the other document's hit stood
     second.close()
+
+
+def disk_bytes(directory) -> int:
+    return sum(os.path.getsize(n) for n in glob.glob(os.path.join(str(directory), "*", "g*", "*.kv")))
+
+
+def test_int8_pages_go_to_the_tiers_as_they_are_and_hit_again_after_a_restart(family_model, tmp_path):
+    # int8 attention pages (Jamba's Mamba states beside them stay float32):
+    # what a small pool evicts goes to host memory and disk and comes back
+    # bit for bit, so every revisit gives the tokens of an int8 engine that
+    # never evicted; the files take fewer bytes than float32 pages'; after a
+    # restart the same dtype hits them, and float32 pages never do.
+    family, path, reference = family_model
+    docs = documents(4)
+    roomy = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256,
+                   max_num_batched_tokens=64, kv_cache_dtype="int8")
+    # host memory for a few blocks, so that both tiers serve hits
+    tiered = small_engine(path, kv_cache_dtype="int8", kv_host_cache_memory="16KiB" if family == "gemma3" else "64KiB",
+                          kv_disk_cache=str(tmp_path / "int8"))
+    for engine in (roomy, tiered):
+        for doc in docs:
+            engine.generate([doc], GREEDY, use_tqdm=False)
+    for doc in docs:
+        prompt = doc + [3, 4]
+        expected = roomy.generate([prompt], GREEDY, use_tqdm=False)[0]
+        got = tiered.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert got.metrics.num_cached_tokens >= 40
+    loads = tiered.stats["kv_tier_loads_by_group"]
+    assert sum(loads.get("host", [0])) > 0 and sum(loads.get("disk", [0])) > 0, loads
+    tiered.close()
+    # the same document's blocks on disk in float32 pages take more bytes
+    wide = small_engine(path, kv_disk_cache=str(tmp_path / "float32"))
+    wide.generate([docs[0]], GREEDY, use_tqdm=False)
+    wide.close()
+    narrow = small_engine(path, kv_cache_dtype="int8", kv_disk_cache=str(tmp_path / "one"))
+    narrow.generate([docs[0]], GREEDY, use_tqdm=False)
+    narrow.close()
+    assert disk_bytes(tmp_path / "one") < (0.5 if family == "gemma3" else 0.9) * disk_bytes(tmp_path / "float32")
+    restarted = small_engine(path, kv_cache_dtype="int8", kv_disk_cache=str(tmp_path / "int8"))
+    out = restarted.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens >= 40
+    assert out.outputs[0].token_ids == roomy.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    other = small_engine(path, kv_disk_cache=str(tmp_path / "int8"))
+    assert other.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens == 0
