@@ -246,7 +246,7 @@ def test_int8_pages_go_to_the_tiers_as_they_are_and_hit_again_after_a_restart(fa
     # never evicted; the files take fewer bytes than float32 pages'; after a
     # restart the same dtype hits them, and float32 pages never do.
     family, path, reference = family_model
-    docs = documents(4)
+    docs = documents(6)
     roomy = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256,
                    max_num_batched_tokens=64, kv_cache_dtype="int8")
     # host memory for a few blocks, so that both tiers serve hits
