@@ -243,6 +243,27 @@ def test_an_engine_on_quantized_pages_says_so_and_serves_hits(kv_cache_dtype):
     assert "cpu:decoder-layers" in routes
 
 
+@pytest.mark.parametrize("family", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_recurrent_hybrids_on_int8_pages_keep_float32_states_and_hit(family):
+    # Gated DeltaNet and Mamba-2 beside int8 attention pages: the states
+    # stay float32, the reference and the C kernels give the same tokens,
+    # and a prompt sent again hits its checkpoint with the same tokens.
+    prompt = [(7 * j) % 150 + 5 for j in range(140)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "cpu"):
+        engine = Engine(tiny_model_dir(family), kv_cache_memory="16MiB", kv_cache_dtype="int8", progress=False,
+                        backend=backend, dtype="float32")
+        dtypes = {d for g in engine.layout.groups for d in (g.spec.dtypes if g.recurrent else (g.spec.dtype,))}
+        assert dtypes == {"float32", "int8"}, dtypes
+        first = engine.generate([prompt], params, use_tqdm=False)[0]
+        again = engine.generate([prompt], params, use_tqdm=False)[0]
+        assert again.metrics.num_cached_tokens >= 128
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        tokens[backend] = first.outputs[0].token_ids
+    assert tokens["torch"] == tokens["cpu"]
+
+
 def test_int8_rows_are_stored_rotated_and_read_back_unchanged():
     # The rotation is orthonormal and its own inverse: attention over
     # rotated rows with rotated queries, rotated back, is attention over
