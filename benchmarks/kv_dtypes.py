@@ -22,10 +22,17 @@ Capacity: requests of 1K, 4K and 32K tokens that fit an 80 GiB budget
 (layout.max_requests: pages held, the planner's rounding included) with
 each dtype, as a ratio to bfloat16 pages, beside the byte-exact ratio (the
 exact need of a request in bfloat16 over the same in the narrow dtype:
-recurrent states never narrow).
+recurrent states never narrow). Beside them, where vLLM is importable (or
+in the interpreter `--python-vllm` names), vLLM's own page rule on the
+same configs and budget: its fp8 pages (one byte an element, scaled per
+tensor) against its bfloat16 pages, requests counted alike from the pool
+and groups its code makes (vllm_replay.max_requests).
 
     python -m benchmarks.kv_dtypes             # ~20 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
-    python -m benchmarks.kv_dtypes --parts speed --out benchmarks/results/kv_dtypes_speed.json
+    python -m benchmarks.kv_dtypes --parts speed       # writes kv_dtypes_speed.json
+    python -m benchmarks.kv_dtypes --parts capacity --python-vllm '~/.cache/hybridkv-peers/vllm/bin/python'
+                                               # kv_dtypes_capacity.json in seconds (quoted: the result's
+                                               # command keeps the ~, not the home directory)
     python -m benchmarks.kv_dtypes --quick     # CI smoke run: the tiny random model, made-up prompts
 """
 
@@ -36,7 +43,10 @@ import inspect
 import json
 import math
 import os
+import pickle
 import statistics
+import subprocess
+import tempfile
 import textwrap
 import time
 
@@ -159,7 +169,67 @@ def long_prompts(n: int, length: int) -> list[list[int]]:
     return [[2] + ids[7 * i:7 * i + length - 1] for i in range(n)]
 
 
-def capacity(paths: list[str]) -> dict:
+VLLM_NARROW = "fp8"  # vLLM's kv_cache_dtype, set against its "bfloat16"
+
+
+def vllm_capacity(paths: list[str]) -> dict:
+    """vLLM's fp8 pages against its bfloat16 ones at BUDGET, per model and
+    context: requests that fit, their ratio, and the byte-exact ratio of
+    vLLM's pages; a model vLLM cannot lay out gets the reason instead."""
+    from benchmarks.vllm_replay import import_vllm, max_requests
+
+    version = import_vllm().__version__
+    rows = {}
+    for path in paths:
+        try:
+            wide = max_requests(path, BUDGET, CONTEXTS, "bfloat16")
+            narrow = max_requests(path, BUDGET, CONTEXTS, VLLM_NARROW)
+        except ValueError as e:  # what the set-up raises for a model it cannot lay out
+            rows[os.path.basename(path)[:-5]] = {"unavailable": str(e)}
+            continue
+        cells = {}
+        for c in CONTEXTS:
+            w, n = wide["contexts"][c], narrow["contexts"][c]
+            cells[c] = {"requests": n["requests"], "bfloat16_requests": w["requests"],
+                        "ratio": n["requests"] / max(1, w["requests"]), "exact": w["exact_bytes"] / n["exact_bytes"]}
+        rows[os.path.basename(path)[:-5]] = {
+            **cells, "max_model_len": wide["max_model_len"],
+            **{key: {"bfloat16": wide[key], VLLM_NARROW: narrow[key]}
+               for key in ("num_blocks", "attention_block_size", "page_bytes")}}
+    return {"version": version, "models": rows}
+
+
+# Run in --python-vllm's interpreter: vllm_capacity, its result pickled to argv[1].
+VLLM_RUN = """
+import pickle, sys
+from benchmarks.kv_dtypes import vllm_capacity
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(vllm_capacity(sys.argv[2:]), f)
+"""
+
+
+def vllm_part(paths: list[str], python: str | None) -> dict | None:
+    """vllm_capacity in `python` (a subprocess) or, without it, here if
+    vLLM imports; None (and a line saying why) where neither can."""
+    if python is None:
+        from benchmarks.vllm_replay import VLLMUnavailable
+
+        try:
+            return vllm_capacity(paths)
+        except VLLMUnavailable:
+            print("(no vLLM column: vLLM does not import here; --python-vllm PATH names an interpreter that has it)")
+            return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "vllm_capacity.pkl")
+        done = subprocess.run([os.path.expanduser(python), "-c", VLLM_RUN, out, *paths], capture_output=True,
+                              text=True, cwd=harness.ROOT, env=harness.with_pythonpath(harness.ROOT))
+        if done.returncode:
+            raise SystemExit(f"--python-vllm {python}: the vLLM part failed:\n{done.stderr[-3000:]}")
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+
+def capacity(paths: list[str], vllm: dict | None = None) -> dict:
     from hybridkv.core.baselines import exact_bytes
     from hybridkv.core.hf_config import load_config, specs_from_config
     from hybridkv.core.layout import plan_layout
@@ -179,8 +249,10 @@ def capacity(paths: list[str]) -> dict:
             row[name] = {c: {"requests": narrow.max_requests(c),
                              "ratio": narrow.max_requests(c) / max(1, wide.max_requests(c)),
                              "exact": exact_bytes(specs, c) / exact_bytes(narrow_specs, c)} for c in CONTEXTS}
+        if vllm is not None:
+            row[f"vllm {VLLM_NARROW}"] = vllm["models"][row["model"]]
         rows.append(row)
-    return {"rows": rows}
+    return {"rows": rows, **({"vllm_version": vllm["version"]} if vllm is not None else {})}
 
 
 PARTS = ("capacity", "accuracy", "speed")
@@ -189,6 +261,15 @@ PARTS = ("capacity", "accuracy", "speed")
 def arguments(parser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which of {', '.join(PARTS)} to run (default all; accuracy and speed need the model)")
+    parser.add_argument("--python-vllm", default=None, metavar="PATH",
+                        help="a Python with vLLM installed, for capacity's vLLM column (default: this one, if it has)")
+
+
+def result_file(args) -> str:
+    """kv_dtypes.json, or kv_dtypes_capacity.json / kv_dtypes_speed.json
+    for a run of that part alone."""
+    parts = args.parts.split(",")
+    return f"kv_dtypes_{parts[0]}.json" if parts in (["capacity"], ["speed"]) else "kv_dtypes.json"
 
 
 def run(args) -> dict:
@@ -199,12 +280,15 @@ def run(args) -> dict:
     paths = sorted(glob.glob(os.path.join(MODELS, "*.json")))
     tables = {}
     if "capacity" in parts:
-        tables["capacity"] = capacity(paths if not args.quick else paths[:2])
+        chosen = paths if not args.quick else paths[:2]
+        tables["capacity"] = capacity(chosen, vllm_part(chosen, args.python_vllm))
         print(f"Requests that fit {BUDGET}, as a ratio to bfloat16 pages (byte-exact ratio):")
         print(f"{'model':<20} {'dtype':<16} " + " ".join(f"{c:>18}" for c in CONTEXTS))
         for row in tables["capacity"]["rows"]:
-            for name in CAPACITY:
-                if name in row:
+            for name in [*CAPACITY, f"vllm {VLLM_NARROW}"]:
+                if name in row and "unavailable" in row[name]:
+                    print(f"{row['model']:<20} {name:<16} -: {row[name]['unavailable']}")
+                elif name in row:
                     cells = [f"{row[name][c]['ratio']:.2f}x ({row[name][c]['exact']:.2f}x)" for c in CONTEXTS]
                     print(f"{row['model']:<20} {name:<16} " + " ".join(f"{cell:>18}" for cell in cells))
     if "accuracy" not in parts and "speed" not in parts:
@@ -248,4 +332,4 @@ def run(args) -> dict:
 
 
 if __name__ == "__main__":
-    harness.main(run, arguments, repeat=5)
+    harness.main(run, arguments, repeat=5, out=result_file)

@@ -1,4 +1,6 @@
-"""Replay manager_overhead.py's request trace through vLLM's own KVCacheManager.
+"""Replay manager_overhead.py's request trace through vLLM's own KVCacheManager;
+and how many requests vLLM's pool holds for a model (`max_requests`, which
+benchmarks/kv_dtypes.py sets beside hybridkv's for narrow pages).
 
 vLLM is an optional dependency: nothing here imports it at module level, and
 `import_vllm()` raises a clear error when it is missing. Only vLLM's public
@@ -7,7 +9,8 @@ vLLM is an optional dependency: nothing here imports it at module level, and
 The manager is built the way vLLM's engine core builds it for the model:
 
 * per-layer KV cache specs as the model's layers would report them
-  (`FullAttentionSpec` / `SlidingWindowSpec` / `MambaSpec`, bfloat16 KV; the
+  (`FullAttentionSpec` / `SlidingWindowSpec` / `ChunkedLocalAttentionSpec` /
+  `MambaSpec`, KV in the model's dtype or `kv_cache_dtype`'s; the
   Mamba state shapes and dtypes from the model class's own
   `get_mamba_state_shape_from_config` / `get_mamba_state_dtype_from_config`),
   with block_size 16 and prefix caching on;
@@ -46,9 +49,12 @@ the hybridkv loop ends them at its checkpoints (`next_chunk`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import logging
 import os
+import re
 import sys
 import time
 import types
@@ -57,6 +63,7 @@ from benchmarks import harness
 from benchmarks.replay_trace import CONFIGS, MODELS_DIR, TRACES, Waiting
 from hybridkv.core.hf_config import load_config, specs_from_config, text_config
 from hybridkv.core.layout import parse_memory
+from hybridkv.core.specs import ChunkedLocalSpec as HKChunked
 from hybridkv.core.specs import FullAttentionSpec as HKFull
 from hybridkv.core.specs import RecurrentSpec as HKRecurrent
 from hybridkv.core.specs import SlidingWindowSpec as HKSliding
@@ -121,105 +128,201 @@ class _ModelConfigStub:
         return self._attn[1]
 
 
+@contextlib.contextmanager
+def _quiet_vllm():
+    """vLLM's set-up chatter (padding layers, block sizes) silenced; nothing
+    logs in the hot path."""
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        vllm_logger.setLevel(level)
+
+
+def kv_cache_setup(config_path: str, memory, block_size: int = BLOCK_SIZE,
+                   cache_dtype: str = "auto") -> types.SimpleNamespace:
+    """vLLM's KV cache configuration for the model in `config_path` with
+    `memory` bytes of KV cache and pages of `cache_dtype` (vLLM's
+    kv_cache_dtype: "auto" is the model's dtype, "fp8" one byte an element
+    scaled per tensor): the per-layer specs, the hybrid block-size rule, and
+    the scheduler's groups and pool as get_kv_cache_configs and
+    generate_scheduler_kv_cache_config make them (the module docstring)."""
+    import_vllm()
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    from vllm.model_executor.models.config import HybridAttentionMambaModelConfig
+    from vllm.platforms.interface import Platform
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec,
+                                            SlidingWindowSpec, get_kv_quant_mode)
+
+    config = load_config(config_path)
+    hk_specs = specs_from_config(config)  # only for which layer is which kind (same config.json parsing)
+    attn = next(((s.num_kv_heads, s.head_size) for s in hk_specs.values()
+                 if isinstance(s, (HKFull, HKSliding, HKChunked))), None)
+    kinds = {s.kind for s in hk_specs.values() if isinstance(s, HKRecurrent)}
+    if len(kinds) > 1:
+        raise ValueError(f"{config_path}: more than one recurrent kind ({sorted(kinds)})")
+    has_mamba = bool(kinds)
+    mamba_type = MambaAttentionBackendEnum[RECURRENT_BACKENDS[kinds.pop()]] if has_mamba else None
+    model_config = _ModelConfigStub(config, attn)
+
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True, cache_dtype=cache_dtype)
+    vllm_config = VllmConfig(cache_config=cache_config)
+    vllm_config.model_config = model_config  # after __post_init__: the stub only feeds the KV cache set-up
+    backend = FlashAttentionBackend  # what a GPU engine runs these attention layers with
+    model_cls = _model_class(model_config) if has_mamba else None
+    if has_mamba:
+        HybridAttentionMambaModelConfig.verify_and_update_config(vllm_config)  # mamba_cache_mode, mamba_block_size
+        Platform._align_hybrid_block_size(vllm_config, backend)  # attention block >= Mamba page, Mamba padding
+    register_all_kvcache_specs(vllm_config)
+
+    kv_dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, model_config)  # Attention.__init__
+    quant = get_kv_quant_mode(cache_config.cache_dtype)
+    kv_cache_spec, layer_specs = {}, {}
+    for name, spec in hk_specs.items():
+        i = int(re.search(r"layers\.(\d+)", name)[1])  # Falcon-H1: "model.layers.3" and "model.layers.3.mamba"
+        layer = f"model.layers.{i}.mixer" if isinstance(spec, HKRecurrent) else f"model.layers.{i}.self_attn.attn"
+        layer_specs[layer] = spec
+        if isinstance(spec, HKRecurrent):
+            # MambaBase.get_kv_cache_spec
+            kv_cache_spec[layer] = MambaSpec(
+                shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+                dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                block_size=cache_config.mamba_block_size,
+                page_size_padded=cache_config.mamba_page_size_padded,
+                mamba_type=mamba_type,
+                mamba_cache_mode=cache_config.mamba_cache_mode,
+                num_speculative_blocks=0,
+                # MambaMixer2.get_kv_cache_spec: a Mamba-2 layer saves the
+                # block-boundary state from inside a prefill chunk, so the
+                # Scheduler does not split the prefill there
+                **({"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+                   if mamba_type.name == "MAMBA2" else {}))
+        elif isinstance(spec, HKSliding):
+            # Attention.get_kv_cache_spec, sliding-window branch
+            probe = backend.customize_spec(SlidingWindowSpec(
+                block_size=1, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                dtype=kv_dtype, kv_quant_mode=quant, sliding_window=spec.sliding_window))
+            per_token = probe.real_page_size_bytes
+            sw_block = _largest_kernel_block_within(backend, per_token, per_token * cache_config.block_size,
+                                                    cache_config.block_size, probe)
+            kv_cache_spec[layer] = SlidingWindowSpec(
+                block_size=sw_block, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                dtype=kv_dtype, kv_quant_mode=quant, sliding_window=spec.sliding_window)
+        elif isinstance(spec, HKChunked):
+            # ChunkedLocalAttention.get_kv_cache_spec
+            kv_cache_spec[layer] = ChunkedLocalAttentionSpec(
+                block_size=cache_config.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                dtype=kv_dtype, kv_quant_mode=quant, attention_chunk_size=spec.chunk_size)
+        elif isinstance(spec, HKFull):
+            kv_cache_spec[layer] = FullAttentionSpec(
+                block_size=cache_config.block_size, num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size, dtype=kv_dtype, kv_quant_mode=quant)
+        else:
+            raise ValueError(f"{name}: {type(spec).__name__} layers are not wired into the vLLM replay")
+
+    # EngineCore._initialize_kv_caches
+    backends = [backend]
+    if has_mamba:
+        backends.append(mamba_type.get_class())
+    layouts = get_supported_kv_cache_layouts(backends)
+    layout = resolve_kv_cache_layout(vllm_config, [[m.name for m in layouts]], list(kv_cache_spec.values()))
+    kv_cache_configs = get_kv_cache_configs(vllm_config, [kv_cache_spec], [parse_memory(memory)])
+    for c in kv_cache_configs:
+        c.kv_cache_layout = cache_config.kv_cache_layout
+    return types.SimpleNamespace(
+        vllm_config=vllm_config, cache_config=cache_config, model_config=model_config, has_mamba=has_mamba,
+        kv_cache_spec=kv_cache_spec, layer_specs=layer_specs, attention_block_size=cache_config.block_size,
+        kv_cache_config=generate_scheduler_kv_cache_config(kv_cache_configs), layout=layout)
+
+
+def _model_class(model_config):
+    """vLLM's class for the model's architecture (its Mamba state shapes);
+    where its module does not import here, a ValueError that says why (the
+    registry's own error only points at its log)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    try:
+        return ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)[0]
+    except ValueError:
+        entry = ModelRegistry.models.get(model_config.architecture)
+        try:
+            if entry is not None:
+                importlib.import_module(entry.module_name)
+        except ImportError as e:
+            raise ValueError(f"vLLM's {model_config.architecture} does not import here ({entry.module_name}: "
+                             f"{e})") from None
+        raise
+
+
+def blocks_held(spec, tokens: int) -> int:
+    """Blocks of a group with vLLM's `spec` that one request holds at
+    `tokens` tokens, decoding one token a step, counted as
+    layout.max_requests counts hybridkv's: full attention every block; a
+    sliding window or attention chunk vLLM's own admission bound for one
+    token in flight (the most it holds at any position), at most every
+    block; a Mamba group its running state (in "align" mode a second block
+    for the one step that crosses a block boundary) and its speculative
+    blocks."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        return 1 + spec.num_speculative_blocks
+    every = cdiv(tokens, spec.block_size)
+    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        return min(every, spec.max_admission_blocks_per_request(max_in_flight_tokens=1, max_model_len=tokens))
+    return every
+
+
+def max_requests(config_path: str, memory, contexts, cache_dtype: str = "auto") -> dict:
+    """How many requests of each length in `contexts` vLLM's pool holds at
+    once for the model, with pages of `cache_dtype`: the scheduler's pool
+    (its null block left out) over the blocks one request holds in every
+    group (`blocks_held`); beside it the exact bytes of one such request in
+    vLLM's per-layer specs (the keys the next query reads, at the layer's
+    real bytes per token; a Mamba layer's state unpadded), nothing rounded."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    with _quiet_vllm():
+        setup = kv_cache_setup(config_path, memory, cache_dtype=cache_dtype)
+    config = setup.kv_cache_config
+    usable = config.num_blocks - 1  # the null block is never handed out
+    groups = [g.kv_cache_spec for g in config.kv_cache_groups]
+
+    def exact(tokens: int) -> int:
+        return sum(spec.real_page_size_bytes if isinstance(spec, MambaSpec) else
+                   (tokens - setup.layer_specs[name].first_visible(tokens)) * spec.real_page_size_bytes
+                   // spec.block_size for name, spec in setup.kv_cache_spec.items())
+
+    return {"num_blocks": config.num_blocks, "attention_block_size": setup.attention_block_size,
+            "page_bytes": sorted({s.page_size_bytes for s in groups}),
+            "max_model_len": setup.model_config.max_model_len,
+            "contexts": {c: {"requests": usable // sum(blocks_held(s, c) for s in groups), "exact_bytes": exact(c)}
+                         for c in contexts}}
+
+
 def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
     """vLLM's KVCacheManager for the model in `config_path` with `memory` bytes
     of KV cache, plus the request block hasher and a description."""
     import_vllm()
-    import torch
-    from vllm.config import CacheConfig, VllmConfig
-    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.config import HybridAttentionMambaModelConfig
-    from vllm.platforms.interface import Platform
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_kv_cache_configs,
-                                             get_request_block_hasher, init_none_hash,
+    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
                                              resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes)
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, get_kv_quant_mode
+    from vllm.v1.kv_cache_interface import MambaSpec
 
-    vllm_logger = logging.getLogger("vllm")
-    level = vllm_logger.level
-    vllm_logger.setLevel(logging.ERROR)  # set-up chatter (padding layers, block sizes); nothing logs in the hot path
-    try:
-        config = load_config(config_path)
-        hk_specs = specs_from_config(config)  # only for which layer is which kind (same config.json parsing)
-        attn = next(((s.num_kv_heads, s.head_size) for s in hk_specs.values()
-                     if isinstance(s, (HKFull, HKSliding))), None)
-        kinds = {s.kind for s in hk_specs.values() if isinstance(s, HKRecurrent)}
-        if len(kinds) > 1:
-            raise ValueError(f"{config_path}: more than one recurrent kind ({sorted(kinds)})")
-        has_mamba = bool(kinds)
-        mamba_type = MambaAttentionBackendEnum[RECURRENT_BACKENDS[kinds.pop()]] if has_mamba else None
-        model_config = _ModelConfigStub(config, attn)
-
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        vllm_config = VllmConfig(cache_config=cache_config)
-        vllm_config.model_config = model_config  # after __post_init__: the stub only feeds the KV cache set-up
-        backend = FlashAttentionBackend  # what a GPU engine runs these attention layers with
-        attention_block_size = cache_config.block_size
-        model_cls = None
-        if has_mamba:
-            HybridAttentionMambaModelConfig.verify_and_update_config(vllm_config)  # mamba_cache_mode, mamba_block_size
-            Platform._align_hybrid_block_size(vllm_config, backend)  # attention block >= Mamba page, Mamba padding
-            attention_block_size = cache_config.block_size
-            model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-        register_all_kvcache_specs(vllm_config)
-
-        kv_dtype = (model_config.dtype if cache_config.cache_dtype == "auto"
-                    else getattr(torch, cache_config.cache_dtype))
-        quant = get_kv_quant_mode(cache_config.cache_dtype)
-        kv_cache_spec = {}
-        for name, spec in hk_specs.items():
-            i = int(name.rsplit(".", 1)[1])
-            if isinstance(spec, HKRecurrent):
-                # MambaBase.get_kv_cache_spec
-                kv_cache_spec[f"model.layers.{i}.mixer"] = MambaSpec(
-                    shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
-                    dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
-                    block_size=cache_config.mamba_block_size,
-                    page_size_padded=cache_config.mamba_page_size_padded,
-                    mamba_type=mamba_type,
-                    mamba_cache_mode=cache_config.mamba_cache_mode,
-                    num_speculative_blocks=0,
-                    # MambaMixer2.get_kv_cache_spec: a Mamba-2 layer saves the
-                    # block-boundary state from inside a prefill chunk, so the
-                    # Scheduler does not split the prefill there
-                    **({"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
-                       if mamba_type.name == "MAMBA2" else {}))
-            elif isinstance(spec, HKSliding):
-                # Attention.get_kv_cache_spec, sliding-window branch
-                probe = backend.customize_spec(SlidingWindowSpec(
-                    block_size=1, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                    dtype=kv_dtype, kv_quant_mode=quant, sliding_window=spec.sliding_window))
-                per_token = probe.real_page_size_bytes
-                sw_block = _largest_kernel_block_within(backend, per_token, per_token * cache_config.block_size,
-                                                        cache_config.block_size, probe)
-                kv_cache_spec[f"model.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
-                    block_size=sw_block, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                    dtype=kv_dtype, kv_quant_mode=quant, sliding_window=spec.sliding_window)
-            elif isinstance(spec, HKFull):
-                kv_cache_spec[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                    block_size=cache_config.block_size, num_kv_heads=spec.num_kv_heads,
-                    head_size=spec.head_size, dtype=kv_dtype, kv_quant_mode=quant)
-            else:
-                raise ValueError(f"{name}: {type(spec).__name__} layers are not wired into the vLLM replay")
-
-        # EngineCore._initialize_kv_caches
-        backends = [backend]
-        if has_mamba:
-            backends.append(mamba_type.get_class())
-        layouts = get_supported_kv_cache_layouts(backends)
-        layout = resolve_kv_cache_layout(vllm_config, [[m.name for m in layouts]], list(kv_cache_spec.values()))
-        memory_bytes = parse_memory(memory)
-        kv_cache_configs = get_kv_cache_configs(vllm_config, [kv_cache_spec], [memory_bytes])
-        for c in kv_cache_configs:
-            c.kv_cache_layout = cache_config.kv_cache_layout
-        kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+    with _quiet_vllm():
+        setup = kv_cache_setup(config_path, memory, block_size)
+        vllm_config, cache_config, kv_cache_config = setup.vllm_config, setup.cache_config, setup.kv_cache_config
         groups = kv_cache_config.kv_cache_groups
         participating = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
         cache_config.block_size = min(participating or [g.kv_cache_spec.block_size for g in groups])
@@ -240,9 +343,8 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(hash_block_size, hash_fn)
-    finally:
-        vllm_logger.setLevel(level)
 
+    kv_cache_spec, has_mamba = setup.kv_cache_spec, setup.has_mamba
     sizes = [len(g.layer_names) for g in groups]
     info = {
         "groups": len(groups),
@@ -252,7 +354,7 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         "num_blocks": kv_cache_config.num_blocks,
         "block_bytes": kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks,
         "layer_page_bytes": sorted({spec.page_size_bytes for spec in kv_cache_spec.values()}),
-        "attention_block_size": attention_block_size,
+        "attention_block_size": setup.attention_block_size,
         "scheduler_block_size": scheduler_block_size,
         "hash_block_size": hash_block_size,
         "hash_algo": cache_config.prefix_caching_hash_algo,
@@ -260,8 +362,8 @@ def build_manager(config_path: str, memory, block_size: int = BLOCK_SIZE):
         "mamba_state_dtypes": ([str(d).replace("torch.", "") for d in
                                 next(s for s in kv_cache_spec.values() if isinstance(s, MambaSpec)).dtypes]
                                if has_mamba else None),
-        "max_model_len": model_config.max_model_len,
-        "kv_cache_layout": layout.name,
+        "max_model_len": setup.model_config.max_model_len,
+        "kv_cache_layout": setup.layout.name,
     }
     return kv, hasher, split, info
 
