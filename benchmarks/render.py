@@ -169,13 +169,18 @@ def real_gemma3_table(engines: list[str], ratios: list[str], result: str = "real
 
 def kv_capacity_rows(t: dict) -> list[dict]:
     """One row per model and narrow dtype (those it has: no full-only row
-    where every attention layer is full, or none is)."""
-    return [{"model": row["model"], "pages": name, **row[name]} for row in t["capacity"]["rows"]
-            for name in ("int8", "fp8", "int8 full only") if name in row]
+    where every attention layer is full, or none is), then vLLM's fp8 pages
+    where the run had vLLM."""
+    names = {"int8": "int8", "fp8": "fp8", "int8 full only": "int8 full only", "vllm fp8": "vLLM fp8"}
+    return [{"model": row["model"], "pages": shown, **row[name]} for row in t["capacity"]["rows"]
+            for name, shown in names.items() if name in row]
 
 
 def kv_capacity_cell(context: int) -> Callable[[dict], str]:
-    return lambda row: f"{times(row[str(context)]['ratio'])} ({times(row[str(context)]['exact'])})"
+    """The ratio and, in brackets, the byte-exact one; a dash where vLLM
+    could not lay the model out (the page says why)."""
+    return lambda row: "—" if "unavailable" in row else \
+        f"{times(row[str(context)]['ratio'])} ({times(row[str(context)]['exact'])})"
 
 
 def readme_rows(t: dict) -> list[dict]:
@@ -222,7 +227,7 @@ def us(value: float | None) -> str:
 
 
 TABLES: dict[str, Table] = {
-    "kv-dtypes-capacity": Table("kv_dtypes.json", kv_capacity_rows, {
+    "kv-dtypes-capacity": Table("kv_dtypes_capacity.json", kv_capacity_rows, {
         "model": key("model"), "pages": key("pages"),
         **{f"{c:,} tokens": kv_capacity_cell(c) for c in (1024, 4096, 32768)}}),
     "kv-dtypes-speed": Table("kv_dtypes_speed.json", lambda t: t["speed"]["rows"], {
