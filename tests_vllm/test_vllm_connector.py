@@ -67,6 +67,65 @@ def test_disk_tier_survives_a_restart(serve, tiny_gemma3, tmp_path):
     assert_same(again, cold, pool)
 
 
+def test_vllm_fp8_pages_survive_a_restart_and_never_meet_another_dtype(serve, tiny_gemma3, tmp_path):
+    """vLLM's fp8 KV (kv_cache_dtype "fp8": a page holds one byte of e4m3
+    code per element and nothing else, the scale is one per tensor) goes to
+    disk as those bytes and comes back: a restart's hit gives the cold fp8
+    run's tokens and logprobs, and the pool-served run's exactly. The dtype
+    is part of the identity: a vLLM with kv_cache_dtype "auto" over the same
+    directory reads none of the fp8 files, nor one with "fp8_e5m2" (pages
+    of the same size and spec, other codes), and the restarted fp8 vLLM
+    none of theirs."""
+    disk = str(tmp_path / "kv")
+    files = os.path.join(disk, "*", "g*", "*.kv")
+    fp8 = serve(tiny_gemma3, {"disk_dir": disk}, kv_cache_dtype="fp8")
+    layout = fp8.tiers.groups.layout
+    assert {g.spec.dtype for g in layout.groups} == {"uint8"}
+    assert {g.spec.block_bytes(layout.block_size) for g in layout.groups} == {layout.page_size_bytes}
+    cold = fp8.generate(PROMPT)
+    pool = fp8.generate(PROMPT)
+    fp8_files = set(glob.glob(files))
+    assert len(fp8_files) == 11
+    auto = serve(tiny_gemma3, {"disk_dir": disk})
+    assert not any(auto.tiers.held), "fp8 files are not for a float32 KV"
+    wide = auto.generate(PROMPT)
+    assert wide[2] == 0
+    assert max_logprob_diff(wide[1], cold[1]) > 10 * CLOSE  # the fp8 KV is another KV
+    auto_files = set(glob.glob(files)) - fp8_files
+    assert len(auto_files) == 11
+    # One page per file: a float32 page is four times an fp8 one.
+    page = layout.page_size_bytes
+    assert {os.path.getsize(f) for f in auto_files} == {os.path.getsize(f) + 3 * page for f in fp8_files}
+    e5m2 = serve(tiny_gemma3, {"disk_dir": disk}, kv_cache_dtype="fp8_e5m2")
+    assert not any(e5m2.tiers.held), "e4m3 codes are not e5m2 codes"
+    narrower = e5m2.generate(PROMPT)
+    assert narrower[2] == 0 and max_logprob_diff(narrower[1], cold[1]) > 10 * CLOSE
+    restarted = serve(tiny_gemma3, {"disk_dir": disk}, kv_cache_dtype="fp8")
+    assert [len(held) for held in restarted.tiers.held] == [1, 1, 1, 1, 1, 6]
+    again = restarted.generate(PROMPT)
+    assert again[2] == 192
+    assert_same(again, cold, pool)
+
+
+def test_one_byte_pages_move_bit_for_bit():
+    """Every one of the 256 byte values (fp8 NaNs and negative zero among
+    them) leaves a layer's KV tensor and comes back unchanged, whether vLLM
+    keeps its fp8 codes as uint8 (its CPU build) or as a float8 type."""
+    import torch
+
+    from hybridkv.integrations.vllm.worker import LayerBlocks
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+        source = torch.stack([codes.roll(b) for b in range(4)]).view(4, 1, 256).view(dtype)
+        target = torch.zeros_like(source)
+        pages = LayerBlocks("source", source, 4, 256).read(torch.tensor([2, 0]))
+        into = LayerBlocks("target", target, 4, 256)
+        into.write(1, pages[0])
+        into.write(3, pages[1])
+        assert torch.equal(target.view(torch.uint8)[[1, 3]], source.view(torch.uint8)[[2, 0]]), dtype
+
+
 def test_host_blocks_reach_disk_at_shutdown(serve, tiny_gemma3, tmp_path):
     """With both tiers the disk gets only what host memory pushes out, and
     the rest when vLLM shuts down: the next start hits it all."""

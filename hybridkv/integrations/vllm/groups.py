@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ...core.block_cache import BlockCache
 from ...core.coordinator import fixed_point
-from ...core.dtypes import QUANTIZED_KV_MAX, dtype_name
+from ...core.dtypes import MODEL_DTYPES, dtype_name
 from ...core.layout import KVCacheGroup, KVCacheLayout
 from ...core.managers import make_manager
 from ...core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
@@ -41,6 +41,7 @@ def hybridkv_spec(spec):
     ValueError for the kinds the connector does not serve."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
     from vllm.v1.kv_cache_interface import FullAttentionSpec as VllmFull
+    from vllm.v1.kv_cache_interface import KVQuantMode
     from vllm.v1.kv_cache_interface import SlidingWindowSpec as VllmSlidingWindow
 
     kind = type(spec)
@@ -51,15 +52,23 @@ def hybridkv_spec(spec):
     if kind not in (VllmFull, VllmSlidingWindow, ChunkedLocalAttentionSpec):
         raise ValueError(f"hybridkv's vLLM connector serves full, sliding-window and chunked-local attention "
                          f"groups; this model has a {kind.__name__} group")
-    dtype = dtype_name(spec.dtype)
-    if dtype is None:
-        raise ValueError(f"hybridkv's vLLM connector does not know the KV dtype {spec.dtype}")
-    if dtype in QUANTIZED_KV_MAX:
-        # hybridkv's own narrow pages hold a scale per token and head beside
-        # their codes; vLLM's fp8 pages hold codes alone (scales per tensor):
-        # the page sizes differ, so their bytes cannot be moved as hybridkv's.
-        raise ValueError(f"hybridkv's vLLM connector does not serve vLLM's {dtype} KV pages yet "
-                         f"(kv_cache_dtype={spec.dtype}): run vLLM with kv_cache_dtype='auto' beside it")
+    mode = spec.kv_quant_mode
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        # vLLM's fp8 pages (kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2) hold one
+        # byte of code per element and nothing else; the scale is one per
+        # tensor, the checkpoint's or 1.0, kept in the layer. The tiers move
+        # these pages as raw bytes (never as hybridkv's own narrow format,
+        # which keeps a scale per token and head in the page), and the
+        # identity names the dtype, so no engine of another dtype reads them.
+        dtype = "uint8"
+    elif mode != KVQuantMode.NONE:
+        raise ValueError(f"hybridkv's vLLM connector does not serve vLLM's {mode.name} KV pages (stored as "
+                         f"{spec.dtype}): it serves float pages and fp8 ones with a scale per tensor "
+                         f"(kv_cache_dtype 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2': what vLLM's CPU build runs)")
+    else:
+        dtype = dtype_name(spec.dtype)
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"hybridkv's vLLM connector does not know the KV dtype {spec.dtype}")
     if kind is VllmSlidingWindow:
         # Blocks kept below the window (extra_retained_tokens) are allocated
         # for a hit too: a wider window reads the same blocks.
