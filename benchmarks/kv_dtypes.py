@@ -11,8 +11,8 @@ the argmax from the engine's prompt logprobs; per configuration the share
 of positions whose argmax is the float pages' (top-1 agreement) and the
 perplexity of the text against the float pages'.
 
-Speed: decode steps of the real Gemma-3 270M in float32 over float32 pages
-and over int8 pages, both engines resident and stepped in turns (4 steps
+Speed: decode steps of the real Gemma-3 270M in float32 over float32 pages,
+int8 and fp8_e4m3 pages, the engines resident and stepped in turns (4 steps
 each, `--repeat` rounds), every sequence decoding: at batch 64 with
 4,096-token contexts (the pages, not the weights, are most of what such a
 step reads: 3 full layers reading every token, 15 sliding ones 512) and at
@@ -28,7 +28,7 @@ same configs and budget: its fp8 pages (one byte an element, scaled per
 tensor) against its bfloat16 pages, requests counted alike from the pool
 and groups its code makes (vllm_replay.max_requests).
 
-    python -m benchmarks.kv_dtypes             # ~20 min on 2 cores (the prefill of 64 x 4,096 tokens, twice)
+    python -m benchmarks.kv_dtypes             # ~25 min on 2 cores (the prefill of 64 x 4,096 tokens, three times)
     python -m benchmarks.kv_dtypes --parts speed       # writes kv_dtypes_speed.json
     python -m benchmarks.kv_dtypes --parts capacity --python-vllm '~/.cache/hybridkv-peers/vllm/bin/python'
                                                # kv_dtypes_capacity.json in seconds (quoted: the result's
@@ -108,7 +108,7 @@ def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
 
 
 def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False) -> dict:
-    """(batch, context) -> step times over float32 and int8 pages
+    """(batch, context) -> step times over float32, int8 and fp8_e4m3 pages
     (`synthetic`: token ids made up, for --quick's tiny model)."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
@@ -121,7 +121,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
         params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
         engines = {}
-        for pages in ("auto", "int8"):
+        for pages in ("auto", "int8", "fp8_e4m3"):
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
             engine = Engine(model, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
@@ -147,6 +147,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
                           "routes": dict(engines[pages].stats["backend"]["routes"])}
         row["speedup"] = row["auto"]["step_ms"] / row["int8"]["step_ms"]
+        row["speedup_fp8"] = row["auto"]["step_ms"] / row["fp8_e4m3"]["step_ms"]
         rows.append(row)
         del engines
     return {"rows": rows}
@@ -327,7 +328,8 @@ def run(args) -> dict:
     tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick)
     for row in tables["speed"]["rows"]:
         print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {row['auto']['step_ms']:.1f} ms, "
-              f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x)")
+              f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x), "
+              f"fp8_e4m3 pages {row['fp8_e4m3']['step_ms']:.1f} ms ({row['speedup_fp8']:.2f}x)")
     return tables
 
 

@@ -234,9 +234,16 @@ TABLES: dict[str, Table] = {
         "batch": key("batch"), "context": key("context", num),
         "float32 pages": lambda r: f"{num(r['auto']['step_ms'], 1)} ms ({num(r['auto']['tokens_per_s'])} tok/s)",
         "int8 pages": lambda r: f"{num(r['int8']['step_ms'], 1)} ms ({num(r['int8']['tokens_per_s'])} tok/s)",
-        "int8 / float32": key("speedup", times)}),
+        "int8 / float32": key("speedup", times),
+        "fp8_e4m3 pages": lambda r: f"{num(r['fp8_e4m3']['step_ms'], 1)} ms ({num(r['fp8_e4m3']['tokens_per_s'])} tok/s)",
+        "fp8_e4m3 / float32": key("speedup_fp8", times)}),
     "kv-dtypes-accuracy": Table("kv_dtypes.json", lambda t: t["accuracy"]["rows"], {
         "pages": key("config"), "dtypes": lambda r: ", ".join(r["pages"]), "positions": key("positions", num),
+        "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
+        "perplexity": key("perplexity", lambda v: num(v, 3)),
+        "change": key("perplexity_change", lambda v: f"{100 * v:+.2f}%")}),
+    "kv-int8-options": Table("kv_int8_options.json", lambda t: t["rows"], {
+        "variant": key("variant"), "positions": key("positions", num),
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
         "perplexity": key("perplexity", lambda v: num(v, 3)),
         "change": key("perplexity_change", lambda v: f"{100 * v:+.2f}%")}),

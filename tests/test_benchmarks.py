@@ -129,7 +129,17 @@ def test_kv_dtypes_quick(tmp_path):
     rows = {r["config"]: r for r in data["accuracy"]["rows"]}  # the tiny random model's, in --quick
     assert rows["float32"]["top1_agreement"] == 1.0 and rows["int8"]["pages"] == ["int8"]
     assert rows["int8"]["positions"] == 2 * 79 and abs(rows["int8"]["perplexity_change"]) < 0.05
-    assert [r["batch"] for r in data["speed"]["rows"]] == [2] and data["speed"]["rows"][0]["int8"]["step_ms"] > 0
+    speed = data["speed"]["rows"]
+    assert [r["batch"] for r in speed] == [2] and speed[0]["int8"]["step_ms"] > 0 and speed[0]["fp8_e4m3"]["step_ms"] > 0
+
+
+def test_kv_int8_options_quick(tmp_path):
+    text, data = run("kv_int8_options", tmp_path)
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert "int8 per row (the format)" in rows and len(rows) == 9
+    # bfloat16 rounding moves less than int8 codes; every variant scored the same positions
+    assert {r["positions"] for r in rows.values()} == {2 * 79}
+    assert abs(rows["bfloat16 pages"]["perplexity_change"]) <= abs(rows["int8 K only"]["perplexity_change"]) + 1e-3
 
 
 def test_prefill_tiles_quick(tmp_path):
