@@ -18,7 +18,7 @@ from hybridkv.layers.backends import choose
 from hybridkv.layers.kv_buffers import KVBuffers
 from hybridkv.layers.kv_quant import QuantizedCache, dequantize, quantize, rotation
 from hybridkv.tiny_models import tiny_model_dir
-from test_backend_conformance import MIXED, SPECS, AttentionCase
+from test_backend_conformance import BACKENDS, MIXED, SPECS, AttentionCase, backend
 
 CODES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -135,11 +135,11 @@ def quantized_case(case: AttentionCase, codes_dtype: torch.dtype):
     return QuantizedCache(codes, scales), values if h is None else values @ h
 
 
-@pytest.mark.parametrize("name", ["torch", "cpu"])
+@pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flashinfer"])
 @pytest.mark.parametrize("spec", ["full", "window-5", "chunked-24"])
 @pytest.mark.parametrize("codes", list(CODES))
 def test_attention_over_quantized_pages_equals_attention_over_their_values(name, spec, codes):
-    b = choose(name, "cpu")
+    b = backend(name)
     kv_spec = SPECS[spec]
     case = AttentionCase(kv_spec, MIXED, torch.float32, seed=3)
     quantized, values = quantized_case(case, CODES[codes])
@@ -161,8 +161,8 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(name,
     # and the store wrote codes and scales where the new tokens live (int8: of the rotated rows)
     h = rotation(CODES[codes], new_k.shape[-1], "cpu")
     expected_codes, expected_scales = quantize(new_k if h is None else new_k @ h, CODES[codes])
-    rows = meta.reference.store_pages[0] if hasattr(meta, "reference") else meta.store_pages[0]
-    offsets = meta.reference.store_offsets if hasattr(meta, "reference") else meta.store_offsets
+    where = meta.reference if hasattr(meta, "reference") else meta.step if hasattr(meta, "step") else meta
+    rows, offsets = where.store_pages[0], where.store_offsets
     assert torch.equal(quantized.codes[rows, 0, offsets].float(), expected_codes.float())
     torch.testing.assert_close(quantized.scales[rows, 0, offsets], expected_scales)
 

@@ -570,6 +570,29 @@ def test_engine_with_triton_kernels_generates_the_reference_tokens(tmp_path_fact
     assert generate("triton", fixed=True) == reference
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_the_kernels_on_quantized_pages_give_the_references_tokens(tmp_path_factory, kv_cache_dtype):
+    # int8 pages (rows rotated) and float8 ones through the kernels'
+    # quantizing store and their decode and prefill attention over codes:
+    # a prompt prefilled in two chunks, decodes past Gemma-3's window of 8,
+    # in eager and fixed-shape steps: the torch reference's greedy tokens on
+    # the same pages.
+    path = model_dir(tmp_path_factory, "gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[(5 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 5))]
+
+    def generate(name, fixed=False):
+        engine = Engine(path, kv_cache_memory="256KiB", block_size=4, max_num_batched_tokens=8, device=DEVICE,
+                        progress=False, backend=name, fixed_shape_decode=fixed, kv_cache_dtype=kv_cache_dtype)
+        assert engine.backend.name == name and {g.spec.dtype for g in engine.layout.groups} <= {
+            "int8", "float8_e4m3fn"}
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    reference = generate("torch")
+    assert generate("triton") == reference
+    assert generate("triton", fixed=True) == reference
+
+
 def test_backend_is_chosen_once_auto_is_the_c_kernel_on_cpu_and_triton_there_needs_the_interpreter(monkeypatch):
     assert backend.choose("auto", "cpu").name == "cpu"  # tests/test_cpu_native.py: where it cannot be built
     assert backend.choose("torch", DEVICE).name == "torch"

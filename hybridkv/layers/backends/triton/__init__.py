@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from ....core.dtypes import KV_CACHE_DTYPES
 from ..base import Backend, Capabilities
 
 
@@ -27,7 +28,8 @@ def kernels():
 
 class TritonBackend(Backend):
     name = "triton"
-    capabilities = Capabilities(reads_only_visible_keys=True)
+    # 16-bit and float32 pages, and int8 / float8 codes with their scales (kv_quant.py).
+    capabilities = Capabilities(reads_only_visible_keys=True, dtypes=frozenset(KV_CACHE_DTYPES))
 
     def __init__(self, ops=None):
         from .attention import TritonAttention

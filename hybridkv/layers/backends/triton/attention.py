@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kv_quant import QuantizedCache, rotated
 from ...step import AttentionStep
 from ..base import AttentionOps
 
@@ -73,9 +74,19 @@ class TritonAttention(AttentionOps):
     build = staticmethod(build)
 
     def store(self, cache, k, v, meta: KernelMetadata, column: int) -> None:
+        if isinstance(cache, QuantizedCache):  # codes and scales (kv_quant.py); int8 rows rotated first
+            h = cache.rotation
+            if h is not None:
+                k, v = rotated(k, h), rotated(v, h)
+            self.ops.store_codes(cache.codes, cache.scales, k, v, meta.slots[column])
+            return
         self.ops.store_kv(cache, k, v, meta.slots[column])
 
     def attend(self, q, cache, meta: KernelMetadata, column: int, scale, softcap=None, sinks=None):
+        if isinstance(cache, QuantizedCache) and cache.rotation is not None:
+            # rotated int8 rows: the queries rotated alike, the output back (kv_quant.py)
+            h = cache.rotation
+            return rotated(self.attend(rotated(q, h), cache.unrotated(), meta, column, scale, softcap, sinks), h)
         out = torch.empty_like(q)
         attend_decodes(self.ops, out, q, cache, meta.step, column, scale, softcap, sinks)
         step = meta.step
@@ -94,6 +105,7 @@ def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, 
         return
     positions, table, tokens = step.inputs.positions, step.table[column], decodes.tokens
     splits = decode_splits(q.device, tokens.shape[0] * cache.shape[3], table.shape[1] * cache.shape[2])
+    width = (cache.codes if isinstance(cache, QuantizedCache) else cache).element_size()
     ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
                                step.first_key[tokens], scale=scale, softcap=softcap, sinks=sinks, splits=splits,
-                               block_n=decode_block_n(step.spec.kind, cache.shape[4], cache.element_size()))
+                               block_n=decode_block_n(step.spec.kind, cache.shape[4], width))

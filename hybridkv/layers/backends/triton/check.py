@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ....core.specs import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
+from ...kv_quant import QuantizedCache, dequantize, quantize
 from ...mamba_ops import causal_conv_step, selective_scan_step
+
+_CODES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 _TOLERANCE = 2e-3  # float32 inputs; the kernels' dots may run in tf32
 
@@ -78,6 +81,18 @@ def _check_attention(ops, device) -> None:
         error = (out.float() - ref).abs().max().item()
         if not error < _TOLERANCE:
             raise AssertionError(f"prefill attention ({spec.kind}) differs by {error}")
+        # Quantized pages: codes and a scale per token and head, against the values they stand for.
+        for dtype in _CODES:
+            codes, scales = quantize(cache, dtype)
+            values = dequantize(codes, scales, torch.float32)
+            out = torch.empty_like(q)
+            ops.paged_decode_attention(out, q, QuantizedCache(codes, scales), rows, table, rows, positions,
+                                       spec.first_visible(positions), scale=scale, sinks=sink)
+            ref = torch.cat([_dense_attention(q[r:r + 1], values, table[r, :nb], positions[r:r + 1], spec, scale,
+                                              sink) for r, nb in enumerate(blocks)])
+            error = (out.float() - ref).abs().max().item()
+            if not error < _TOLERANCE:
+                raise AssertionError(f"decode attention ({spec.kind}, {dtype} pages) differs by {error}")
 
 
 def _check_store(ops, device) -> None:
@@ -94,6 +109,17 @@ def _check_store(ops, device) -> None:
             expected[slot // 16, 1, slot % 16] = v[i]
     if not torch.equal(cache, expected):
         raise AssertionError("store_kv wrote the wrong slots")
+    for dtype in _CODES:  # the codes and scales kv_quant.quantize gives, bit for bit
+        codes = torch.zeros(8, 2, 16, 2, 32, dtype=dtype, device=device)
+        scales = torch.zeros(8, 2, 16, 2, device=device)
+        ops.store_codes(codes, scales, k * 3, v, slots)
+        for i, slot in enumerate(slots.tolist()):
+            for half, rows in ((0, k[i] * 3), (1, v[i])):
+                want_codes, want_scales = quantize(rows, dtype)
+                page, at = (slot // 16, slot % 16) if slot >= 0 else (0, 0)
+                if slot >= 0 and not (torch.equal(codes[page, half, at].view(torch.uint8), want_codes.view(torch.uint8))
+                                      and torch.equal(scales[page, half, at], want_scales)):
+                    raise AssertionError(f"store_codes ({dtype}) differs from kv_quant's codes")
 
 
 def _check_mamba(ops, device) -> None:

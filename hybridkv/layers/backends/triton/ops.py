@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kv_quant import QuantizedCache
+
 # Whether the kernels below run under triton's interpreter (decided now, at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -109,7 +111,105 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
                            BLOCK_SIZE=bs, HEAD_DIM=dim, HEADS_TILE=heads_tile, DIM_PAD=dim_pad)
 
 
+@triton.jit
+def _round_even(x):
+    """x (|x| < 2^22) rounded to the nearest integer, ties to even: float32
+    addition of 1.5 * 2^23 rounds there (as torch.round; no libdevice
+    needed, so the interpreter runs it too)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _float8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """float8 codes of x (|x| at most the type's largest) as uint8 bits,
+    rounded to the nearest even as torch converts: normal values by
+    rounding float32's mantissa to the type's (a carry moves the exponent),
+    smaller ones in steps of the least subnormal. (Triton's own conversion
+    rounds otherwise under the interpreter.)"""
+    a = tl.abs(x)
+    subnormal = _round_even(a * (2.0 ** (BIAS - 1 + MANTISSA))).to(tl.uint32)
+    bits = a.to(tl.uint32, bitcast=True)
+    shift: tl.constexpr = 23 - MANTISSA
+    bits = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)
+    normal = (bits >> shift) - ((127 - BIAS) << MANTISSA)
+    code = tl.where(a < 2.0 ** (1 - BIAS), subnormal, normal)
+    return (code | tl.where(x < 0.0, 0x80, 0).to(tl.uint32)).to(tl.uint8)
+
+
+@triton.jit
+def _store_codes_kernel(k_ptr, v_ptr, codes_ptr, scales_ptr, slot_ptr,
+                        s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+                        s_cp, s_ckv, s_cs, s_ch, s_cd,
+                        s_sp, s_skv, s_ss, s_sh,
+                        num_heads,
+                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_TILE: tl.constexpr,
+                        DIM_PAD: tl.constexpr, CODE_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+                        BIAS: tl.constexpr):
+    """One program per (token, tile of KV heads): K and V rows to their slot
+    as 8-bit codes and a float32 scale each (kv_quant.py's quantize: scale =
+    the row's largest magnitude / CODE_MAX; int8 codes where MANTISSA is 0,
+    else float8 with that many mantissa bits; codes written as their bits)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        page = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        h = tl.program_id(1) * HEADS_TILE + tl.arange(0, HEADS_TILE)
+        d = tl.arange(0, DIM_PAD)
+        h_ok = h < num_heads
+        mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+        dst = codes_ptr + page * s_cp + offset * s_cs + h[:, None] * s_ch + d[None, :] * s_cd
+        scale_dst = scales_ptr + page * s_sp + offset * s_ss + h * s_sh
+        for half in tl.static_range(2):
+            if half == 0:
+                x = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :] * s_kd, mask=mask, other=0.0)
+            else:
+                x = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + d[None, :] * s_vd, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            scale = tl.max(tl.abs(x), axis=1) / CODE_MAX
+            q = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
+            q = tl.minimum(tl.maximum(q, -CODE_MAX), CODE_MAX)
+            if MANTISSA == 0:
+                code = _round_even(q).to(tl.int8).to(tl.uint8, bitcast=True)
+            else:
+                code = _float8_bits(q, MANTISSA, BIAS)
+            tl.store(dst + half * s_ckv, code, mask=mask)
+            tl.store(scale_dst + half * s_skv, scale, mask=h_ok)
+
+
+# The 8-bit page types: the largest code (kv_quant.py) and the float8 fields.
+_CODES = {torch.int8: (127.0, 0, 0), torch.float8_e4m3fn: (448.0, 3, 7), torch.float8_e5m2: (57344.0, 2, 15)}
+
+
+def store_codes(codes: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """Write K and V rows (`[tokens, kv_heads, head_dim]`, already rotated
+    where the page type is) into a quantized layer's `codes` (`[pages, 2,
+    block_size, kv_heads, head_dim]`, int8 or float8) and `scales`
+    (`[pages, 2, block_size, kv_heads]`, float32) at `slots` (-1: skipped)."""
+    tokens, heads, dim = k.shape
+    if tokens == 0:
+        return
+    code_max, mantissa, bias = _CODES[codes.dtype]
+    dim_pad = _pow2(dim)
+    heads_tile = min(_pow2(heads), max(1, 4096 // dim_pad))
+    grid = (tokens, triton.cdiv(heads, heads_tile))
+    _store_codes_kernel[grid](k, v, codes.view(torch.uint8), scales, slots, *k.stride(), *v.stride(),
+                              *codes.stride(), *scales.stride(), heads, BLOCK_SIZE=codes.shape[2], HEAD_DIM=dim,
+                              HEADS_TILE=heads_tile, DIM_PAD=dim_pad, CODE_MAX=code_max, MANTISSA=mantissa,
+                              BIAS=bias)
+
+
 # -- paged attention -----------------------------------------------------------
+def _pages(cache) -> tuple[torch.Tensor, torch.Tensor, tuple, bool]:
+    """What the attention kernels read of a layer's cache: its values (or a
+    quantized layer's codes), its scales with their strides (a stand-in the
+    kernels never read otherwise), and whether there are codes."""
+    if isinstance(cache, QuantizedCache):
+        return cache.codes, cache.scales, cache.scales.stride(), True
+    return cache, cache, (0, 0, 0, 0), False
+
+
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The sinks as the kernels read them (float32, one per query head), or
     a stand-in pointer they never read (HAS_SINKS off)."""
@@ -122,41 +222,52 @@ def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
+                     scales_ptr, s_sp, s_ss, s_sh,
                      scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     PRECISION: tl.constexpr, DOT_16: tl.constexpr):
+                     PRECISION: tl.constexpr, DOT_16: tl.constexpr, CODES: tl.constexpr):
     """Scores of the query rows `q` against the keys `n` of a table row (only
     where `ok`: a key outside is never loaded), in base 2 for exp2, and the
-    pointers and mask to load the same rows of V. DOT_16: the dot takes the
-    16-bit K as stored (and `q` in the same type), accumulating in float32;
-    else K is widened to float32 first."""
+    pointers and mask to load the same rows of V, and (CODES) the pointers
+    to their scales. DOT_16: the dot takes the 16-bit K as stored (and `q`
+    in the same type), accumulating in float32; else K is widened to
+    float32 first. CODES: the cache holds 8-bit codes, each key's score
+    their dot product times its scale (scales [pages, 2, block_size,
+    kv_heads], float32)."""
     page = tl.load(table_row + (n // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
     kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
                + d[None, :] * s_cd)
     kv_mask = ok[:, None] & d_ok[None, :]
+    scale_ptrs = scales_ptr + page * s_sp + (n % BLOCK_SIZE) * s_ss + kv_head * s_sh
     k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
     if DOT_16:
         s = tl.dot(q, tl.trans(k)) * scale
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+    if CODES:
+        s = s * tl.load(scale_ptrs, mask=ok, other=0.0)[None, :]
     if HAS_SOFTCAP:
         # softcap * tanh(s / softcap), tanh written with exp (the interpreter
         # has no tanh); it saturates to +-1, no overflow.
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-    return s * 1.4426950408889634, kv_ptrs, kv_mask
+    return s * 1.4426950408889634, kv_ptrs, kv_mask, scale_ptrs
 
 
 @triton.jit
-def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION: tl.constexpr,
-                         DOT_16: tl.constexpr):
+def _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, scale_ptrs, s_skv, ok,
+                         PRECISION: tl.constexpr, DOT_16: tl.constexpr, CODES: tl.constexpr):
     """Fold one tile of (already masked, base-2) scores into the running
     max, sum and weighted sum of V (DOT_16: P rounded to V's 16-bit type for
-    the dot, as flash attention does on tensor cores)."""
+    the dot, as flash attention does on tensor cores; CODES: each weight
+    times its V row's scale, the sum the weights' own)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     v = tl.load(kv_ptrs + s_ckv, mask=kv_mask, other=0.0)
     if DOT_16:
         pv = tl.dot(p.to(v.dtype), v)
+    elif CODES:
+        pv = tl.dot(p * tl.load(scale_ptrs + s_skv, mask=ok, other=0.0)[None, :], v.to(tl.float32),
+                    input_precision=PRECISION)
     else:
         pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
     acc = acc * alpha[:, None] + pv
@@ -181,15 +292,16 @@ def _softmax_start(sinks_ptr, heads, ok, rows: tl.constexpr, HAS_SINKS: tl.const
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_rows_ptr, qpos_ptr, first_ptr,
-                         sinks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                         sinks_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scales_ptr,
                          scale, softcap, max_blocks,
                          s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                          s_cp, s_ckv, s_cs, s_ch, s_cd,
+                         s_sp, s_skv, s_ss, s_sh,
                          s_tr, s_tb,
                          HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, CODES: tl.constexpr):
     """One program per (request, KV head, split of the keys): the GROUP query
     heads that share the KV head are the rows of one tile, so each K/V row
     is loaded once for all of them (GQA). Online softmax over tiles of
@@ -224,10 +336,13 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
-        s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs,
-                                               s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION, False)
+        s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok,
+                                                           s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss, s_sh,
+                                                           scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION, False,
+                                                           CODES)
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION, False)
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, scale_ptrs, s_skv, ok,
+                                             PRECISION, False, CODES)
 
     out_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -304,13 +419,14 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
         part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out  # unused
+    pages, scales, scale_strides, codes = _pages(cache)
     _paged_decode_kernel[(requests, kv_heads, splits)](
-        q, out, cache, rows, tables, table_rows, query_pos, first_key, _sinks(sinks, q), part_acc, part_m, part_l,
-        float(scale), float(softcap or 0.0), tables.shape[1],
-        *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
+        q, out, pages, rows, tables, table_rows, query_pos, first_key, _sinks(sinks, q), part_acc, part_m, part_l,
+        scales, float(scale), float(softcap or 0.0), tables.shape[1],
+        *q.stride(), *out.stride(), *pages.stride(), *scale_strides, *tables.stride(),
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(cache.dtype),
-        **_launch(num_warps, num_stages))
+        HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(pages.dtype),
+        CODES=codes, **_launch(num_warps, num_stages))
     if splits > 1:
         _combine_splits_kernel[(requests, q_heads)](
             out, rows, part_acc, part_m, part_l, *out.stride(), q_heads,
@@ -319,15 +435,16 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_ptr, table_rows_ptr, pos_ptr,
-                          first_ptr, sinks_ptr,
+                          first_ptr, sinks_ptr, scales_ptr,
                           scale, softcap, max_blocks,
                           s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                           s_cp, s_ckv, s_cs, s_ch, s_cd,
+                          s_sp, s_skv, s_ss, s_sh,
                           s_tr, s_tb,
                           HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          DOT_16: tl.constexpr):
+                          DOT_16: tl.constexpr, CODES: tl.constexpr):
     """One program per (segment, tile of BLOCK_M query tokens, query head).
     A segment is one request's consecutive query tokens (a prefill chunk
     that may continue after cached tokens, or a single decode token). The
@@ -361,12 +478,14 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
-            s, kv_ptrs, kv_mask = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp,
-                                                   s_cs, s_ch, s_cd, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
-                                                   PRECISION, DOT_16)
+            s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d,
+                                                               d_ok, s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss,
+                                                               s_sh, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
+                                                               PRECISION, DOT_16, CODES)
             seen = ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= q_first[:, None])
             s = tl.where(seen, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, PRECISION, DOT_16)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, kv_ptrs, kv_mask, s_ckv, scale_ptrs, s_skv, ok,
+                                                 PRECISION, DOT_16, CODES)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (first_row + m)[:, None] * s_ot + head * s_oh + d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -392,10 +511,11 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     16-bit type, float32 accumulation, instead of widening to float32 tiles
     first.
     """
+    pages, scales, scale_strides, codes = _pages(cache)
     if dot_16bit is None:
-        dot_16bit = cache.element_size() == 2 and not INTERPRETED
+        dot_16bit = pages.element_size() == 2 and not INTERPRETED
     head_dim = cache.shape[-1]
-    if cache.element_size() >= 4:
+    if pages.element_size() >= 4:
         # float32 dots run on FMA units ("ieee"): 32 x 64 tiles spill
         # registers on sm_90 (ptxas -v), 16 x 32 do not.
         block_m, block_n = block_m or 16, block_n or 32
@@ -412,7 +532,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
         block_m, block_n, num_warps = block_m or 32, block_n or 64, num_warps or 8
     _check_tile(block_m)
     _check_tile(block_n)
-    if dot_16bit and (cache.element_size() != 2 or INTERPRETED):
+    if dot_16bit and (pages.element_size() != 2 or INTERPRETED):
         raise ValueError("dot_16bit takes a 16-bit cache and compiled kernels (the interpreter's 16-bit dots "
                          "are wrong)")
     segments = starts.shape[0]
@@ -422,12 +542,12 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     q_heads = q.shape[1]
     grid = (segments, triton.cdiv(max_length, block_m), q_heads)
     _paged_prefill_kernel[grid](
-        q, out, cache, starts, lengths, tables, table_rows, positions, first_key, _sinks(sinks, q),
+        q, out, pages, starts, lengths, tables, table_rows, positions, first_key, _sinks(sinks, q), scales,
         float(scale), float(softcap or 0.0), tables.shape[1],
-        *q.stride(), *out.stride(), *cache.stride(), *tables.stride(),
+        *q.stride(), *out.stride(), *pages.stride(), *scale_strides, *tables.stride(),
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
         HEAD_DIM=dim, DIM_PAD=_pow2(dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_dot_precision(cache.dtype), DOT_16=dot_16bit, **_launch(num_warps, num_stages))
+        PRECISION=_dot_precision(pages.dtype), DOT_16=dot_16bit, CODES=codes, **_launch(num_warps, num_stages))
 
 
 # -- Mamba decode step ---------------------------------------------------------
