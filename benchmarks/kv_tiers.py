@@ -16,6 +16,8 @@ directory against a cold one, first request's TTFT.
     python -m benchmarks.kv_tiers --quick           # the same, fewer and shorter documents (CI)
     python -m benchmarks.kv_tiers --model tiny-jamba --tiny   # Mamba checkpoints
     python -m benchmarks.kv_tiers --tensor-parallel-size 2    # every engine on two ranks, each rank's own tiers
+    python -m benchmarks.kv_tiers --kv-cache-dtype int8       # every engine on int8 pages (the pool holds as
+                                                              # many documents: fewer bytes)
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ def arguments(parser) -> None:
     parser.add_argument("--revisits", type=int, default=48)
     parser.add_argument("--restart-length", type=int, default=1024, help="tokens of the prompt asked after a restart")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine measured")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="every engine's KV pages (docs/kv_dtypes.md)")
 
 
 def result_name(args) -> str:
     ranks = f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    ranks += f"_{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     return f"kv_tiers_{args.model or 'tiny-gemma3'}{ranks}.json" if args.tiny else f"kv_tiers{ranks}.json"
 
 
@@ -89,7 +93,8 @@ def run(args) -> dict:
 
     torch.manual_seed(0)
     path = model_path(args)
-    probe = Engine(path, kv_cache_memory="64MiB", progress=False, block_size=16, dtype="float32")
+    probe = Engine(path, kv_cache_memory="64MiB", progress=False, block_size=16, dtype="float32",
+                   kv_cache_dtype=args.kv_cache_dtype)
     docs = documents(probe, args.documents, args.length)
     layout = probe.layout
     pool = int(args.pool_documents * layout.pages_per_request(args.length + 16, chunk=1024)) + 2
@@ -107,8 +112,8 @@ def run(args) -> dict:
     tp = args.tensor_parallel_size
 
     def start_engine(**options):
-        return Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, tensor_parallel_size=tp, dtype="float32",
-                      **options)
+        return Engine(path, kv_cache_memory=pool_bytes, progress=False, block_size=16, tensor_parallel_size=tp,
+                      dtype="float32", kv_cache_dtype=args.kv_cache_dtype, **options)
 
     print(f"pool {pool_bytes / 2**20:.1f} MiB ({args.pool_documents:g} documents); working set "
           f"{working_set / 2**20:.1f} MiB ({working_set / pool_bytes:.1f}x the pool); {args.documents} documents "
@@ -143,7 +148,8 @@ def run(args) -> dict:
         for name, options in configs.items():
             serve({name: start_engine(**options)})
     model = (args.model or "tiny-gemma3") if args.tiny else "gemma-3-270m"
-    tables = {"workload": [{"model": model, "ranks": tp, "pool_bytes": pool_bytes, "working_set_bytes": working_set,
+    tables = {"workload": [{"model": model, "ranks": tp, "kv_cache_dtype": args.kv_cache_dtype,
+                            "pool_bytes": pool_bytes, "working_set_bytes": working_set,
                             "documents": args.documents, "length": args.length, "revisits": args.revisits,
                             "groups": [g.kind for g in layout.groups]}],
               "tiers": []}

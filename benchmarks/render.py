@@ -242,6 +242,14 @@ TABLES: dict[str, Table] = {
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
         "perplexity": key("perplexity", lambda v: num(v, 3)),
         "change": key("perplexity_change", lambda v: f"{100 * v:+.2f}%")}),
+    "kv-dtypes-tiers": Table(("kv_tiers.json", "kv_tiers_int8.json"), lambda *results: [
+        {**row, "pages": {"auto": "float32"}.get(t["workload"][0].get("kv_cache_dtype", "auto"),
+                                                 t["workload"][0].get("kv_cache_dtype"))}
+        for t in results for row in t["tiers"]], {
+        "pages": key("pages"), "tier": key("tier"), "mean TTFT": key("mean_ttft_s", seconds),
+        "vs none": key("speedup", times), "prompt tokens from cache": key("cached_fraction", lambda v: pct(v, 0)),
+        "B stored per cached token": lambda r: num(r["stored_bytes_per_cached_token"])
+        if "stored_bytes_per_cached_token" in r else "-"}),
     "kv-int8-options": Table("kv_int8_options.json", lambda t: t["rows"], {
         "variant": key("variant"), "positions": key("positions", num),
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
