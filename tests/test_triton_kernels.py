@@ -646,8 +646,10 @@ for dt in ("bf16", "fp32"):
     prec = "ieee" if dt == "fp32" else "tf32"
     strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
+    scale_strides = dict(s_sp=2 * 2 * BS * H, s_skv=BS * H, s_ss=H, s_sh=1)
     common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
-                  sinks_ptr="*fp32", scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides)
+                  sinks_ptr="*fp32", scales_ptr="*fp32", scale=0.1, softcap=0.0, max_blocks=512, **qo, **strides,
+                  **scale_strides)
     # The tiles kernel_attention.decode_block_n picks: 128 (full) and 32 (window) keys in 16-bit, 64 else.
     # (sinks: gpt-oss's windowed layers, split and not)
     for softcap, sinks, splits, block_n in ((False, False, 1, 128), (True, False, 4, 32), (False, False, 2, 64),
@@ -655,14 +657,28 @@ for dt in ("bf16", "fp32"):
         compile(ops._paged_decode_kernel, dict(common, rows_ptr="*i64", qpos_ptr="*i64", part_acc_ptr="*fp32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS,
                 GROUP=G, GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=block_n if dt == "bf16" else 64,
-                SPLITS=splits, PRECISION=prec))
+                SPLITS=splits, PRECISION=prec, CODES=False))
     for softcap, sinks, dot16 in ((False, False, False), (True, False, False), (False, False, dt == "bf16"),
                                   (False, True, False)):
         compile(ops._paged_prefill_kernel, dict(common, start_ptr="*i64", len_ptr="*i64", pos_ptr="*i64"),
                 dict(HAS_SOFTCAP=softcap, HAS_SINKS=sinks, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D, DIM_PAD=D,
                      BLOCK_M=16 if dt == "fp32" else 32, BLOCK_N=32 if dt == "fp32" else 64, PRECISION=prec,
-                     DOT_16=dot16),
+                     DOT_16=dot16, CODES=False),
                 num_warps=4 if dt == "fp32" else 8)
+    # int8 and float8 codes with their scales (kv_quant.py), read by bfloat16 and float32 queries
+    for codes in ("*i8", "*fp8e4nv", "*fp8e5"):
+        compile(ops._paged_decode_kernel, dict(common, cache_ptr=codes, rows_ptr="*i64", qpos_ptr="*i64",
+                part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32"), dict(HAS_SOFTCAP=False,
+                HAS_SINKS=False, BLOCK_SIZE=BS, GROUP=G, GROUP_PAD=16, HEAD_DIM=D, DIM_PAD=D, BLOCK_N=64, SPLITS=1,
+                PRECISION="tf32", CODES=True))
+        compile(ops._paged_prefill_kernel, dict(common, cache_ptr=codes, start_ptr="*i64", len_ptr="*i64",
+                pos_ptr="*i64"), dict(HAS_SOFTCAP=False, HAS_SINKS=False, BLOCK_SIZE=BS, GROUP=G, HEAD_DIM=D,
+                DIM_PAD=D, BLOCK_M=32, BLOCK_N=64, PRECISION="tf32", DOT_16=False, CODES=True), num_warps=8)
+    for code_max, mantissa, bias in ((127.0, 0, 0), (448.0, 3, 7), (57344.0, 2, 15)):
+        compile(ops._store_codes_kernel, dict(k_ptr=p, v_ptr=p, codes_ptr="*u8", scales_ptr="*fp32",
+                slot_ptr="*i64", s_kt=H * D, s_kh=D, s_kd=1, s_vt=H * D, s_vh=D, s_vd=1, num_heads=H, **strides,
+                **scale_strides), dict(BLOCK_SIZE=BS, HEAD_DIM=D, HEADS_TILE=16, DIM_PAD=D, CODE_MAX=code_max,
+                MANTISSA=mantissa, BIAS=bias))
     compile(ops._combine_splits_kernel, dict(out_ptr=p, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
             part_l_ptr="*fp32", s_ot=H * G * D, s_oh=D, s_od=1, num_q_heads=H * G),
             dict(HEAD_DIM=D, DIM_PAD=D, SPLITS=4, SPLITS_PAD=4))
