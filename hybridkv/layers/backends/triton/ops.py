@@ -166,8 +166,9 @@ def _store_codes_kernel(k_ptr, v_ptr, codes_ptr, scales_ptr, slot_ptr,
             else:
                 x = tl.load(v_ptr + t * s_vt + h[:, None] * s_vh + d[None, :] * s_vd, mask=mask, other=0.0)
             x = x.to(tl.float32)
-            scale = tl.max(tl.abs(x), axis=1) / CODE_MAX
-            q = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
+            # IEEE divisions (div_rn; a GPU's `/` is approximate), so that the codes are torch's bit for bit
+            scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), CODE_MAX)
+            q = tl.math.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
             q = tl.minimum(tl.maximum(q, -CODE_MAX), CODE_MAX)
             if MANTISSA == 0:
                 code = _round_even(q).to(tl.int8).to(tl.uint8, bitcast=True)
