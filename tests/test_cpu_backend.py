@@ -344,6 +344,21 @@ def test_a_failing_build_raises_with_the_compilers_message_and_leaves_nothing(no
 
 
 @needs_compiler
+def test_the_kernels_built_without_avx512_pass_their_self_test(tmp_path):
+    # The portable paths a CPU with AVX2 and no AVX-512 runs (bfloat16
+    # widening, int8 and float8 codes, the products): the same source built
+    # with AVX-512 turned off, held to torch like the native build.
+    from dataclasses import replace
+
+    from hybridkv.core import native
+
+    if "avx512f" not in native.cpu_flags().split():
+        pytest.skip("this CPU has no AVX-512: the native build already takes the portable paths")
+    portable = replace(native.CPU_KERNELS, flags=native.CPU_KERNELS.flags + ("-mno-avx512f",))
+    check.check(library.Kernels(portable.build_into(tmp_path)))
+
+
+@needs_compiler
 def test_a_build_lands_under_one_name_per_source_and_machine(nothing_built):
     first = build.build()
     assert first.parent == nothing_built / "package" and first.name == build.library_name()
