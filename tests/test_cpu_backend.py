@@ -82,7 +82,8 @@ def test_the_boundary_is_read_from_the_c_source(lib):
     # with the compiled library's (checked at load).
     assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
-                                  "row_max", "gated_delta", "ssd", "host_all_reduce", "struct_sizes"}
+                                  "row_max", "rotate_rows", "gated_delta", "ssd", "host_all_reduce",
+                                  "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]
     assert [name for name, _ in lib.structs["paged_cache"]._fields_][:2] == ["data", "page_stride"]
@@ -116,7 +117,7 @@ def library_with(lib, name: str, replace):
 
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer", "row_max",
-                                    "gated_delta", "ssd"])
+                                    "rotate_rows", "gated_delta", "ssd"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
 
@@ -124,7 +125,7 @@ def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
         def wrong(*args):
             status = fn(*args)
             out = args[{"decode_attention": 7, "norm_rotary": 13, "gated_activation": 5, "decode_layer": 3,
-                        "row_max": 4, "gated_delta": 15, "ssd": 16}[broken]]
+                        "row_max": 4, "rotate_rows": 0, "gated_delta": 15, "ssd": 16}[broken]]
             ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
             return status
         return wrong

@@ -147,9 +147,18 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(name,
     b.attention.store(quantized, case.k, case.v, meta, 0)
     calls = []
     if name == "cpu":  # int8 and float8 decodes run in C
-        kernel = b.attention.lib.decode_attention
-        b.attention.lib = type("Counted", (), {"decode_attention": lambda self, *a: calls.append(a) or kernel(*a),
-                                                "structs": b.attention.lib.structs})()
+        real = b.attention.lib
+
+        class Counted:  # the library, its decode attention's calls counted
+            structs = real.structs
+
+            def decode_attention(self, *args):
+                calls.append(args)
+                return real.decode_attention(*args)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+        b.attention.lib = Counted()
     got = b.attention.attend(case.q, quantized, meta, 0, 0.25, None)
     assert len(calls) == (name == "cpu")
     # The same step over the values: the cached ones as the pages hold

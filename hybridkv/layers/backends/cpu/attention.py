@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ...kv_quant import QuantizedCache, rotated, rotation
+from ...kv_quant import QuantizedCache, rotation
 from ...step import AttentionStep
 from ..base import AttentionOps
 from ..reference import attention as torch_attention
@@ -103,12 +103,12 @@ class CpuAttention(AttentionOps):
             # Decodes: the kernel rotates each query and output itself (a
             # fast transform per row); prefill chunks: the reference's, over
             # rotated queries, their output rotated back.
-            h, ref = cache.rotation, meta.reference
+            ref = meta.reference
             out = torch.empty_like(q)
             if ref.prefills:
-                torch_attention.attend_prefills(rotated(q, h), cache, ref.spec, ref.prefills, column, scale, softcap,
-                                                out, sinks)
-                out = rotated(out, h)
+                torch_attention.attend_prefills(self.rotated(q), cache, ref.spec, ref.prefills, column, scale,
+                                                softcap, out, sinks)
+                out = self.rotated(out)
             if meta.decodes is not None:
                 out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column,
                                                              scale, softcap, sinks)
@@ -125,6 +125,18 @@ class CpuAttention(AttentionOps):
         ref = meta.reference
         torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks)
         return out
+
+    def rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] times the orthonormal Hadamard matrix of order n
+        (kv_quant.rotation), in x's dtype: the C fast transform
+        (`rotate_rows`) on a float32 copy, n log n sums a row where the
+        product with the matrix takes n^2 (most of an int8 prefill's extra
+        time over float pages)."""
+        y = torch.empty(x.shape, dtype=torch.float32).copy_(x)
+        n = y.shape[-1]
+        if self.lib.rotate_rows(y.data_ptr(), y.numel() // n, n, n, torch.get_num_threads()) != 0:
+            raise ValueError(f"hybridkv's CPU rotation: rows of {n} elements, no power of two")
+        return y.to(x.dtype)
 
     def attend_decodes(self, q: torch.Tensor, cache: torch.Tensor, dec: CpuDecodes, column: int, scale: float,
                        softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -334,6 +334,22 @@ def check_decode_layer(lib) -> None:
                 _bf16_near(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store (bfloat16)")
 
 
+def check_rotate_rows(lib) -> None:
+    """Rows times the orthonormal Hadamard matrix (kv_quant.rotation), in
+    place, through a stride (a wider row's first 64 and 16 elements), and a
+    width that is no power of two refused."""
+    gen = torch.Generator().manual_seed(6)
+    for width in (64, 16):
+        x = torch.randn(5, 3, 80, generator=gen)
+        expected = x[..., :width] @ rotation(torch.int8, width, "cpu")
+        if lib.rotate_rows(x.data_ptr(), 15, width, 80, 2) != 0:
+            raise AssertionError("rotate_rows failed")
+        if (x[..., :width] - expected).abs().max() > 1e-5:
+            raise AssertionError(f"rotate_rows of {width}-wide rows differs from the Hadamard product")
+    if lib.rotate_rows(x.data_ptr(), 1, 80, 80, 2) != -1:
+        raise AssertionError("rotate_rows took rows of 80 elements")
+
+
 def check_row_max(lib) -> None:
     """The greedy pick: torch's max over rows wider than one span of the
     kernel (kernels.c MAX_SPAN) with a tail past the vector width, ties
@@ -441,6 +457,7 @@ def check(lib) -> None:
         check_norm_rotary(lib)
         check_gated_activation(lib)
         check_decode_layer(lib)
+        check_rotate_rows(lib)
         check_row_max(lib)
         check_gated_delta(lib)
         check_ssd(lib)

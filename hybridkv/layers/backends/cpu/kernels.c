@@ -638,6 +638,22 @@ static void quantize_row(const float *x, int64_t n, uint8_t *codes, float *scale
     *scale = s;
 }
 
+/* Each of `rows` rows of n floats (n a power of two; rows `stride` floats
+ * apart) times the orthonormal Hadamard matrix of order n, in place
+ * (`rotate_hadamard`): the queries of a prefill chunk over rotated int8
+ * pages, and its output back (kv_quant.py), in n log n sums a row where
+ * the matrix product takes n^2. Returns 0, or -1 for an n that is no
+ * power of two. */
+int rotate_rows(float *x, int64_t rows, int64_t n, int64_t stride, int threads)
+{
+    if (n < 1 || (n & (n - 1)))
+        return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > PARALLEL_WORK)
+    for (int64_t r = 0; r < rows; r++)
+        rotate_hadamard(x + r * stride, n);
+    return 0;
+}
+
 /* The float32 norm the decoder layer runs on its scratch rows. */
 static void norm_row(const float *row, const float *weight, float offset, float eps, int64_t dim, float *out)
 {
