@@ -41,15 +41,15 @@ def rounded(x, group: int, rotate: bool):
     hold it (rotated first where `rotate`), back in float32."""
     import torch
 
-    from hybridkv.layers.kv_quant import rotation
+    from hybridkv.layers.kv_quant import dequantize, quantize, rotation
 
     x = x.float()
     h = rotation(torch.int8, x.shape[-1], x.device) if rotate else None
     y = x @ h if h is not None else x
     group = min(group, y.shape[-1])  # (the tiny model's heads are narrower than a group)
+    # each group quantized as the format quantizes a row (kv_quant.quantize)
     parts = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
-    scale = parts.abs().amax(-1, keepdim=True) / 127
-    back = ((parts / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127).round() * scale).reshape(y.shape)
+    back = dequantize(*quantize(parts, torch.int8), torch.float32).reshape(y.shape)
     return back @ h if h is not None else back
 
 
