@@ -239,12 +239,13 @@ def disk_bytes(directory) -> int:
     return sum(os.path.getsize(n) for n in glob.glob(os.path.join(str(directory), "*", "g*", "*.kv")))
 
 
-def test_int8_pages_go_to_the_tiers_as_they_are_and_hit_again_after_a_restart(family_model, tmp_path):
+def test_int8_pages_go_to_the_tiers_as_they_are_and_hit_again_after_a_restart(family_model, tmp_path, monkeypatch):
     # int8 attention pages (Jamba's Mamba states beside them stay float32):
     # what a small pool evicts goes to host memory and disk and comes back
     # bit for bit, so every revisit gives the tokens of an int8 engine that
     # never evicted; the files take fewer bytes than float32 pages'; after a
-    # restart the same dtype hits them, and float32 pages never do.
+    # restart the same dtype hits them, and float32 pages never do, nor
+    # int8 pages whose keys were stored less other centres.
     family, path, reference = family_model
     docs = documents(6)
     roomy = Engine(path, kv_cache_memory="8MiB", block_size=4, progress=False, max_model_len=256,
@@ -278,3 +279,10 @@ def test_int8_pages_go_to_the_tiers_as_they_are_and_hit_again_after_a_restart(fa
     assert out.outputs[0].token_ids == roomy.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     other = small_engine(path, kv_disk_cache=str(tmp_path / "int8"))
     assert other.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens == 0
+    import hybridkv.engine.engine as engine_module
+
+    measured = engine_module.calibration_ids
+    monkeypatch.setattr(engine_module, "calibration_ids", lambda *args: measured(*args)[::-1])
+    centred_otherwise = small_engine(path, kv_cache_dtype="int8", kv_disk_cache=str(tmp_path / "int8"))
+    assert centred_otherwise.worker.key_centres
+    assert centred_otherwise.generate([docs[1] + [5, 6]], GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens == 0

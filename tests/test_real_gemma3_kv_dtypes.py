@@ -4,10 +4,10 @@ past the 512-token window, the Python reference manual), with int8 and
 fp8_e4m3 pages on every attention layer, against the same engine with
 float32 pages: the text's perplexity moves by under 1% with int8, under 3%
 with fp8_e4m3 (the goals), and the argmax at each position (from the
-prompt logprobs) stays the float pages' on at least 97.5% of positions
-with int8 (rotated rows; 98.5% measured here, 95.9% before the rotation)
-and 95% with fp8_e4m3 (96.8%). The aim is 99%; these bounds are what the
-format gives today, so a change that loses more fails
+prompt logprobs) stays the float pages' on at least 98.7% of positions
+with int8 (99.2% measured here with the keys less their layer's centre;
+98.5% before it, 95.9% before the rotation) and 95% with fp8_e4m3
+(97.0%): a change that loses the centre or the rotation fails
 (benchmarks/kv_dtypes.py measures ~20,000 positions: docs/kv_dtypes.md)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hybridkv import Engine, SamplingParams
 from real_model import real_gguf_path
 
 TOKENS = 600  # of each text
-LIMITS = {"int8": (0.975, 0.01), "fp8_e4m3": (0.95, 0.03)}  # top-1 agreement at least, perplexity change under
+LIMITS = {"int8": (0.987, 0.01), "fp8_e4m3": (0.95, 0.03)}  # top-1 agreement at least, perplexity change under
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ from ..tiers import TierStore, has_block, kv_identities, list_blocks
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .host_memory import keep_large_allocations
+from .key_centres import calibration_ids, centrable_layers, identity_note
 from .outputs import CompletionOutput, RequestOutput, TokenIds
 from .request import Request, Sequence, Status
 from .sampler import sample
@@ -89,28 +90,40 @@ class Engine:
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
         # Where its recurrent side saves states inside prefill chunks, chunks run past checkpoints.
-        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
-                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events,
-                                 checkpoints_inside_chunks=self.backend.capabilities.checkpoints_inside_chunks)
+        # Keys over quantized pages stored less their layer's centre, measured over this prompt (key_centres.py).
+        self.key_centre_ids = calibration_ids(self.tokenizer, self.vocab_size, lambda n: n < self.max_model_len and (
+            self.layout.pages_per_request(n + 1, chunk=config.max_num_batched_tokens) < self.layout.num_pages)) \
+            if centrable_layers(self.model, self.layout) else []
         tiers = self._tier_options(config) if config.tiers else None
         self._start_workers(config, tiers)
-        self.tables = TableRows(self.layout, self.kv, config.max_num_seqs, self.max_model_len)
         if self.device.type == "cpu":
             # host_memory.py: no page faults on each step's big tensors; set
             # once loading is done and the worker has packed the weights,
             # so that their temporaries and dropped dense copies are given back.
             keep_large_allocations()
+        self.eos_token_ids = self._eos_ids(self.model_dir)
+        self.tiers, self.tier_index = None, None
+        self._new_front(config)
+        if self.key_centre_ids:
+            self._measure_key_centres(config)
         # The driver rank's storage below the pool (its copies are the worker's), and the
         # scheduler's index of what the tiers hold (the only thing a lookup reads).
-        self.tiers, self.tier_index = self._attach_tiers(tiers) if tiers is not None else (None, None)
-        self.num_failed_tier_loads = 0  # loads that failed (on some rank): their requests recomputed
+        if tiers is not None:
+            self.tiers, self.tier_index = self._attach_tiers(tiers)
+
+    def _new_front(self, config: EngineConfig) -> None:
+        """The KV cache manager, the scheduler and what they count, new."""
+        self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
+                                 checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events,
+                                 checkpoints_inside_chunks=self.backend.capabilities.checkpoints_inside_chunks)
+        self.tables = TableRows(self.layout, self.kv, config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=self.tables.release,
                                    propose=self._drafts if self.speculative else None)
         self.random = engine_stream(config.seed)  # unseeded requests' draws (seeding.py)
-        self.eos_token_ids = self._eos_ids(self.model_dir)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.num_failed_tier_loads = 0  # loads that failed (on some rank): their requests recomputed
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
@@ -118,13 +131,28 @@ class Engine:
         self.num_accepted_tokens = 0  # and those the model agreed with
         self.last_step_tier_load_seconds = 0.0  # the last step's wait for tier hits
 
+    def _measure_key_centres(self, config: EngineConfig) -> None:
+        """The calibration prompt through the engine's own steps (every
+        rank's centres measure their keys, key_centres.py), then a new
+        front: nothing of the calibration stays."""
+        start = time.perf_counter()
+        self.generate([self.key_centre_ids], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        if any(centre.measuring for centre in self.worker.key_centres):
+            raise RuntimeError("the key centres' calibration prompt ended before every centre was measured")
+        self._new_front(config)
+        self.key_centre_seconds = time.perf_counter() - start
+        logging.getLogger("hybridkv.engine").info(
+            "keys of %d attention layers stored less their centre, measured over %d tokens in %.2f s",
+            len(self.worker.key_centres), len(self.key_centre_ids), self.key_centre_seconds)
+
     def _start_workers(self, config: EngineConfig, tiers: dict | None) -> None:
         """This process's worker (rank 0's) and its executor; with
         tensor_parallel_size > 1 the other ranks' processes first, each to
         build the same worker on its shard."""
         world = config.tensor_parallel_size
         options = dict(max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                       enforce_eager=config.enforce_eager, fixed_shape_decode=config.fixed_shape_decode, world=world)
+                       enforce_eager=config.enforce_eager, fixed_shape_decode=config.fixed_shape_decode, world=world,
+                       key_centre_tokens=len(self.key_centre_ids))
         if world > 1:
             from .tensor_parallel import TensorParallelExecutor
 
@@ -171,7 +199,8 @@ class Engine:
         return dict(host_bytes=parse_memory(host) if host is not None else 0, disk_dir=config.kv_disk_cache,
                     disk_bytes=parse_memory(config.kv_disk_cache_memory), pin=self.device.type == "cuda",
                     identities=kv_identities(self.model_dir, dtype_name(self.dtype), self.layout,
-                                             config.tensor_parallel_size, progress=config.progress))
+                                             config.tensor_parallel_size, progress=config.progress,
+                                             extra=identity_note(self.key_centre_ids)))
 
     def _attach_tiers(self, options: dict) -> tuple[TierStore, TierIndex]:
         store = TierStore(self.layout.page_size_bytes, len(self.layout.groups), host_bytes=options["host_bytes"],
@@ -303,7 +332,7 @@ class Engine:
         seq_id = request_id if params.n == 1 else f"{request_id}#0"
         seq = Sequence(seq_id, request, 0, self._stream(params, 0))
         self.scheduler.add(seq, ids)  # the KV cache manager checks the ids once more
-        if self.engine_config.kv_role == "decode":
+        if self.engine_config.kv_role == "decode" and self.tier_index is not None:  # (not while calibrating)
             self._learn_shared_blocks(seq)
         request.sequences.append(seq)
         self.requests[request_id] = request
@@ -450,7 +479,7 @@ class Engine:
         the end of its tokens samples the next one, verified drafts are
         judged, and stopped sequences finish."""
         self._mark_computed(steps)
-        if self.engine_config.kv_role == "prefill":
+        if self.engine_config.kv_role == "prefill" and self.tier_index is not None:  # (not while calibrating)
             self._hand_off(steps)
         children = self._fork_completed_prompts(steps)
         sampling, verifying = self._logits_rows(steps, children)
@@ -770,6 +799,8 @@ class Engine:
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
             "dtype": {"weights": dtype_name(self.dtype), "why": self.dtype_reason},
+            **({"kv_key_centres": {"layers": len(self.worker.key_centres), "tokens": len(self.key_centre_ids),
+                                   "seconds": self.key_centre_seconds}} if self.key_centre_ids else {}),
             "backend": {**self.worker.prepare_report.as_dict(), "routes": dict(self.worker.routes)},
             "prefix_queried_tokens": cache.queried_tokens,
             "prefix_hit_tokens": cache.hit_tokens,

@@ -52,6 +52,7 @@ from ..layers.backends import Backend
 from ..layers.kv_buffers import KVBuffers
 from ..layers.step import StepBatch, StepInputs, attention_step
 from ..modeling.base import CausalLM
+from .key_centres import bind_key_centres
 from .step_plan import StepPlan
 from .tables import DeviceTables
 from .tier_copies import copy_tiers
@@ -102,7 +103,7 @@ def collector_paused():
 class Worker:
     def __init__(self, model: CausalLM, layout: KVCacheLayout, device: torch.device, backend: Backend,
                  max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                 fixed_shape_decode: bool | None = None, world: int = 1):
+                 fixed_shape_decode: bool | None = None, world: int = 1, key_centre_tokens: int = 0):
         self.model = model
         self.layout = layout
         self.device = device
@@ -129,6 +130,9 @@ class Worker:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
+        # Keys over quantized pages stored less their layer's centre (engine/key_centres.py),
+        # bound before the backend adapts the layers (the C decoder layer reads them too).
+        self.key_centres = bind_key_centres(model, layout, device) if key_centre_tokens else []
         # The backend adapts the model once, on every rank alike.
         self.prepare_report = backend.prepare(model, layout, device)
         logging.getLogger("hybridkv.backend").info("%s", self.prepare_report)
@@ -140,6 +144,8 @@ class Worker:
         self._verified: list = []  # recurrent metadata of the last step's verified sequences (keep_accepted)
         if self.use_graphs:
             self.capture_all()
+        for centre in self.key_centres:  # over the engine's calibration prompt, its first steps
+            centre.measure(key_centre_tokens)
 
     def capture_all(self) -> None:
         """Capture every bucket's decode step now, largest first (they share

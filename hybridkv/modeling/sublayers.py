@@ -52,6 +52,16 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         # softmax's denominator (backends/base.py AttentionOps.attend). A
         # family that has them sets a Parameter here; they cost no cache.
         self.register_parameter("sinks", None)
+        # Over quantized pages: the keys stored less the layer's centre
+        # (kv_quant.KeyCentre), bound by the worker where the scores meet
+        # nothing but softmax (`centrable`); None: stored as they are.
+        self.key_centre = None
+
+    @property
+    def centrable(self) -> bool:
+        """Whether keys less a constant leave this layer's attention as it
+        is: no softcap and no sinks see the scores (kv_quant.py)."""
+        return not self.softcap and self.sinks is None
 
     def fuse(self) -> None:
         """After loading: q, k and v as one product (`qkv_proj`)."""
@@ -79,6 +89,8 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         meta = batch.attention[self.group]
         ops = self.ops
         cache = batch.buffers.attention_cache(self.layer_name)
+        if self.key_centre is not None:
+            k = self.key_centre(k)
         ops.store(cache, k, v, meta, self.column)
         attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
         if gate is not None:

@@ -53,16 +53,18 @@ def kv_identity(model_dir: str, dtype: str, layout: KVCacheLayout, extra: str = 
 
 
 def kv_identities(model_dir: str, dtype: str, layout: KVCacheLayout, world: int,
-                  progress: bool = False) -> list[bytes]:
+                  progress: bool = False, extra: str = "") -> list[bytes]:
     """One identity per tensor-parallel rank: each rank's disk tier holds
     its own slice of every block, so rank and world size are part of what
     made it (a restart at another size, or another rank, never reads
-    these files). One process: `kv_identity` itself."""
+    these files). One process: `kv_identity` itself. `extra`: what else
+    decides the bytes (the engine's key centres)."""
     if world == 1:
-        return [kv_identity(model_dir, dtype, layout, progress=progress)]
+        return [kv_identity(model_dir, dtype, layout, extra, progress=progress)]
     weights = weights_fingerprint(model_dir, progress)
-    return [identity_digest(weights, dtype, layout, f"tensor-parallel rank {rank} of {world}",
-                            format_version=FORMAT_VERSION) for rank in range(world)]
+    return [identity_digest(weights, dtype, layout, f"tensor-parallel rank {rank} of {world}"
+                            + (f"; {extra}" if extra else ""), format_version=FORMAT_VERSION)
+            for rank in range(world)]
 
 
 class DiskTier:

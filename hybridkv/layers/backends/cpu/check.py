@@ -210,8 +210,9 @@ def check_decode_layer(lib) -> None:
     dot product) each product's input. The second rounding sees a
     float32 difference in the first's input, so the output is within two
     bfloat16 steps of the rule's. And in float32 over int8 pages (the K/V
-    rotated) and float8_e4m3fn ones: stored as codes and scales
-    (kv_quant.py), attention over the values the pages stand for; a code
+    rotated) and float8_e4m3fn ones: the keys less a centre, stored as
+    codes and scales (kv_quant.py), attention over the values the pages
+    stand for; a code
     may round the other way where the kernel's float32 K differs from
     torch's in its last bit, so the output is compared to 1e-3."""
     gen = torch.Generator().manual_seed(3)
@@ -264,6 +265,12 @@ def check_decode_layer(lib) -> None:
         if every_norm:
             q, k = _norm(q, w["q_norm"], offset), _norm(k, w["k_norm"], offset)
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        # over codes, the keys stored less a centre (kv_quant.KeyCentre; a large one, as real keys have)
+        centre = rand(kv_heads, dim, scale=2.0) if codes is not None else None
+        if codes is not None and codes != torch.int8:  # spread like K, down to float8's subnormal codes
+            centre *= spread[:kv_heads * dim].view(kv_heads, dim)
+        if centre is not None:
+            k = k - centre
         stored = (lambda t: dequantize(*quantize(t @ turn, codes), torch.float32) @ turn) if codes is not None \
             else rounded
         for r in range(R):
@@ -282,6 +289,7 @@ def check_decode_layer(lib) -> None:
         layer = lib.structs["decoder_layer"](
             hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, inter=inter, activation=kind,
             dtype=STORAGE[dtype], eps=1e-6, norm_offset=offset, scale=0.25, softcap=0.0,
+            k_centre=None if centre is None else centre.data_ptr(),
             **{name: None if t is None else t.data_ptr() for name, t in held.items()})
         first, last, store = torch.tensor(firsts), torch.tensor(positions), store_pages.contiguous()
         rows = lib.structs["decode_rows"](rows=R, max_blocks=pages.shape[1], pages=pages.data_ptr(),

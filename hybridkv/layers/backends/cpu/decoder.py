@@ -175,6 +175,8 @@ class CpuDecoderLayer(nn.Module):
             "qkv": qkv.weight.detach(), "qkv_bias": vector(qkv.bias), "o": o.weight.detach(),
             "o_bias": vector(o.bias), "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
             "sinks": vector(attn.sinks),
+            # the keys stored less it (kv_quant.KeyCentre; measured in place, after this)
+            "k_centre": None if attn.key_centre is None else attn.key_centre.values,
             **{name: None if getattr(parts, name) is None else vector(getattr(parts, name).weight)
                for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm",
                             "q_norm", "k_norm")}}

@@ -1029,12 +1029,14 @@ static void norm_x_row(const void *x, int t, const float *norm, float offset, fl
  * Products' weights are dense [out, in], of storage type `dtype`, which is
  * also the type of the residual stream x and of cos and sin; norms,
  * biases and sinks ([q_heads] attention sink logits) are float32, and
- * NULL where absent. */
+ * NULL where absent. k_centre [kv_heads, head_dim] float32: the keys are
+ * stored less it (kv_quant.py KeyCentre), after the rotary and before
+ * quantized pages' rotation; NULL: as they are. */
 typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, inter, activation, dtype;
     float eps, norm_offset, scale, softcap; /* softcap <= 0: none */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm;
-    const float *q_norm, *k_norm, *sinks, *qkv_bias, *o_bias;
+    const float *q_norm, *k_norm, *sinks, *qkv_bias, *o_bias, *k_centre;
     const void *qkv, *o, *gate_up, *down;
 } decoder_layer;
 
@@ -1076,6 +1078,11 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
                 rotate_row_as(row, F32, cr, sr, F32, dim);
             else
                 rotate_row_as(row, F32, cr, sr, BF16, dim);
+            if (head >= L->q_heads && L->k_centre != NULL) {
+                const float *centre = L->k_centre + (head - L->q_heads) * dim;
+                for (int64_t i = 0; i < dim; i++)
+                    row[i] -= centre[i];
+            }
         }
     }
     if (ct == I8 && c->rotated) { /* keys and values stored rotated; attend_row rotates the queries and output */
