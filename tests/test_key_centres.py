@@ -1,4 +1,4 @@
-"""Keys over quantized pages stored less their layer's centre
+"""Keys over int8 pages stored less their layer's centre
 (layers/kv_quant.py KeyCentre, engine/key_centres.py): why attention is
 left as it is, how a centre is measured, which layers take one, and that
 the engine's calibration leaves nothing behind."""
@@ -71,10 +71,18 @@ def test_an_int8_engine_measures_its_centres_and_keeps_nothing_of_the_calibratio
     assert reference.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_layers_whose_scores_meet_sinks_keep_their_keys_and_float_pages_need_no_centre():
+def test_layers_whose_scores_meet_sinks_keep_their_keys_and_float8_or_float_pages_take_no_centre():
     sinks = Engine(tiny_model_dir("tiny-gpt-oss"), kv_cache_memory="8MiB", kv_cache_dtype="int8", progress=False,
                    dtype="float32")
     assert "kv_key_centres" not in sinks.stats and sinks.key_centre_ids == []
     assert all(getattr(m, "key_centre", None) is None for m in sinks.model.cache_layers().values())
-    wide = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", progress=False, dtype="float32")
-    assert "kv_key_centres" not in wide.stats
+    for pages in ("auto", "fp8_e4m3"):
+        engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", kv_cache_dtype=pages, progress=False,
+                        dtype="float32")
+        assert "kv_key_centres" not in engine.stats and not engine.worker.key_centres
+    # one kind int8, the other float8: only the int8 layers are centred
+    mixed = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", progress=False, dtype="float32",
+                   kv_cache_dtype={"full_attention": "int8", "sliding_window": "fp8_e4m3"})
+    centred = {m.layer_name for m in mixed.model.cache_layers().values() if getattr(m, "key_centre", None) is not None}
+    int8 = {n for g in mixed.layout.groups if g.spec.dtype == "int8" for n in g.layer_names}
+    assert centred == int8 and 0 < len(centred) < len(mixed.model.cache_layers())

@@ -90,7 +90,7 @@ class Engine:
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
         # Where its recurrent side saves states inside prefill chunks, chunks run past checkpoints.
-        # Keys over quantized pages stored less their layer's centre, measured over this prompt (key_centres.py).
+        # Keys over int8 pages stored less their layer's centre, measured over this prompt (key_centres.py).
         self.key_centre_ids = calibration_ids(self.tokenizer, self.vocab_size, lambda n: n < self.max_model_len and (
             self.layout.pages_per_request(n + 1, chunk=config.max_num_batched_tokens) < self.layout.num_pages)) \
             if centrable_layers(self.model, self.layout) else []

@@ -1,8 +1,8 @@
-"""Keys less their layer's centre over quantized pages (layers/kv_quant.py
+"""Keys less their layer's centre over int8 pages (layers/kv_quant.py
 `KeyCentre`): which layers, the calibration prompt that measures the
 centres, and what the cache's identity says of them.
 
-An engine whose attention pages hold codes measures each centrable
+An engine whose attention pages hold int8 codes measures each centrable
 layer's centre once, before it serves anything: one prompt of
 `CALIBRATION_TEXT` (or, for a model without a tokenizer, a fixed walk over
 its vocabulary) runs through the engine's own step on a KV cache manager
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 
-from ..core.dtypes import QUANTIZED_KV_MAX
 from ..core.layout import KVCacheLayout
 from ..layers.kv_quant import KeyCentre
 from ..modeling.sublayers import PagedSelfAttention
@@ -66,18 +65,22 @@ data before their first meeting? If the answer to the second is no, we will keep
 """
 
 
-def is_quantized(dtype: str) -> bool:
-    return dtype in QUANTIZED_KV_MAX
+# The page dtypes whose keys are centred: int8, whose error is set by each
+# row's scale. float8's error is relative to each element, and centred
+# float8 keys measured no better on the real Gemma-3 270M (e4m3 95.99%
+# top-1 against 96.27%, e5m2 92.08% against 92.18%), so they stay as they
+# are, as they stay unrotated.
+CENTRED_DTYPES = ("int8",)
 
 
 def centrable_layers(model, layout: KVCacheLayout) -> list[str]:
-    """The attention layers whose keys are stored less their centre: pages
-    of codes, and nothing but softmax reading the scores."""
+    """The attention layers whose keys are stored less their centre: int8
+    pages, and nothing but softmax reading the scores."""
     names = []
     for name, module in model.cache_layers().items():
         view = layout.layer_views.get(name)
         if isinstance(module, PagedSelfAttention) and view is not None and \
-                is_quantized(layout.groups[view.group].spec.dtype) and module.centrable:
+                layout.groups[view.group].spec.dtype in CENTRED_DTYPES and module.centrable:
             names.append(name)
     return names
 

@@ -130,7 +130,7 @@ class Worker:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
-        # Keys over quantized pages stored less their layer's centre (engine/key_centres.py),
+        # Keys over int8 pages stored less their layer's centre (engine/key_centres.py),
         # bound before the backend adapts the layers (the C decoder layer reads them too).
         self.key_centres = bind_key_centres(model, layout, device) if key_centre_tokens else []
         # The backend adapts the model once, on every rank alike.

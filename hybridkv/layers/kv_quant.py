@@ -23,7 +23,7 @@ was. On the real Gemma-3 270M this halves int8's error (docs/kv_dtypes.md);
 float8 keeps its rows as they are (a float format's error is relative to
 each element, and rotated rows measured worse).
 
-Keys are stored less their layer's centre (`KeyCentre`): a constant
+int8 keys are stored less their layer's centre (`KeyCentre`): a constant
 vector per layer and KV head, the mean key over a calibration text. A
 query's scores over keys k - c are its scores over k less the same q.c
 for every key, and softmax does not see a constant added to all its
@@ -34,7 +34,8 @@ and leaves the part that differs between keys a few codes; less their
 centre, the rows keep the argmax of float pages at 99% of positions where
 int8 rows alone keep 98.4% (docs/kv_dtypes.md). This holds only where
 nothing but softmax sees the scores: a layer that caps its scores (tanh)
-or compares them with a sink's logit keeps its keys as they are.
+or compares them with a sink's logit keeps its keys as they are; so do
+float8 pages (engine/key_centres.py says why).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class PagedSelfAttention(CacheLayer, nn.Module):
         # softmax's denominator (backends/base.py AttentionOps.attend). A
         # family that has them sets a Parameter here; they cost no cache.
         self.register_parameter("sinks", None)
-        # Over quantized pages: the keys stored less the layer's centre
+        # Over int8 pages: the keys stored less the layer's centre
         # (kv_quant.KeyCentre), bound by the worker where the scores meet
         # nothing but softmax (`centrable`); None: stored as they are.
         self.key_centre = None
