@@ -296,10 +296,10 @@ def _mamba(ops, meta, layer, inputs, rows_of, chunks_of, keep):
     if rows_of is not None:  # one token for each decode row
         t = rows_of
         xc = ops.conv_step(meta, layer, x[t], W["weight"], W["bias"])
-        return ops.ssm_step(meta, layer, xc, dt[t], W["A"], B[t], C[t], W["D"], gate[t])
+        return ops.step(meta, layer, xc, dt[t], W["A"], B[t], C[t], W["D"], gate[t])
     rows, at, lengths = chunks_of
     xc = ops.conv_prefill(meta, layer, rows, x[at], lengths, W["weight"], W["bias"], keep)
-    out = ops.ssm_prefill(meta, layer, rows, xc, dt[at], W["A"], B[at], C[at], lengths, keep)
+    out = ops.prefill(meta, layer, rows, xc, dt[at], W["A"], B[at], C[at], lengths, keep)
     return (out + xc.float() * W["D"]) * torch.nn.functional.silu(gate[at])
 
 
@@ -311,13 +311,13 @@ def _mamba2(ops, meta, layer, inputs, rows_of, chunks_of, keep):
     if rows_of is not None:
         t = rows_of
         x, B, C = ops.conv_step(meta, layer, xbc[t], W["weight2"], W["bias2"]).split(split, -1)
-        y = ops.ssd_step(meta, layer, x.reshape(-1, heads, head_dim), dt[t], W["A2"], B.reshape(-1, groups, state),
+        y = ops.step(meta, layer, x.reshape(-1, heads, head_dim), dt[t], W["A2"], B.reshape(-1, groups, state),
                          C.reshape(-1, groups, state), W["D2"])
         return y.reshape(y.shape[0], -1)
     rows, at, lengths = chunks_of
     r, n = at.shape
     x, B, C = ops.conv_prefill(meta, layer, rows, xbc[at], lengths, W["weight2"], W["bias2"], keep).split(split, -1)
-    y = ops.ssd_prefill(meta, layer, rows, x.reshape(r, n, heads, head_dim), dt[at], W["A2"],
+    y = ops.prefill(meta, layer, rows, x.reshape(r, n, heads, head_dim), dt[at], W["A2"],
                         B.reshape(r, n, groups, state), C.reshape(r, n, groups, state), W["D2"], lengths, keep)
     return y.reshape(r, n, -1)
 
@@ -327,9 +327,9 @@ def _short_conv(ops, meta, layer, inputs, rows_of, chunks_of, keep):
     b, c, x = inputs
     if rows_of is not None:
         t = rows_of
-        return ops.short_conv_step(meta, layer, b[t], c[t], x[t], W["weight3"], W["bias"])
+        return ops.step(meta, layer, b[t], c[t], x[t], W["weight3"], W["bias"])
     rows, at, lengths = chunks_of
-    return ops.short_conv_prefill(meta, layer, rows, b[at], c[at], x[at], lengths, W["weight3"], W["bias"], keep)
+    return ops.prefill(meta, layer, rows, b[at], c[at], x[at], lengths, W["weight3"], W["bias"], keep)
 
 
 def _gated_delta(ops, meta, layer, inputs, rows_of, chunks_of, keep):
@@ -346,10 +346,10 @@ def _gated_delta(ops, meta, layer, inputs, rows_of, chunks_of, keep):
     if rows_of is not None:
         t = rows_of
         q, k, v = heads(ops.conv_step(meta, layer, qkv[t], W["weight4"], None))
-        return ops.gated_delta_step(meta, layer, q, k, v, g[t], beta[t]).flatten(1)
+        return ops.step(meta, layer, q, k, v, g[t], beta[t]).flatten(1)
     rows, at, lengths = chunks_of
     q, k, v = heads(ops.conv_prefill(meta, layer, rows, qkv[at], lengths, W["weight4"], None, keep))
-    return ops.gated_delta_prefill(meta, layer, rows, q, k, v, g[at], beta[at], lengths, keep).flatten(2)
+    return ops.prefill(meta, layer, rows, q, k, v, g[at], beta[at], lengths, keep).flatten(2)
 
 
 _g = torch.Generator().manual_seed(0)
@@ -414,12 +414,14 @@ class RecurrentCase:
             self.token_inputs[1] = -torch.nn.functional.softplus(self.token_inputs[1])
             self.token_inputs[2] = torch.sigmoid(self.token_inputs[2])
 
-    def run(self, ops, accepted=None):
-        """Both layers through `ops` as the kind's mixer calls them: outputs
+    def run(self, backend, accepted=None):
+        """Both layers through `backend`'s ops for the kind, as the kind's mixer calls them: outputs
         [tokens, width] per layer, and the pool after `finish` (and
         `keep_accepted` where drafts were verified)."""
         pool_before = self.buffers.pool.clone()
-        meta = ops.build(self.inputs, self.buffers, self.read, self.write, self.zero, kind=self.kind)
+        ops = backend.recurrent[self.kind]
+        meta = ops.build(self.inputs, self.buffers, self.read, self.write, self.zero)
+        assert isinstance(meta, ops.metadata_type)  # the kind's own metadata
         outs = []
         tokens = self.token_inputs[0].shape[0]
         for layer in ("layers.0", "layers.1"):
@@ -455,8 +457,8 @@ RECURRENT_STEPS = {"decodes": [(5, 1), (0, 1), (12, 1)], "mixed": [(0, 7), (9, 1
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_recurrent_states_equal_the_reference(name, shape, kind):
     case = RecurrentCase(RECURRENT_STEPS[shape], kind=kind)
-    expected, expected_pool = case.run(ReferenceBackend().recurrent)
-    got, pool = case.run(backend(name).recurrent)
+    expected, expected_pool = case.run(ReferenceBackend())
+    got, pool = case.run(backend(name))
     for g, e in zip(got, expected):
         assert not g.isnan().any()
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
@@ -476,9 +478,9 @@ def test_a_rollback_keeps_the_state_after_the_last_accepted_draft(name, kind):
     step = [(6, 4), (3, 3), (8, 1)]
     verifying = np.array([True, True, False])
     case = RecurrentCase(step, verifying, seed=5, kind=kind)
-    _, pool = case.run(backend(name).recurrent, accepted=[1, 2])
+    _, pool = case.run(backend(name), accepted=[1, 2])
     shorter = RecurrentCase([(6, 2), (3, 3), (8, 1)], seed=5, kind=kind)
-    _, expected = shorter.run(ReferenceBackend().recurrent)
+    _, expected = shorter.run(ReferenceBackend())
     for r in range(2):
         pages = case.write[r]
         torch.testing.assert_close(pool[pages].view(torch.float32), expected[pages].view(torch.float32),
@@ -491,9 +493,9 @@ def test_the_reference_prefill_of_every_kind_equals_its_steps():
     # Mamba-2 and Gated DeltaNet the chunked scans against their recurrences).
     for kind in KINDS:
         whole = RecurrentCase([(5, 9)], kind=kind, seed=2)
-        outs, pool = whole.run(ReferenceBackend().recurrent)
+        outs, pool = whole.run(ReferenceBackend())
         case = RecurrentCase([(5, 1)], kind=kind, seed=2)
-        ops = ReferenceBackend().recurrent
+        ops = ReferenceBackend().recurrent[kind]
         steps = []
         buffers = case.buffers
         before = buffers.pool.clone()
@@ -501,7 +503,7 @@ def test_the_reference_prefill_of_every_kind_equals_its_steps():
         for t in range(9):
             inputs = StepInputs.from_host(np.zeros(1, dtype=np.int64), np.array([5 + t]), np.array([1]),
                                           np.arange(1), "cpu")
-            meta = ops.build(inputs, buffers, read, case.write, case.zero, kind=kind)
+            meta = ops.build(inputs, buffers, read, case.write, case.zero)
             token = [part[t:t + 1] for part in whole.token_inputs]
             steps.append(case.mixer(ops, meta, "layers.0", token, torch.tensor([0]), None, False))
             case.mixer(ops, meta, "layers.1", token, torch.tensor([0]), None, False)
@@ -552,12 +554,27 @@ def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
         b = backend(name)
         report = PrepareReport(b.name)
         b.bind_ops(model, layout, report)
-        missing = sorted(set(KINDS) - b.recurrent.kinds)
+        missing = sorted(set(KINDS) - b.capabilities.recurrent_kinds)
         assert sorted(k for k in KINDS if any(f"for {k} layers" in d for d in report.declined)) == missing, report
         if name == "triton":
             assert missing == ["short_conv"]
         else:
             assert missing == []
+
+
+def test_each_recurrent_kind_has_one_contract_that_every_backend_binds():
+    # One ops class (and one metadata) per kind; a backend's ops for a kind
+    # are of that kind's class, whoever's kernels run them.
+    from hybridkv.core import RECURRENT_KINDS
+    from hybridkv.layers.backends.base import RECURRENT_OPS
+
+    assert tuple(RECURRENT_OPS) == RECURRENT_KINDS
+    for name in BACKENDS:
+        if name == "flashinfer":
+            continue
+        b = backend(name)
+        assert sorted(b.recurrent) == sorted(RECURRENT_KINDS)
+        assert all(isinstance(b.recurrent[kind], RECURRENT_OPS[kind]) for kind in RECURRENT_KINDS)
 
 
 def test_every_backend_that_should_run_here_runs():

@@ -171,14 +171,15 @@ def test_an_engine_on_triton_plus_flashinfer_generates_what_the_kernels_generate
     from hybridkv.engine import config as config_module, engine as engine_module
     from hybridkv.layers.backends.flashinfer import TritonFlashInferBackend
     from hybridkv.layers.backends.triton import kernels
-    from hybridkv.layers.backends.triton.recurrent import TritonRecurrent
+    from hybridkv.layers.backends.triton.recurrent import recurrent_ops
 
     ops = kernels()
     # The backend as its constructor builds it, but on the CPU and the stand-in.
     combined = TritonFlashInferBackend.__new__(TritonFlashInferBackend)
     combined.capabilities = backends.Capabilities()
+    combined.ops = ops
     backends.Backend.__init__(combined, fi.FlashInferPrefill(fake_flashinfer.module(), torch.device("cpu"), ops),
-                              TritonRecurrent(ops))
+                              recurrent_ops(ops))
     chosen = engine_module.choose_backend
     monkeypatch.setattr(engine_module, "choose_backend",
                         lambda name, device: combined if name == "triton+flashinfer" else chosen(name, device))

@@ -12,8 +12,8 @@ import torch
 
 from hybridkv.core import FullAttentionSpec, MambaSpec, plan_layout
 from hybridkv.layers.kv_buffers import KVBuffers
-from hybridkv.layers.backends.flashinfer.mamba_ssm import MambaSsmRecurrent, emulated_kernels
-from hybridkv.layers.backends.reference.recurrent import ReferenceRecurrent
+from hybridkv.layers.backends.flashinfer.mamba_ssm import MambaSsmMamba, emulated_kernels
+from hybridkv.layers.backends.reference.recurrent import ReferenceMamba
 from hybridkv.layers.step import StepInputs
 
 CHANNELS, WIDTH, STATE = 24, 4, 8
@@ -50,14 +50,14 @@ def run(backend, layout, buffers, read, write, seed=1):
     B, C = torch.randn(rows, STATE, generator=gen), torch.randn(rows, STATE, generator=gen)
     D, gate = torch.randn(CHANNELS, generator=gen), torch.randn(rows, CHANNELS, generator=gen)
     conv = backend.conv_step(meta, "mamba.0", x, weight, bias)
-    out = backend.ssm_step(meta, "mamba.0", conv, dt, A, B, C, D, gate)
+    out = backend.step(meta, "mamba.0", conv, dt, A, B, C, D, gate)
     backend.finish(meta)
     return conv, out, buffers.pool[write.reshape(-1)].clone()
 
 
 def test_the_adapter_with_the_kernels_semantics_equals_the_reference():
-    reference = run(ReferenceRecurrent(), *setup())
-    adapted = run(MambaSsmRecurrent(*emulated_kernels()), *setup())
+    reference = run(ReferenceMamba(), *setup())
+    adapted = run(MambaSsmMamba(*emulated_kernels()), *setup())
     for ours, theirs in zip(adapted, reference):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-5, rtol=1e-5)
     assert reference[2].any()  # the written states are there
@@ -65,7 +65,7 @@ def test_the_adapter_with_the_kernels_semantics_equals_the_reference():
 
 def test_without_causal_conv1d_the_conv_step_is_the_reference():
     selective_state_update, _ = emulated_kernels()
-    reference = run(ReferenceRecurrent(), *setup())
-    adapted = run(MambaSsmRecurrent(selective_state_update, None), *setup())
+    reference = run(ReferenceMamba(), *setup())
+    adapted = run(MambaSsmMamba(selective_state_update, None), *setup())
     for ours, theirs in zip(adapted, reference):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-5, rtol=1e-5)

@@ -110,8 +110,7 @@ def op_states(ops, kind, token_inputs, bounds, offsets=()):
         inputs = StepInputs.from_host(np.zeros(count, dtype=np.int64), np.array([start]), np.array([count]),
                                       np.array([0]), "cpu")
         saves = [(0, o, pages) for o, pages in zip(offsets, blocks[len(chunks):])] if k == len(chunks) - 1 else []
-        meta = ops.build(inputs, buffers, read, torch.tensor([blocks[k]]), torch.tensor([k == 0]), kind=kind,
-                         saves=saves)
+        meta = ops.build(inputs, buffers, read, torch.tensor([blocks[k]]), torch.tensor([k == 0]), saves=saves)
         rows_inputs = [t[start:end] for t in token_inputs]
         for pieces, keep, copies in meta.passes:
             rows = torch.tensor([row for row, _, _ in pieces])
@@ -138,7 +137,7 @@ def test_hybrid_a_state_saved_inside_a_chunk_is_bit_for_bit_the_one_a_chunk_stop
     from test_backend_conformance import KINDS, backend as make_backend
 
     _backend_class(backend)  # (skips triton where it is not installed)
-    ops = make_backend(backend).recurrent
+    ops = make_backend(backend).recurrent[kind]
     g = torch.Generator().manual_seed(1)
     widths = KINDS[kind][1]
     token_inputs = [torch.randn(73, w, generator=g) for w in widths]

@@ -141,7 +141,7 @@ class Worker:
         # the plans carry; None: no tiers.
         self.tiers = None
         self._recurrent_metadata: list = []
-        self._verified: list = []  # recurrent metadata of the last step's verified sequences (keep_accepted)
+        self._verified: list = []  # (kind, recurrent metadata) of the last step's verified groups (keep_accepted)
         if self.use_graphs:
             self.capture_all()
         for centre in self.key_centres:  # over the engine's calibration prompt, its first steps
@@ -240,7 +240,8 @@ class Worker:
         batch.route = self.backend.route(batch)  # once per step, here
         self.count_route(batch.route)
         hidden = self._run(batch, all_rows=False)
-        self._verified = [m for m in self._recurrent_metadata if m.verifies] if plan.verifying is not None else []
+        self._verified = [(kind, m) for kind, m in self._recurrent_metadata if m.verifies] \
+            if plan.verifying is not None else []
         self._recurrent_metadata = []  # (its gathered states are not kept past the step)
         scored = self._prompt_logprobs(hidden, plan) if len(plan.logprob_rows) else None
         if not len(plan.sampled):
@@ -275,8 +276,8 @@ class Worker:
         groups then hold, in their write pages, the state after the last
         kept token (the pass left the state after the last draft there; the
         manager's contract, docs/architecture.md)."""
-        for meta in self._verified:
-            self.backend.recurrent.keep_accepted(meta, [accepted[v.sequence] for v in meta.verifies])
+        for kind, meta in self._verified:
+            self.backend.recurrent[kind].keep_accepted(meta, [accepted[v.sequence] for v in meta.verifies])
         self._verified = []
 
     def _batch(self, inputs: StepInputs, checkpoint_saves: list = ()) -> StepBatch:
@@ -290,8 +291,8 @@ class Worker:
             g = group.index
             if group.recurrent:
                 saves = [(i, offset, pages) for i, offset, h, pages in checkpoint_saves if h == g]
-                batch.recurrent[g] = backend.recurrent.build(inputs, self.buffers, tables.read[g], tables.write[g],
-                                                             tables.zero[g], kind=group.kind, saves=saves)
+                batch.recurrent[g] = backend.recurrent[group.kind].build(inputs, self.buffers, tables.read[g],
+                                                                         tables.write[g], tables.zero[g], saves=saves)
             else:
                 step = attention_step(inputs, tables.attention[g], group.spec, group.block_size)
                 batch.attention[g] = backend.attention.build(step)
@@ -301,7 +302,8 @@ class Worker:
         """Run the model, write back the recurrent states; the logits of
         every row, or the hidden states."""
         hidden = self.model(batch)
-        self._recurrent_metadata = list(batch.recurrent.values())  # keep_accepted reads verified states from it
-        for meta in batch.recurrent.values():
-            self.backend.recurrent.finish(meta)
+        # (kind, metadata) of each recurrent group: keep_accepted reads verified states from it
+        self._recurrent_metadata = [(self.layout.groups[g].kind, meta) for g, meta in batch.recurrent.items()]
+        for kind, meta in self._recurrent_metadata:
+            self.backend.recurrent[kind].finish(meta)
         return self.model.compute_logits(hidden) if all_rows else hidden

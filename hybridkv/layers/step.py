@@ -143,7 +143,7 @@ class StepBatch:
     inputs: StepInputs
     buffers: object  # the KV buffers (kv_buffers.KVBuffers): the pool the layers' caches view
     attention: dict[int, object] = field(default_factory=dict)  # group -> the backend's attention metadata
-    recurrent: dict[int, object] = field(default_factory=dict)  # group -> the backend's recurrent (Mamba) metadata
+    recurrent: dict[int, object] = field(default_factory=dict)  # group -> its kind's metadata (recurrent_state.py)
     route: str = ""  # how the step runs (Backend.route), counted by the worker
     route_state: object = None  # what that route reads, where it needs more than the metadata
 

@@ -7,7 +7,7 @@ A depthwise causal conv over q, k and v (no bias) from the carried window,
 SiLU; q and k L2-normalised per head, q scaled by K ** -0.5; beta =
 sigmoid(b), the log decay g = -exp(A_log) softplus(a + dt_bias); the
 gated delta rule per value head from the carried [K, V] state (the
-backend's `gated_delta_step` / `gated_delta_prefill`; layers/
+backend's `GatedDeltaOps`: `step` / `prefill`; layers/
 gated_delta_ops.py); each head's output RMS-normed over its V channels,
 times the norm weight, times silu(z); out_proj.
 
@@ -132,11 +132,11 @@ class GatedDeltaNet(CacheLayer, nn.Module):
         if meta.num_steps:  # one token for each of these sequences
             t = meta.step_tokens
             q, k, v = self._heads(ops.conv_step(meta, name, qkv[t], weight, None))
-            o[t] = ops.gated_delta_step(meta, name, q, k, v, g[t], beta[t])
+            o[t] = ops.step(meta, name, q, k, v, g[t], beta[t])
         for chunks, keep, saves in meta.passes:  # (verified chunks also keep each token's state)
             rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
             q, k, v = self._heads(ops.conv_prefill(meta, name, rows, qkv[tokens], lengths, weight, None, keep))
-            y = ops.gated_delta_prefill(meta, name, rows, q, k, v, g[tokens], beta[tokens], lengths, keep)
+            y = ops.prefill(meta, name, rows, q, k, v, g[tokens], beta[tokens], lengths, keep)
             o[tokens[valid]] = y[valid]
             if saves is not None:  # states at checkpoints inside chunks
                 ops.save_states(meta, name, saves)

@@ -90,7 +90,7 @@ class JambaMamba(CacheLayer, nn.Module):
             tokens = meta.step_tokens
             x = ops.conv_step(meta, self.layer_name, x_all[tokens], weight, self.conv1d.bias)
             dt, B, C = self._ssm_inputs(x)
-            y_all[tokens] = ops.ssm_step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
+            y_all[tokens] = ops.step(meta, self.layer_name, x, dt, A, B, C, D, gate_all[tokens])
         # Chunks of several tokens, side by side (those that verify drafts
         # also keep each token's state); states at checkpoints inside them
         # saved after the pass that ends there.
@@ -105,7 +105,7 @@ class JambaMamba(CacheLayer, nn.Module):
         rows, tokens, lengths, valid = padded_chunks(chunks, x_all.device)
         x = ops.conv_prefill(meta, self.layer_name, rows, x_all[tokens], lengths, weight, self.conv1d.bias, keep)
         dt, B, C = self._ssm_inputs(x)
-        y = ops.ssm_prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
+        y = ops.prefill(meta, self.layer_name, rows, x, dt, A, B, C, lengths, keep)
         gate = gate_all[tokens].float()
         y_all[tokens[valid]] = ((y + x.float() * D) * F.silu(gate))[valid]
 

@@ -6,7 +6,7 @@ The short convolution (`ShortConv`): in_proj -> (b, c, x), three
 hidden-wide parts; a depthwise causal conv of width `conv_L_cache` over
 b * x, from the carried window, with no activation; times c; out_proj.
 Its state is the window alone (the L_cache - 1 inputs b * x before the next
-token); the backend's `short_conv_step` / `short_conv_prefill` move it on.
+token); the backend's `ShortConvOps` (`step` / `prefill`) move it on.
 Attention normalises q and k per head before RoPE; scale head_dim ** -0.5.
 The MLP's width is `block_ff_dim` adjusted as the config says (2/3 of it,
 times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`).
@@ -67,10 +67,10 @@ class ShortConv(CacheLayer, nn.Module):
         y = torch.empty_like(x)
         if meta.num_steps:
             t = meta.step_tokens
-            y[t] = ops.short_conv_step(meta, name, b[t], c[t], x[t], weight, bias)
+            y[t] = ops.step(meta, name, b[t], c[t], x[t], weight, bias)
         for chunks, keep, saves in meta.passes:  # (verified chunks also keep their windows)
             rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
-            out = ops.short_conv_prefill(meta, name, rows, b[tokens], c[tokens], x[tokens], lengths, weight,
+            out = ops.prefill(meta, name, rows, b[tokens], c[tokens], x[tokens], lengths, weight,
                                          bias, keep)
             y[tokens[valid]] = out[valid].to(y.dtype)
             if saves is not None:  # windows at checkpoints inside chunks

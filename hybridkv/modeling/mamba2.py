@@ -8,7 +8,8 @@ carried state (A = -exp(A_log), one scalar per head; B and C shared by the
 heads of a group; + D x); then the gate: by default a gated RMS norm over
 groups of channels, `norm(y * silu(z))` (Falcon-H1 can instead normalise
 before gating, or skip the norm: `y * silu(z)`); out_proj. The state ops
-are the backend's (`ssd_step`, `ssd_prefill`; backends/base.py).
+are the backend's for Mamba-2 (`Mamba2Ops`: `conv_step` / `conv_prefill`,
+`step` / `prefill`; backends/base.py).
 """
 
 from __future__ import annotations
@@ -157,14 +158,14 @@ class Mamba2Mixer(CacheLayer, nn.Module):
         if meta.num_steps:  # one token for each of these sequences
             t = meta.step_tokens
             x, B, C = self._split(ops.conv_step(meta, name, xbc_all[t], weight, bias))
-            y = ops.ssd_step(meta, name, x.reshape(-1, heads, dim), self._dt(dt_all[t]), A,
+            y = ops.step(meta, name, x.reshape(-1, heads, dim), self._dt(dt_all[t]), A,
                              B.reshape(-1, groups, state), C.reshape(-1, groups, state), D)
             y_all[t] = y.reshape(-1, self.inner)
         for chunks, keep, saves in meta.passes:  # (verified chunks also keep each token's state)
             rows, tokens, lengths, valid = padded_chunks(chunks, h.device)
             r, n = tokens.shape
             x, B, C = self._split(ops.conv_prefill(meta, name, rows, xbc_all[tokens], lengths, weight, bias, keep))
-            y = ops.ssd_prefill(meta, name, rows, x.reshape(r, n, heads, dim), self._dt(dt_all[tokens]), A,
+            y = ops.prefill(meta, name, rows, x.reshape(r, n, heads, dim), self._dt(dt_all[tokens]), A,
                                 B.reshape(r, n, groups, state), C.reshape(r, n, groups, state), D, lengths, keep)
             y_all[tokens[valid]] = y.reshape(r, n, self.inner)[valid]
             if saves is not None:  # states at checkpoints inside chunks

@@ -9,23 +9,24 @@ mamba-ssm), one package each under `backends/`. It has two sides:
   per group per step, from the `AttentionStep` every backend shares),
   `store` a layer's new K/V, `attend` its queries (with the layer's
   soft-cap and attention sinks, where it has them);
-* `RecurrentOps`: `build` a recurrent group's metadata (where each
-  sequence's state is read and written), per mixer kind a one-token op for
-  a decode and a chunked op for prefill chunks (the causal conv every kind
-  but the short conv opens with: `conv_step` / `conv_prefill`; Mamba-1's
-  `ssm_step` / `ssm_prefill`, Mamba-2's `ssd_step` / `ssd_prefill`, the
-  gated short conv's `short_conv_step` / `short_conv_prefill`, Gated
-  DeltaNet's `gated_delta_step` / `gated_delta_prefill`), `save_states`
-  (a layer's states at a checkpoint inside a chunk, copied aside between
-  the passes of its prefill ops), `finish` (the states go to their write
-  pages: the copy that makes a checkpoint) and `keep_accepted`
-  (speculative rollback). It declares the kinds whose
-  state updates it runs its own way (`kinds`); every other kind's layers
-  run the reference's ops on gathered states, and `prepare` says so.
+* recurrent ops, one class per mixer kind (`MambaOps` for Mamba-1,
+  `Mamba2Ops` for Mamba-2 / SSD, `GatedDeltaOps`, `ShortConvOps`), each
+  building its own kind's metadata (layers/recurrent_state.py) and adding
+  its own `step` (one token for each decode) and `prefill` (chunks side
+  by side) to what every kind shares (`RecurrentOps`: `build` a group's
+  metadata, where each sequence's state is read and written;
+  `save_states`, a layer's states at a checkpoint inside a chunk, copied
+  aside between the passes of its prefill ops; `finish`, the states to
+  their write pages: the copy that makes a checkpoint; `keep_accepted`,
+  speculative rollback). The three kinds that open with a causal conv
+  add `conv_step` / `conv_prefill` (`CausalConvOps`). A backend binds one
+  instance for each kind (`Backend.recurrent[kind]`);
 
 and declares, rather than lets callers probe, what it runs: devices, cache
 dtypes, attention kinds, soft-capping, attention sinks, whether its
-fixed-shape decode step can be captured as a CUDA graph (`Capabilities`).
+fixed-shape decode step can be captured as a CUDA graph, the recurrent
+kinds it steps its own way (every other kind's layers run the reference's
+ops on gathered states, and `prepare` says so) (`Capabilities`).
 
 `Backend.prepare(model)` adapts a loaded model once, by swapping modules
 (a norm for its C-backed twin, a decoder layer for a one-call C layer, a
@@ -47,6 +48,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.specs import RECURRENT_KINDS
+from ..recurrent_state import (GatedDeltaMetadata, Mamba2Metadata, MambaMetadata, RecurrentMetadata,
+                               ShortConvMetadata)
 
 log = logging.getLogger("hybridkv.backend")
 
@@ -67,7 +70,11 @@ class Capabilities:
     # whole blocks and masks them (the reference), so the slots it masks
     # must hold finite values, which the stores keep so (reference attention.store).
     reads_only_visible_keys: bool = False
-    # Its recurrent side saves the state at a checkpoint inside a prefill
+    # The recurrent kinds whose states it steps its own way; its layers of
+    # any other kind run the reference's ops on gathered states, which
+    # prepare reports.
+    recurrent_kinds: frozenset = frozenset(RECURRENT_KINDS)
+    # Its recurrent ops save the state at a checkpoint inside a prefill
     # chunk (`RecurrentOps.build(saves=...)`, `save_states`), so the
     # scheduler need not end chunks there; False: every chunk ends at the
     # next checkpoint (an engine step more per checkpoint), and prepare says so.
@@ -105,14 +112,15 @@ class AttentionOps(ABC):
 
 
 class RecurrentOps(ABC):
-    """The recurrent side of a backend. A request's state lives in the
-    pool; `build` says where each sequence's is read and written. The
-    prefill ops run the step's chunks side by side on the states `build`
-    gathered (rows `rows` of `meta.states`), padded to the longest (chunk
-    r's tokens first `lengths[r]`, longest first). Every op of a layer
-    moves that layer's state on; with `keep` (the step's verified chunks,
-    all of them in one call, in `meta.verifies` order) a prefill op also
-    keeps what `keep_accepted` needs to go back to any of their tokens.
+    """What the ops of every recurrent kind share; each kind's class below
+    adds its own (one token, chunks). A request's state lives in the pool;
+    `build` says where each sequence's is read and written. The prefill
+    ops run the step's chunks side by side on the states `build` gathered
+    (rows `rows` of `meta.states`), padded to the longest (chunk r's tokens
+    first `lengths[r]`, longest first). Every op of a layer moves that
+    layer's state on; with `keep` (the step's verified chunks, all of them
+    in one call, in `meta.verifies` order) a prefill op also keeps what
+    `keep_accepted` needs to go back to any of their tokens.
 
     A chunk with checkpoints inside (`build`'s `saves`) runs in pieces cut
     at them, one pass of the layer's prefill ops per piece (the first pieces
@@ -122,21 +130,18 @@ class RecurrentOps(ABC):
     piece is the computation a chunk ending there would run, so the saved
     state is the one it would leave.
 
-    A new recurrent kind adds its two ops here (one token, chunks), their
-    reference on gathered states (layers/recurrent_state.py and
-    backends/reference/recurrent.py), and its name to core/specs.py's
-    RECURRENT_KINDS; a backend that runs it its own way adds the kind to
-    its `kinds`."""
+    A new recurrent kind adds its class here (its metadata in
+    layers/recurrent_state.py), one per implementation package (the
+    reference's on gathered states in backends/reference/recurrent.py),
+    and its name to core/specs.py's RECURRENT_KINDS."""
 
-    name: str = "?"
-    # The recurrent kinds whose state updates this side runs its own way
-    # (kernels); groups of other kinds get gathered states and the
-    # reference's ops (`build(..., kind)` decides), which prepare reports.
-    kinds: frozenset = frozenset(RECURRENT_KINDS)
+    kind: str = "?"  # one of core/specs.py's RECURRENT_KINDS
+    metadata_type: type = RecurrentMetadata  # what `build` returns
+    name: str = "?"  # whose ops these are (an implementation's name)
 
     @abstractmethod
-    def build(self, inputs, buffers, read, write, zero, kind: str = "mamba", saves=()):
-        """The metadata of one recurrent group of `kind` for one step
+    def build(self, inputs, buffers, read, write, zero, saves=()) -> RecurrentMetadata:
+        """The metadata of one recurrent group of this kind for one step
         (layers/recurrent_state.py). `saves`: (sequence index in the step,
         tokens of its chunk before the checkpoint, pages) of each state to
         save inside a prefill chunk (a backend that declares
@@ -157,66 +162,97 @@ class RecurrentOps(ABC):
         """After a step that verified drafts: the state after each
         sequence's last kept token goes to its write pages."""
 
-    # -- the causal conv (state part 0: the K-1 inputs before the next token)
+
+class CausalConvOps(RecurrentOps):
+    """A kind whose mixer opens with a depthwise causal conv, SiLU applied
+    (state part 0: the K-1 inputs before the next token)."""
+
     @abstractmethod
     def conv_step(self, meta, layer_name: str, x, weight, bias) -> torch.Tensor:
-        """One token's depthwise causal conv for each decode row, SiLU
-        applied; the conv state moves on by one."""
+        """One token's conv for each decode row; the window moves on by one."""
 
     @abstractmethod
     def conv_prefill(self, meta, layer_name: str, rows, x, lengths, weight, bias, keep: bool = False):
-        """Chunks `x [R, L, I]` from the conv states of `rows`: the SiLU'd
-        conv outputs."""
+        """Chunks `x [R, L, I]` from the windows of `rows`: the SiLU'd conv outputs."""
 
-    # -- Mamba-1: a selective scan per channel (state part 1: [I, N])
+
+class MambaOps(CausalConvOps):
+    """Mamba-1 (Jamba): a selective scan per channel (state part 1: [I, N])."""
+
+    kind = "mamba"
+    metadata_type = MambaMetadata
+
     @abstractmethod
-    def ssm_step(self, meta, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
+    def step(self, meta, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
         """One token's selective-state update for each decode row:
         float32 `(C . h + D x) * silu(gate)`; the SSM state moves on."""
 
     @abstractmethod
-    def ssm_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, lengths, keep: bool = False):
+    def prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, lengths, keep: bool = False) -> torch.Tensor:
         """The selective scan of chunks from the SSM states of `rows`:
         y [R, L, I] float32 (`C . h`; the layer adds D x and the gate)."""
 
-    # -- Mamba-2 (SSD): a scalar decay per head (state part 1: [H, P, N])
-    @abstractmethod
-    def ssd_step(self, meta, layer_name: str, x, dt, A, B, C, D) -> torch.Tensor:
-        """One token for each decode row (layers/ssd_ops.py): x [R, H, P],
-        dt [R, H] (after softplus and clamp), A [H], B and C [R, G, N], D
-        [H]; float32 `h C + D x` [R, H, P]; the state moves on."""
+
+class Mamba2Ops(CausalConvOps):
+    """Mamba-2 / SSD (Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1): a
+    scalar decay per head (state part 1: [H, P, N]; layers/ssd_ops.py)."""
+
+    kind = "mamba2"
+    metadata_type = Mamba2Metadata
 
     @abstractmethod
-    def ssd_prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep: bool = False):
+    def step(self, meta, layer_name: str, x, dt, A, B, C, D) -> torch.Tensor:
+        """One token for each decode row: x [R, H, P], dt [R, H] (after
+        softplus and clamp), A [H], B and C [R, G, N], D [H]; float32
+        `h C + D x` [R, H, P]; the state moves on."""
+
+    @abstractmethod
+    def prefill(self, meta, layer_name: str, rows, x, dt, A, B, C, D, lengths, keep: bool = False) -> torch.Tensor:
         """The chunked SSD scan of chunks from the states of `rows`: x [R,
         L, H, P], dt [R, L, H], B and C [R, L, G, N]; y [R, L, H, P]
         float32 (`h C + D x`)."""
 
-    # -- the gated short convolution (LFM2; its state is the conv window only)
-    @abstractmethod
-    def short_conv_step(self, meta, layer_name: str, b, c, x, weight, bias) -> torch.Tensor:
-        """One token for each decode row: `c * conv(b * x)` (no
-        activation), the window moving on by `b * x`."""
+
+class GatedDeltaOps(CausalConvOps):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): the gated delta rule per value
+    head (state part 1: [Hv, K, V]; layers/gated_delta_ops.py)."""
+
+    kind = "gated_delta"
+    metadata_type = GatedDeltaMetadata
 
     @abstractmethod
-    def short_conv_prefill(self, meta, layer_name: str, rows, b, c, x, lengths, weight, bias,
-                           keep: bool = False) -> torch.Tensor:
-        """Chunks `[R, L, D]` from the windows of `rows`: `c * conv(b * x)`."""
-
-    # -- Gated DeltaNet: the gated delta rule per value head (state part 1: [Hv, K, V])
-    @abstractmethod
-    def gated_delta_step(self, meta, layer_name: str, q, k, v, g, beta) -> torch.Tensor:
-        """One token for each decode row (layers/gated_delta_ops.py): q and
-        k [R, Hk, K] L2-normalised (q also times K ** -0.5), v [R, Hv, V],
-        g [R, Hv] (the log decay, <= 0) and beta [R, Hv]; float32 o [R, Hv,
-        V]; the state moves on."""
+    def step(self, meta, layer_name: str, q, k, v, g, beta) -> torch.Tensor:
+        """One token for each decode row: q and k [R, Hk, K] L2-normalised
+        (q also times K ** -0.5), v [R, Hv, V], g [R, Hv] (the log decay,
+        <= 0) and beta [R, Hv]; float32 o [R, Hv, V]; the state moves on."""
 
     @abstractmethod
-    def gated_delta_prefill(self, meta, layer_name: str, rows, q, k, v, g, beta, lengths,
-                            keep: bool = False) -> torch.Tensor:
+    def prefill(self, meta, layer_name: str, rows, q, k, v, g, beta, lengths, keep: bool = False) -> torch.Tensor:
         """The chunked gated delta rule of chunks from the states of `rows`:
         q, k [R, L, Hk, K], v [R, L, Hv, V], g and beta [R, L, Hv]; o [R, L,
         Hv, V] float32."""
+
+
+class ShortConvOps(RecurrentOps):
+    """The gated short convolution (LFM2): its state is the conv window
+    (part 0) alone, and the conv has no activation."""
+
+    kind = "short_conv"
+    metadata_type = ShortConvMetadata
+
+    @abstractmethod
+    def step(self, meta, layer_name: str, b, c, x, weight, bias) -> torch.Tensor:
+        """One token for each decode row: `c * conv(b * x)`, the window
+        moving on by `b * x`."""
+
+    @abstractmethod
+    def prefill(self, meta, layer_name: str, rows, b, c, x, lengths, weight, bias,
+                keep: bool = False) -> torch.Tensor:
+        """Chunks `[R, L, D]` from the windows of `rows`: `c * conv(b * x)`."""
+
+
+# Each recurrent kind's contract: a backend binds one instance of each.
+RECURRENT_OPS = {ops.kind: ops for ops in (MambaOps, Mamba2Ops, ShortConvOps, GatedDeltaOps)}
 
 
 @dataclass
@@ -249,9 +285,12 @@ class Backend:
     name = "?"
     capabilities = Capabilities()
 
-    def __init__(self, attention: AttentionOps, recurrent: RecurrentOps):
+    def __init__(self, attention: AttentionOps, recurrent: dict[str, RecurrentOps]):
         self.attention = attention
-        self.recurrent = recurrent
+        self.recurrent = recurrent  # kind -> the ops its layers call, one for each of RECURRENT_KINDS
+        for kind, contract in RECURRENT_OPS.items():
+            if not isinstance(recurrent.get(kind), contract):
+                raise TypeError(f"backend {self.name!r}: its {kind} ops are not a {contract.__name__}")
 
     @property
     def capturable(self) -> bool:
@@ -291,22 +330,23 @@ class Backend:
         return report
 
     def bind_ops(self, model, layout, report: PrepareReport) -> None:
-        """Every cache layer gets the side of the backend it calls (`ops`);
-        recurrent layers of a kind the recurrent side has no kernels for are
+        """Every cache layer gets the ops it calls (`ops`): an attention
+        layer the attention side, a recurrent layer its kind's ops.
+        Recurrent layers of a kind this backend has no kernels for are
         reported: they run the reference's ops on gathered states."""
-        counts = {"attention": 0, "recurrent": 0}
+        counts = {}  # (kind of layer, whose ops) -> layers
         for name, layer in model.cache_layers().items():
-            recurrent = layout.groups[layout.layer_views[name].group].recurrent
-            layer.ops = self.recurrent if recurrent else self.attention
-            counts["recurrent" if recurrent else "attention"] += 1
-        for side, n in counts.items():
-            if n:
-                report.done.append(f"{n} {side} layers call {getattr(self, side).name}")
+            group = layout.groups[layout.layer_views[name].group]
+            layer.ops = self.recurrent[group.kind] if group.recurrent else self.attention
+            key = group.kind if group.recurrent else "attention", layer.ops.name
+            counts[key] = counts.get(key, 0) + 1
+        for (kind, ops), n in counts.items():
+            report.done.append(f"{n} {kind} layers call {ops}")
         if not self.capabilities.checkpoints_inside_chunks and any(g.recurrent for g in layout.groups):
             report.declined.append("recurrent states at checkpoints inside prefill chunks: every prefill chunk "
                                    "ends at the next checkpoint (an engine step more for each)")
-        for kind in sorted({g.kind for g in layout.groups if g.recurrent} - self.recurrent.kinds):
-            report.declined.append(f"{self.recurrent.name} kernels for {kind} layers (it has none): their states "
+        for kind in sorted({g.kind for g in layout.groups if g.recurrent} - self.capabilities.recurrent_kinds):
+            report.declined.append(f"{self.name} kernels for {kind} layers (it has none): their states "
                                    f"are gathered and stepped by the reference's ops")
 
     def route(self, batch) -> str:

@@ -64,10 +64,10 @@ class CpuBackend(Backend):
 
     def __init__(self):
         from .attention import CpuAttention
-        from .recurrent import CpuRecurrent
+        from .recurrent import recurrent_ops
 
         self.lib = kernels()
-        super().__init__(CpuAttention(self.lib), CpuRecurrent(self.lib))
+        super().__init__(CpuAttention(self.lib), recurrent_ops(self.lib))
 
     def prepare(self, model, layout, device) -> PrepareReport:
         from ...dtypes import TORCH_DTYPES

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ...recurrent_state import MambaMetadata
-from ..reference.recurrent import ReferenceRecurrent
+from ..reference.recurrent import ReferenceMamba
+from ..reference.recurrent import recurrent_ops as reference_ops
 
 
 def load_kernels():
@@ -68,12 +69,12 @@ def _triton_kernel_alone():
         return None
 
 
-class MambaSsmRecurrent(ReferenceRecurrent):
-    """Gathered states (the reference's build and finish), the step ops by
-    mamba-ssm / causal-conv1d where present (the reference where not)."""
+class MambaSsmMamba(ReferenceMamba):
+    """Mamba-1's ops: gathered states (the reference's build and finish),
+    the decode ops by mamba-ssm / causal-conv1d where present (the
+    reference where not)."""
 
     name = "mamba-ssm"
-    kinds = frozenset({"mamba"})  # Mamba-2's update (ssd_step) and the others: the reference's
 
     def __init__(self, selective_state_update, causal_conv1d_update=None):
         self.selective_state_update = selective_state_update
@@ -93,7 +94,7 @@ class MambaSsmRecurrent(ReferenceRecurrent):
         return self.causal_conv1d_update(x, conv_state, weight, bias, activation="silu",
                                          conv_state_indices=meta.step_rows.to(torch.int32))
 
-    def ssm_step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
+    def step(self, meta: MambaMetadata, layer_name: str, x, dt, A, B, C, D, gate) -> torch.Tensor:
         ssm_state = meta.state_views(layer_name)[1]  # [R, channels, state size]
         # dt arrives after softplus (the layer adds its bias first), so the bias
         # is zero and no softplus here; mamba-ssm 2.3.2 reads dt_bias's strides
@@ -101,6 +102,12 @@ class MambaSsmRecurrent(ReferenceRecurrent):
         y = self.selective_state_update(ssm_state, x, dt, A, B, C, D=D, z=gate, dt_bias=self._zeros(dt),
                                         dt_softplus=False, state_batch_indices=meta.step_rows.to(torch.int32))
         return y.float()
+
+
+def recurrent_ops(selective_state_update, causal_conv1d_update=None) -> dict:
+    """mamba-ssm's ops for Mamba-1 (`MambaSsmMamba`); every other kind's
+    are the reference's."""
+    return {**reference_ops(), "mamba": MambaSsmMamba(selective_state_update, causal_conv1d_update)}
 
 
 def emulated_kernels():

@@ -1,14 +1,15 @@
 """The torch reference: exact and simple on purpose, the oracle every other
 backend is tested against (tests/test_backend_conformance.py). Attention
-gathers each query's pages and runs torch products (attention.py); Mamba
-layers update gathered states (recurrent.py). Runs everywhere."""
+gathers each query's pages and runs torch products (attention.py); the
+recurrent layers of every kind update gathered states (recurrent.py).
+Runs everywhere."""
 
 from __future__ import annotations
 
 from ....core.dtypes import KV_CACHE_DTYPES
 from ..base import AttentionOps, Backend, Capabilities
 from . import attention
-from .recurrent import ReferenceRecurrent
+from .recurrent import recurrent_ops
 
 
 class ReferenceAttention(AttentionOps):
@@ -30,4 +31,4 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(dtypes=frozenset(KV_CACHE_DTYPES))
 
     def __init__(self):
-        super().__init__(ReferenceAttention(), ReferenceRecurrent())
+        super().__init__(ReferenceAttention(), recurrent_ops())

@@ -29,15 +29,17 @@ def kernels():
 class TritonBackend(Backend):
     name = "triton"
     # 16-bit and float32 pages, and int8 / float8 codes with their scales (kv_quant.py).
-    capabilities = Capabilities(reads_only_visible_keys=True, dtypes=frozenset(KV_CACHE_DTYPES))
+    # Kernels for Mamba-1, Mamba-2 and Gated DeltaNet (recurrent.py); short-conv layers run the reference's ops.
+    capabilities = Capabilities(reads_only_visible_keys=True, dtypes=frozenset(KV_CACHE_DTYPES),
+                                recurrent_kinds=frozenset({"mamba", "mamba2", "gated_delta"}))
 
     def __init__(self, ops=None):
         from .attention import TritonAttention
-        from .recurrent import TritonRecurrent
+        from .recurrent import recurrent_ops
 
         ops = ops or kernels()
         self.ops = ops
-        super().__init__(TritonAttention(ops), TritonRecurrent(ops))
+        super().__init__(TritonAttention(ops), recurrent_ops(ops))
 
     def prepare(self, model, layout, device):
         report = super().prepare(model, layout, device)
