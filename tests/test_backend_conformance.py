@@ -538,7 +538,7 @@ def test_the_gated_delta_chunked_scan_equals_its_recurrence_across_chunks():
 
 
 def test_a_backend_without_kernels_for_a_kind_says_so_in_its_prepare_report():
-    # Declared, not probed: a recurrent side names the kinds it steps its
+    # Declared, not probed: a backend names the recurrent kinds it steps its
     # own way; the layers of any other kind get the reference's ops on
     # gathered states, and the report says which.
     from types import SimpleNamespace

@@ -1,7 +1,7 @@
 """The mamba-ssm / causal-conv1d adapter (layers/backends/flashinfer/mamba_ssm.py) on the
 CPU: with the two kernels' documented semantics in torch in their place,
 a decode step updates the same states and gives the same outputs as the
-reference's recurrent side, states on multi-page blocks read from
+reference's Mamba-1 ops, states on multi-page blocks read from
 one page run and written to another, one sequence starting from the zero
 state. The kernels themselves need a GPU."""
 

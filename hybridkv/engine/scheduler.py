@@ -8,7 +8,7 @@ next chunk. Then waiting sequences are admitted first come, first served,
 while the budget, `max_num_seqs` and the KV cache allow; a prompt longer than
 what is left of the budget is prefilled in chunks over several steps. A
 prefill chunk runs past Mamba checkpoint positions where the backend's
-recurrent side saves states inside a chunk (the manager gives each a state
+recurrent ops save states inside a chunk (the manager gives each a state
 block, and the worker writes it); where it does not, every prefill chunk
 ends at the next checkpoint, so the state there exists
 (`KVCacheManager.next_chunk` decides).
