@@ -279,8 +279,9 @@ def sink_layers(model: torch.nn.Module) -> list[str]:
 
 
 class Backend:
-    """One implementation of a step's ops: its two sides, what it declares,
-    how it prepares a model and names a step's route."""
+    """One implementation of a step's ops: its attention ops and its ops for
+    each recurrent kind, what it declares, how it prepares a model and
+    names a step's route."""
 
     name = "?"
     capabilities = Capabilities()
