@@ -89,7 +89,6 @@ class Engine:
         self.backend = choose_backend(config.backend, self.device)
         # A backend may not take every layer type, nor what a layer asks beyond the cache (attention sinks).
         self.backend.check_layout(self.layout, self.device, self.model)
-        # Where its recurrent side saves states inside prefill chunks, chunks run past checkpoints.
         # Keys over int8 pages stored less their layer's centre, measured over this prompt (key_centres.py).
         self.key_centre_ids = calibration_ids(self.tokenizer, self.vocab_size, lambda n: n < self.max_model_len and (
             self.layout.pages_per_request(n + 1, chunk=config.max_num_batched_tokens) < self.layout.num_pages)) \
@@ -113,6 +112,7 @@ class Engine:
 
     def _new_front(self, config: EngineConfig) -> None:
         """The KV cache manager, the scheduler and what they count, new."""
+        # Where the backend's recurrent ops save states inside prefill chunks, chunks run past checkpoints.
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
                                  checkpoint_policy=config.checkpoint_policy, enable_kv_events=config.enable_kv_events,
                                  checkpoints_inside_chunks=self.backend.capabilities.checkpoints_inside_chunks)
