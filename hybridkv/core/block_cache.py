@@ -58,6 +58,7 @@ class BlockCache:
         self.key: list = [None] * num_pages  # per block id: its cache key while cached
         self.key_group = [0] * num_pages  # per block id: the group whose map holds the key
         self.tokens: list = [None] * num_pages  # per block id: token ids, only when the hash is not trusted
+        self._tokens_kept = False  # has any block had token ids (an untrusted hash)?
         # The free queue: block -> released on probation. (The flag rides
         # in the queue because popping a block returns its entry anyway.)
         self._free: OrderedDict[int, bool] = OrderedDict()
@@ -122,24 +123,58 @@ class BlockCache:
 
     def _reclaim(self, pages: int) -> list[int]:
         """Blocks from the queue's head, at least `pages` pages in all, each
-        losing its key (evicted) if it had one."""
-        free, widths, key = self._free, self.allocator.widths, self.key
+        losing its key (evicted) if it had one. Blocks on probation whose
+        grace is over go first (the pages released do not change while
+        blocks are taken, so once none is left none becomes so)."""
+        free, widths, key_of = self._free, self.allocator.widths, self.key
         out = []
-        keyed = []
-        on_probation = []
+        keyed = []  # blocks whose keys go for "lru" after the loop
+        on_probation = []  # ... and for "probation"
         got = 0
-        waiting = self._probation  # (empty without recurrent groups: no call per block then)
+        if self._probation:  # (empty without recurrent groups)
+            while got < pages:
+                block = self._expired_probation()
+                if block is None:
+                    break
+                del free[block]
+                if key_of[block] is not None:
+                    on_probation.append(block)
+                got += widths[block]
+                out.append(block)
+        # Without a tier or events, the usual eviction (one block per key)
+        # happens here, block by block as the queue gives them up: nothing
+        # observes the order of the keys that leave. Otherwise `evict` does
+        # it after the loop, in the queue's order.
+        inline = self.spill is None and self.events is None
+        popitem, key_group, cached, copies, counts = \
+            free.popitem, self.key_group, self.cached, self.copies, self.evictions["lru"]
+        dropped = False
         while got < pages:
-            block = self._expired_probation() if waiting else None
-            if block is not None:
-                probation = free.pop(block)
-            else:
-                block, probation = free.popitem(last=False)
-            if key[block] is not None:
-                (on_probation if probation else keyed).append(block)
+            block, probation = popitem(False)
+            key = key_of[block]
+            if key is not None:
+                if probation:
+                    on_probation.append(block)
+                elif inline:
+                    group = key_group[block]
+                    key_of[block] = None
+                    if copies[group] and key in copies[group]:
+                        self._drop_copy(group, key, block)
+                    else:
+                        del cached[group][key]
+                        counts[group] += 1
+                    dropped = True
+                else:
+                    keyed.append(block)
             got += widths[block]
             out.append(block)
         self._free_pages -= got
+        if dropped:
+            if self._tokens_kept:
+                tokens = self.tokens
+                for block in out:
+                    tokens[block] = None
+            self.version += 1
         if keyed:
             self.evict(keyed, "lru")
         if on_probation:
@@ -214,6 +249,24 @@ class BlockCache:
                 self._probation.append((block, self._released_pages))
                 self._probation_stamp[block] = self._released_pages
 
+    def release_all(self, blocks: Sequence[int]) -> None:
+        """`release` each non-null block of `blocks`, in that order, none on
+        probation (a request's table, its last block first: see `free`)."""
+        ref, free, key_of, widths = self.ref, self._free, self.key, self.allocator.widths
+        pages = 0
+        for block in blocks:
+            if block:
+                count = ref[block] - 1
+                ref[block] = count
+                if not count:
+                    free[block] = False
+                    pages += widths[block]
+                    if key_of[block] is None:
+                        free.move_to_end(block, last=False)
+        # (Summed once: no block released here is stamped with the count.)
+        self._free_pages += pages
+        self._released_pages += pages
+
     # -- keys ------------------------------------------------------------------
     def store(self, group: int, blocks: Sequence[int], keys: Sequence, tokens: Sequence | None = None,
               keep_copies: bool = False, parent=None, token_ids: Sequence[int] | None = None) -> int:
@@ -276,6 +329,7 @@ class BlockCache:
             key_group[block] = group
             if own is not None:
                 self.tokens[block] = own
+                self._tokens_kept = True
         if entries:
             self.version += 1
             if added:
@@ -314,25 +368,31 @@ class BlockCache:
             if tokens[block] is not None:
                 tokens[block] = None
             copies = self.copies[group]
-            others = copies.get(key) if copies else None
-            if others is None:  # the usual case: one block per key
+            if not (copies and key in copies):  # the usual case: one block per key
                 if spill is not None:
                     spill(group, key, block)
                 del self.cached[group][key]
                 counts[group] += 1
                 if events is not None:
                     events.append(("removed", group, key))
-            elif self.cached[group][key] != block:
-                del others[block]  # a copy goes; the entry stays
-                if not others:
-                    del copies[key]
-            else:  # the entry goes, a copy lives on: the key moves to it
-                self.cached[group][key] = others.popitem()[0]
-                if not others:
-                    del copies[key]
+            else:
+                self._drop_copy(group, key, block)
             if not ref[block] and block in free:
                 free.move_to_end(block, last=False)
         self.version += 1
+
+    def _drop_copy(self, group: int, key, block: int) -> None:
+        """`block` no longer holds `key`, which other blocks hold too: a copy
+        goes and the entry stays, or the entry goes and the key moves to a
+        copy. The content stays findable: nothing is counted or reported."""
+        copies = self.copies[group]
+        others = copies[key]
+        if self.cached[group][key] != block:
+            del others[block]
+        else:
+            self.cached[group][key] = others.popitem()[0]
+        if not others:
+            del copies[key]
 
     def reset(self) -> int:
         """Forget every key (blocks in use stay with their requests).

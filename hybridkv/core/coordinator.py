@@ -155,14 +155,19 @@ class Coordinator:
                 req.num_allocated = target
             return True
         managers = self.managers
+        needs = []
         pages = 0
         for manager in managers:
-            pages += manager.pages_needed(req, target)
-        if pages > self.block_cache.num_free_pages:
+            count = manager.blocks_needed(req, target)
+            needs.append((manager.width, count))
+            pages += count * manager.width
+        cache = self.block_cache
+        if pages > cache.num_free_pages:
             return False
         copies = self.pending_copies
-        for manager in managers:
-            manager.allocate(req, target, copies)
+        # One call for all groups, as in `start`.
+        for manager, blocks in zip(managers, cache.allocate(needs) if pages else [[]] * len(managers)):
+            manager.allocate(req, target, copies, blocks)
         if target > req.num_allocated:
             req.num_allocated = target
         self._refresh(req, self._events_follow_allocation or fast is NO_FAST_PATH)

@@ -58,42 +58,45 @@ class PageAllocator:
         `reclaim(pages)` gives free blocks of at least that many pages in
         all; it is called at most once, for what the spare pages lack. The
         caller has checked that enough pages are free."""
-        if len(needs) == 1 and needs[0][0] * needs[0][1] <= self.num_spare_pages:
-            return [self._cut(*needs[0])]  # (a step's new block, while spare pages last)
-        want: dict[int, int] = {}
         need = 0
+        for width, count in needs:
+            need += width * count
+        if need <= self.num_spare_pages:  # (a step's new blocks, while spare pages last)
+            return [self._cut(width, count) for width, count in needs]
+        want: dict[int, int] = {}
         for width, count in needs:
             if count:
                 want[width] = want.get(width, 0) + count
-                need += width * count
-        reused: dict[int, list[int]] = {}
-        if need > self.num_spare_pages:
-            # A reclaimed block goes whole to a width still wanted; any
-            # other is taken apart into spare pages.
-            widths, runs, spare = self.widths, self.runs, self._spare
-            for block in reclaim(need - self.num_spare_pages):
-                width = widths[block]
-                if want.get(width):
-                    want[width] -= 1
-                    reused.setdefault(width, []).append(block)
-                    continue
-                if runs[block] is None:
-                    # Joined to the last spare run where adjacent (a request's
-                    # blocks leave the queue together, last first): a wide
-                    # block cut from the spare pages then has fewer pieces.
-                    last = spare[-1] if spare else None
-                    if last is not None and last.start == block + width:
-                        spare[-1] = range(block, last.stop)
-                    elif last is not None and last.stop == block:
-                        spare[-1] = range(last.start, block + width)
-                    else:
-                        spare.append(range(block, block + width))
+        reused: dict[int, list[int]] = {width: [] for width in want}
+        # A reclaimed block goes whole to a width still wanted; any other is
+        # taken apart into spare pages.
+        widths, runs, spare = self.widths, self.runs, self._spare
+        for block in reclaim(need - self.num_spare_pages):
+            width = widths[block]
+            left = want.get(width)
+            if left:
+                want[width] = left - 1
+                reused[width].append(block)
+                continue
+            if runs[block] is None:
+                # Joined to the last spare run where adjacent (a request's
+                # blocks leave the queue together, last first): a wide
+                # block cut from the spare pages then has fewer pieces.
+                last = spare[-1] if spare else None
+                if last is not None and last.start == block + width:
+                    spare[-1] = range(block, last.stop)
+                elif last is not None and last.stop == block:
+                    spare[-1] = range(last.start, block + width)
                 else:
-                    spare.extend(runs[block])
-                    runs[block] = None
-                self.num_spare_pages += width
+                    spare.append(range(block, block + width))
+            else:
+                spare.extend(runs[block])
+                runs[block] = None
+            self.num_spare_pages += width
         # (`want` now counts what the reused blocks did not cover.)
-        got = {width: self._cut(width, count) + reused.get(width, []) for width, count in want.items()}
+        got = {width: self._cut(width, count) + reused[width] for width, count in want.items()}
+        if len(got) == len(needs):  # (each width asked for once)
+            return [got[width] if count else [] for width, count in needs]
         out = []
         taken: dict[int, int] = {}
         for width, count in needs:

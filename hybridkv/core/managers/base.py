@@ -9,7 +9,8 @@ A group manager knows one layer type's rules and nothing of the others:
   prefix, in blocks and at most `limit`, that this group can serve;
 * `hit_blocks(found, n)`: the table prefix (null blocks where the type needs
   nothing) that serves a hit of `n` blocks;
-* `pages_needed` / `allocate`: room for tokens up to a target;
+* `blocks_needed` / `allocate`: room for tokens up to a target (the new blocks
+  come from the coordinator, one call to the pool for every group);
 * `on_computed`: after a forward pass, cache full blocks and release what
   the type will never read again;
 * `free`;
@@ -94,8 +95,8 @@ class GroupManager:
     def install_hit(self, req: CacheRequest, blocks: list[int], num_blocks: int) -> None:
         raise NotImplementedError
 
-    def pages_needed(self, req: CacheRequest, target: int) -> int:
-        """Free pages that `allocate(req, target)` would take."""
+    def blocks_needed(self, req: CacheRequest, target: int) -> int:
+        """New blocks that `allocate(req, target, ...)` takes."""
         raise NotImplementedError
 
     def blocks_for_start(self, req: CacheRequest, target: int, hit: list[int]) -> int:
@@ -107,7 +108,10 @@ class GroupManager:
         """The first allocation: `blocks_for_start` new blocks, from the pool."""
         raise NotImplementedError
 
-    def allocate(self, req: CacheRequest, target: int, copies: list) -> None:
+    def allocate(self, req: CacheRequest, target: int, copies: list, blocks: list[int]) -> None:
+        """Room for tokens up to `target`, with `blocks`: the
+        `blocks_needed` new blocks, from the pool (the coordinator takes
+        every group's in one call)."""
         raise NotImplementedError
 
     def on_computed(self, req: CacheRequest) -> None:
@@ -202,13 +206,12 @@ class AttentionManager(GroupManager):
         req.num_cached[g] = num_blocks
         req.num_released[g] = self.hit_start(num_blocks)
 
-    def pages_needed(self, req, target):
+    def blocks_needed(self, req, target):
         table = req.tables[self.index]
         new = -(-target // self.block_size) - len(table)
-        pages = new * self.width if new > 0 else 0
-        if self._needs_copy(req, table, target):
-            pages += self.width
-        return pages
+        if new < 0:
+            new = 0
+        return new + 1 if self._needs_copy(req, table, target) else new
 
     def blocks_for_start(self, req, target, hit):
         new = -(-target // self.block_size) - len(hit)
@@ -226,20 +229,20 @@ class AttentionManager(GroupManager):
         j = n // self.block_size
         return target > n and n % self.block_size != 0 and j < len(table) and self.block_cache.ref[table[j]] > 1
 
-    def allocate(self, req, target, copies):
+    def allocate(self, req, target, copies, blocks):
+        if not blocks:
+            return
         table = req.tables[self.index]
         if self._needs_copy(req, table, target):
             j = req.num_computed // self.block_size
             shared = table[j]
-            fresh = self.block_cache.allocate([(self.width, 1)])[0][0]
+            fresh = blocks[0]
+            blocks = blocks[1:]
             copies.append((self.index, self.block_cache.pages(shared), self.block_cache.pages(fresh)))
             table[j] = fresh
             self.block_cache.release(shared)
-            req.tables_changed()
-        new = -(-target // self.block_size) - len(table)
-        if new > 0:
-            table.extend(self.block_cache.allocate([(self.width, new)])[0])
-            req.tables_changed()
+        table += blocks
+        req.tables_changed()
 
     def on_computed(self, req):
         g = self.index
@@ -265,13 +268,12 @@ class AttentionManager(GroupManager):
         first = self.first_needed_block(n)
         start = req.num_released[g]
         if first > start:
-            release = self.block_cache.release
-            for j in range(start, min(first, len(table))):
-                block = table[j]
-                if block:
-                    table[j] = NULL
-                    release(block)
-                    self.released_pages += self.width
+            stop = min(first, len(table))
+            if stop > start:
+                leaving = table[start:stop]
+                table[start:stop] = [NULL] * (stop - start)
+                self.block_cache.release_all(leaving)
+                self.released_pages += self.width * (stop - start - leaving.count(NULL))
             req.num_released[g] = first
             req.tables_changed()
 
@@ -281,20 +283,14 @@ class AttentionManager(GroupManager):
         table = req.tables[self.index]
         keep = -(-req.num_computed // self.block_size)
         if len(table) > keep:
-            release = self.block_cache.release
-            for block in reversed(table[keep:]):
-                if block:
-                    release(block)
+            self.block_cache.release_all(table[keep:][::-1])
             del table[keep:]
             req.tables_changed()
 
     def free(self, req):
-        release = self.block_cache.release
         # Last block first: it enters the free queue first and so is evicted
         # before the (more widely shared) blocks of the prefix.
-        for block in reversed(req.tables[self.index]):
-            if block:
-                release(block)
+        self.block_cache.release_all(req.tables[self.index][::-1])
         req.tables[self.index] = []
 
     def fork(self, parent, child):

@@ -131,12 +131,12 @@ class MambaManager(GroupManager):
         after = saving[-1][0] if saving else req.num_computed
         return self.planner.inside(req, after, target)
 
-    def pages_needed(self, req, target):
+    def blocks_needed(self, req, target):
         read, write = req.tables[self.index]
-        inside = len(self._unsaved(req, target)) * self.width
+        inside = len(self._unsaved(req, target))
         if target <= req.num_computed or write or self._in_place(read):
             return inside
-        return self.width + inside
+        return 1 + inside
 
     def blocks_for_start(self, req, target, hit):
         # The first pass writes a fresh block: there is no state yet, or the
@@ -156,16 +156,17 @@ class MambaManager(GroupManager):
                 positions = [p for p in req.checkpoints if p > req.num_computed]
                 req.saving[self.index] = tuple(zip(positions, blocks[1:]))
 
-    def allocate(self, req, target, copies):
+    def allocate(self, req, target, copies, blocks):
+        # `blocks`: one for each unsaved checkpoint, then the state block
+        # if one is needed (blocks_needed counted them so).
         state = req.tables[self.index]
         read, write = state
         unsaved = self._unsaved(req, target)
         if unsaved:
-            blocks = self.block_cache.allocate([(self.width, len(unsaved))])[0]
             req.saving[self.index] += tuple(zip(unsaved, blocks))
         if target <= req.num_computed or write:
             return
-        state[1] = read if self._in_place(read) else self.block_cache.allocate([(self.width, 1)])[0][0]
+        state[1] = read if self._in_place(read) else blocks[len(unsaved)]
         req.tables_changed()
 
     def _store_checkpoint(self, req, n: int, block: int) -> bool:
