@@ -281,6 +281,23 @@ class BlockCache:
         in its chain, and `token_ids`, the tokens of the blocks of `keys`
         one after the other (block_size each)."""
         cached, key_of, key_group = self.cached[group], self.key, self.key_group
+        if len(blocks) == 1 and tokens is None and self.events is None:
+            # A decode step's one full block: as the loop below does for it.
+            block, key = blocks[0], keys[0]
+            if not block or key_of[block] is not None:
+                return 0
+            if key not in cached:
+                cached[key] = block
+                entries = 1
+            elif keep_copies:
+                self.copies[group].setdefault(key, {})[block] = None
+                entries = 0
+            else:
+                return 0
+            key_of[block] = key
+            key_group[block] = group
+            self.version += entries
+            return entries
         if (tokens is None and len(blocks) >= _BULK_STORE and NULL not in blocks
                 and not any(itemgetter(*blocks)(key_of))):
             # One pass over the map, in C: setdefault leaves a key that is

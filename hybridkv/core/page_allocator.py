@@ -112,6 +112,17 @@ class PageAllocator:
         if not count:
             return out
         spare, widths = self._spare, self.widths
+        if count == 1 and len(spare[0]) >= width:  # (a step's one new block, inside the first run)
+            run = spare[0]
+            block = run.start
+            if len(run) == width:
+                spare.popleft()
+            else:
+                spare[0] = run[width:]
+            widths[block] = width
+            self.num_spare_pages -= width
+            out.append(block)
+            return out
         self.num_spare_pages -= width * count
         pieces: list[range] = []  # runs of a block begun in an earlier run
         pieced = 0
