@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core import BlockCache, FullAttentionSpec, KVCacheManager, MambaSpec, PageAllocator, plan_layout
+from hybridkv.core import (BlockCache, FullAttentionSpec, KVCacheManager, MambaSpec, PageAllocator, SlidingWindowSpec,
+                           plan_layout)
 from hybridkv.core.request import INHERITED, NOT_INHERITED, CacheRequest
 
 
@@ -226,3 +227,114 @@ def test_a_checkpoint_on_probation_keeps_its_lru_place_for_its_grace_then_goes_f
     cache.release(blocks[6])  # the 4th: its grace is over
     assert cache.allocate([(1, 1)]) == [[blocks[2]]]  # first, before the older blocks 3 to 6
     assert cache.evictions["probation"] == [1] and cache.evictions["lru"] == [2]
+
+
+def _pool_state(cache: BlockCache) -> tuple:
+    """What a block cache can be seen to hold: the free queue in order, the
+    key maps and their copies, references, counters, the spare pages."""
+    return (list(cache._free.items()), [dict(t) for t in cache.cached],
+            [{k: list(v) for k, v in c.items()} for c in cache.copies], list(cache.ref), list(cache.key),
+            {r: list(n) for r, n in cache.evictions.items()}, list(cache.allocator._spare),
+            cache.num_free_pages)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), policy=st.sampled_from(["hybridkv", "every_block"]))
+def test_evicting_inline_leaves_the_pool_as_evicting_in_queue_order_does(seed, policy):
+    # Without a tier or events, _reclaim drops keys as the queue gives up
+    # their blocks; with events on, evict drops them after the loop, in
+    # queue order (what the events report). Nothing else may differ.
+    bs = 4
+    layout = plan_layout({"a": FullAttentionSpec(1, 8, "float32"),
+                          "w": SlidingWindowSpec(1, 8, "float32", sliding_window=9),
+                          "m": MambaSpec(shapes=((4, 3), (4, 8)), dtypes=("float32", "float32"))}, 1 << 14,
+                         block_size=bs)
+    quiet, loud = KVCacheManager(layout, checkpoint_policy=policy), \
+        KVCacheManager(layout, checkpoint_policy=policy, enable_kv_events=True)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(40)] for _ in range(3)]
+    running: list[str] = []
+    for i in range(60):
+        if running and (rng.random() < 0.4 or len(running) > 6):
+            rid = running.pop(rng.randrange(len(running)))
+            for kv in (quiet, loud):
+                kv.free(rid)
+            continue
+        prompt = prefixes[rng.randrange(3)][:rng.randrange(1, 40)] + [rng.randrange(50) for _ in range(8)]
+        rid = f"r{i}"
+        fits = []
+        for kv in (quiet, loud):
+            kv.add_request(rid, prompt)
+            fits.append(kv.allocate_slots(rid, len(prompt) - kv.get_computed_tokens(rid)))
+        assert fits[0] == fits[1]
+        if not fits[0]:
+            for kv in (quiet, loud):
+                kv.free(rid)
+            continue
+        answer = rng.randrange(12)
+        for kv in (quiet, loud):
+            kv.mark_computed(rid, len(prompt) - kv.num_computed_tokens(rid))
+            for t in range(answer):
+                kv.append_token_ids(rid, [t])
+                if not kv.allocate_slots(rid, 1):
+                    break
+                kv.mark_computed(rid, 1)
+        running.append(rid)
+        assert _pool_state(quiet.block_cache) == _pool_state(loud.block_cache)
+    quiet.check_invariants()
+    assert sum(quiet.block_cache.evictions["lru"])  # (the pool filled: blocks were reclaimed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_releasing_a_table_at_once_is_releasing_its_blocks_one_by_one(seed):
+    # release_all sums the pages once and writes no probation stamps: the
+    # queue, the counts and the pages released must be release's.
+    rng = random.Random(seed)
+    caches = [BlockCache(64, 1) for _ in range(2)]
+    for cache in caches:
+        cache.allocator.take([(1, 3)], cache._reclaim)  # (the same ids in both)
+    tables = []
+    for _ in range(4):
+        count = rng.randrange(1, 6)
+        blocks = [cache.allocate([(1, count)])[0] for cache in caches]
+        assert blocks[0] == blocks[1]
+        tables.append(blocks[0])
+    for cache in caches:  # some blocks shared, some cached
+        for table in tables[:2]:
+            cache.touch_all(table)
+        cache.store(0, tables[1], [f"k{b}" for b in tables[1]])
+    for table in tables + tables[:2]:
+        table = [0] + table[::-1]  # (a null entry, as a window leaves them)
+        caches[0].release_all(table)
+        for block in table:
+            if block:
+                caches[1].release(block)
+        assert (_pool_state(caches[0]), caches[0]._released_pages) == \
+            (_pool_state(caches[1]), caches[1]._released_pages)
+
+
+def test_free_pages_in_counts_the_free_blocks_of_a_table_once_each():
+    cache = BlockCache(40, 1)
+    a, b, c = cache.allocate([(2, 1), (3, 1), (1, 1)])
+    for block in a + b:
+        cache.release(block)
+    table = [0, 0] + a + b + c
+    assert cache.free_pages_in(table) == sum(cache.width(x) for x in table if x and not cache.ref[x]) == 5
+    assert cache.free_pages_in(c) == 0
+
+
+@given(st.lists(st.integers(0, 2**40), min_size=0, max_size=64), st.integers(1, 8), st.integers(1, 5))
+def test_a_decode_steps_block_is_keyed_as_a_prompts_blocks_are(tokens, block_size, step):
+    # Fewer than _NATIVE_FROM blocks at a time are packed by struct and
+    # hashed by hashlib; a prompt's run by hash_chain.c where built: one chain.
+    from hybridkv.core.hashing import BlockHasher
+
+    hasher = BlockHasher()
+    root = hasher.root()
+    whole: list = []
+    hasher.extend(whole, root, tokens, block_size, len(tokens) // block_size)
+    stepwise: list = []
+    for upto in range(0, len(tokens) // block_size + step, step):
+        hasher.extend(stepwise, root, tokens, block_size, min(upto, len(tokens) // block_size))
+    assert stepwise == whole

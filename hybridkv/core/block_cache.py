@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, not_
 
 from .page_allocator import NULL, PageAllocator
 
@@ -224,8 +225,9 @@ class BlockCache:
         touching them all takes from `num_free_pages`."""
         if self._all_held(table):
             return 0
-        ref, widths = self.ref, self.allocator.widths
-        return sum(widths[block] for block in table if block and not ref[block])
+        # In C: the blocks whose count is 0, less the null block's entries.
+        refs = map(self.ref.__getitem__, table)
+        return sum(map(self.allocator.widths.__getitem__, filter(None, compress(table, map(not_, refs)))))
 
     def _all_held(self, table: Sequence[int]) -> bool:
         """Is every entry a block some request holds? (In C: a shared

@@ -376,11 +376,15 @@ class HybridCoordinator(Coordinator):
         limit = self.hit_limit(req)
         masks = self.scan(req)[1]
         alone = [m.longest_hit(masks[m.index], limit) for m in self.managers]
+        # The smallest of the others' own bests, for each g: the smallest
+        # overall unless g holds it, then the second smallest.
+        order = sorted(range(len(alone)), key=alone.__getitem__)
+        lowest, second = alone[order[0]], (alone[order[1]] if len(order) > 1 else limit)
         without = []
         for g in range(len(self.managers)):
             # Without group g the hit is at most the others' own best; if
             # that is the joint hit already, g changed nothing.
-            bound = min((a for h, a in enumerate(alone) if h != g), default=limit)
+            bound = second if g == order[0] else lowest
             if bound * bs <= hit:
                 without.append(hit)
             else:
