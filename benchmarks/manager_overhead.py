@@ -7,7 +7,7 @@ the one before it finished) and "shared-system" (a few long system prompts,
 short unique questions).
 
 A scheduler loop admits waiting requests while the pool allows (lookup,
-allocate, mark computed, chunk by chunk up to each Mamba checkpoint), then
+allocate, mark computed, chunk by chunk; a chunk runs past Mamba checkpoints as in the engine), then
 decodes one token for every running request (append, allocate 1, mark 1:
 the batched calls, `*_many`, as an engine's step makes them), and frees
 finished ones. Reports microseconds per admission and per decode
@@ -40,10 +40,17 @@ from hybridkv.core.hf_config import load_config, specs_from_config
 # machine (seconds) falls on all of them.
 TURN = 64
 
+# The manager as the engine makes it: every backend saves a recurrent
+# state at a checkpoint inside a prefill chunk (Capabilities.
+# checkpoints_inside_chunks), so a prompt's chunk runs past its checkpoints
+# instead of ending at each (one allocation and mark for the prompt, not two).
+AS_THE_ENGINE = dict(checkpoints_inside_chunks=True)
+
 
 def _prefill(kv: KVCacheManager, rid: str, chunk: int) -> bool:
-    """Lookup, allocate and mark computed, chunk by chunk up to each Mamba
-    checkpoint, until the prompt is computed; False if the pool is full."""
+    """Lookup, allocate and mark computed, chunk by chunk (`next_chunk`: past
+    Mamba checkpoints where the pool has room for their states), until the
+    prompt is computed; False if the pool is full."""
     total = kv.num_tokens(rid)
     while True:
         size = kv.next_chunk(rid, chunk)
@@ -166,7 +173,7 @@ def scaling(specs, quick: bool) -> list[dict]:
             need = 8 * (probe.pages_per_request(context + 257, 512) + states)
             if need > pages:
                 continue
-            kv = KVCacheManager(plan_layout(specs, per_page * pages), enable_prefix_caching=True)
+            kv = KVCacheManager(plan_layout(specs, per_page * pages), enable_prefix_caching=True, **AS_THE_ENGINE)
             rids = []
             for i in range(8):
                 rid = f"s{i}"
@@ -311,13 +318,13 @@ def run(args) -> dict:
             path = os.path.join(MODELS_DIR, file)
             specs = specs_from_config(load_config(path))
             layout = plan_layout(specs, args.memory)
-            variants = {"hybridkv": lambda: replay_steps(KVCacheManager(layout), trace)}
+            variants = {"hybridkv": lambda: replay_steps(KVCacheManager(layout, **AS_THE_ENGINE), trace)}
             if args.events:
-                variants["events"] = lambda: replay_steps(KVCacheManager(layout, enable_kv_events=True), trace,
-                                                          take_events=True)
+                variants["events"] = lambda: replay_steps(KVCacheManager(layout, enable_kv_events=True, **AS_THE_ENGINE),
+                                                          trace, take_events=True)
             if args.wide_block and any(isinstance(g.spec, RecurrentSpec) for g in layout.groups):
                 wide_layout = plan_layout(specs, args.memory, args.wide_block)
-                variants["wide"] = lambda: replay_steps(KVCacheManager(wide_layout), trace)
+                variants["wide"] = lambda: replay_steps(KVCacheManager(wide_layout, **AS_THE_ENGINE), trace)
             if vllm_replay is not None:
                 variants["vllm"] = lambda: vllm_replay.run_steps(path, trace, args.memory)
             runs = harness.lockstep(variants, args.repeat, turn=TURN)
