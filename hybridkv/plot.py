@@ -35,7 +35,7 @@ def plot_layout(layout: KVCacheLayout, title: str, path: str) -> None:
                                          edgecolor="grey", hatch="///", linewidth=0.5))
         if not group.recurrent:  # mark the layer boundaries inside the pages
             per_page = max(1, page // group.layer_bytes)
-            for i in range(1, group.num_layers):
+            for i in range(group.head_shares, group.num_layers * group.head_shares, group.head_shares):
                 x = (i // per_page) + (i % per_page) / per_page
                 left.plot([x, x], [y + 0.1, y + 0.9], color="white", linewidth=0.4)
         label = f"{group.kind} x{group.num_layers}: {group.pages_per_block} page(s)"

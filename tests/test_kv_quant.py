@@ -249,7 +249,32 @@ def test_an_engine_on_quantized_pages_says_so_and_serves_hits(kv_cache_dtype):
     assert again.metrics.num_cached_tokens > 0  # a hit reads the pages as stored: the same codes, the same tokens
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     routes = engine.stats["backend"]["routes"]
-    assert "cpu:decoder-layers" in routes
+    if any(g.head_shares > 1 for g in engine.layout.groups):  # (full-int8: the sliding layers in head shares)
+        assert "cut into head shares" in declined and "cpu:modules" in routes
+    else:
+        assert "cpu:decoder-layers" in routes
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_layers_cut_into_head_shares_attend_as_whole_ones(backend_name, monkeypatch):
+    # int8 full layers beside float32 sliding ones: the planner cuts each
+    # sliding layer's block into two head shares, each in a page of its own
+    # (core/layout.py); a step stores and reads each share apart and gives
+    # what whole layers give.
+    def run():
+        engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", progress=False, dtype="float32",
+                        backend=backend_name, kv_cache_dtype={"full_attention": "int8"})
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+        out = engine.generate([[(5 * j) % 200 + 3 for j in range(70)]], params, use_tqdm=False)[0]
+        logprobs = [next(iter(p.values())) for p in out.prompt_logprobs[1:]]
+        return [g.head_shares for g in engine.layout.groups], out.outputs[0].token_ids, logprobs
+
+    shares, tokens, logprobs = run()
+    monkeypatch.setattr("hybridkv.core.layout.MAX_HEAD_SHARES", 1)
+    whole, whole_tokens, whole_logprobs = run()
+    assert shares == [2, 1] and whole == [1, 1]
+    assert tokens == whole_tokens
+    assert logprobs == pytest.approx(whole_logprobs, abs=1e-5)
 
 
 @pytest.mark.parametrize("family", ["tiny-qwen3-next", "tiny-nemotron-h"])

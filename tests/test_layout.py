@@ -7,7 +7,8 @@ import pytest
 
 from hybridkv.core import FullAttentionSpec, MambaSpec, SlidingWindowSpec, plan_layout
 from hybridkv.core.hf_config import load_config, specs_from_config
-from hybridkv.core.layout import MAX_STATE_ROUNDING
+from hybridkv.core.layout import MAX_STATE_ROUNDING, _blocks_held
+from hybridkv.core.specs import with_kv_cache_dtype
 
 MODELS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "models", "*.json")))
 
@@ -56,15 +57,36 @@ def _check_views(layout):
         for name in group.layer_names:
             view = layout.layer_views[name]
             if group.recurrent:
-                start = view.offset
-            else:
-                assert view.offset + group.layer_bytes <= page
-                start = view.column * page + view.offset
-            spans.append((start, start + group.layer_bytes))
+                spans.append((view.offset, view.offset + group.layer_bytes))
+                continue
+            assert len(view.places) == group.head_shares
+            for column, offset in view.places:  # each head share whole in one page
+                assert offset + group.layer_bytes <= page
+                spans.append((column * page + offset, column * page + offset + group.layer_bytes))
         spans.sort()
         for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
             assert a1 <= b0
         assert spans[-1][1] <= group.pages_per_block * page
+
+
+@pytest.mark.parametrize("config", ["gemma-3-4b", "gemma-3-27b", "gemma-3-12b", "gpt-oss-20b"])
+def test_int8_full_layers_beside_bfloat16_windows_lose_little_to_rounding(config):
+    # No page splits both groups' blocks exactly; a request then holds at
+    # most 2% more pages than its blocks' exact bytes, at short and long
+    # contexts alike. Gemma-3-4B needs its sliding layers cut by heads for
+    # that (5 int8 full layers take 2.54 pages of one sliding layer's size):
+    # whole layers lost 13% at 32K tokens.
+    specs = with_kv_cache_dtype(specs_from_config(load_config(f"models/{config}.json"), dtype="bfloat16"),
+                                {"full_attention": "int8"})
+    layout = plan_layout(specs, "80GiB")
+    for tokens in (1024, 4096, 32768):
+        exact = sum(_blocks_held(g, tokens, 1) * g.block_bytes for g in layout.groups)
+        assert layout.pages_per_request(tokens) * layout.page_size_bytes <= 1.02 * exact
+    if config == "gemma-3-4b":
+        assert [g.head_shares for g in layout.groups] == [2, 1]
+    _check_views(layout)
+    # One dtype everywhere: exact pages, layers whole.
+    assert all(g.head_shares == 1 for g in plan_layout(with_kv_cache_dtype(specs, "int8"), "80GiB").groups)
 
 
 def test_gemma3_27b_keeps_two_groups_and_sixteen_token_blocks():

@@ -113,7 +113,9 @@ def kv_identity(weights: list, dtype: str, layout: KVCacheLayout, extra: str = "
     """What made the KV (see above), from the `weights_fingerprint` of its
     model: a 32-byte digest."""
     h = hashlib.sha256(f"hybridkv-kv-v{format_version}".encode())
-    groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block) for g in layout.groups]
+    groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block, *(() if g.head_shares == 1 else
+                                                                               (g.head_shares,)))
+              for g in layout.groups]
     h.update(json.dumps([VERSION, weights, dtype, layout.page_size_bytes, layout.block_size, repr(groups)])
              .encode())
     if extra:

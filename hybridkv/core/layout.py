@@ -21,6 +21,7 @@ the whole pool, and no type can starve while another holds idle pages.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import asdict, dataclass
@@ -50,8 +51,13 @@ class KVCacheGroup:
     pages_per_block: int
     # Bytes of one block that layers use (the rest of its pages is rounding).
     block_bytes: int
-    # Attention: per-layer bytes of one block; Mamba: padded bytes of one layer's state.
+    # Attention: bytes of one head share of a layer's block (the whole
+    # layer's where head_shares is 1); Mamba: padded bytes of one layer's state.
     layer_bytes: int
+    # Attention: each layer's block cut by KV heads into this many equal
+    # shares, each whole in one page (a page of least rounding between
+    # groups of different dtypes may be smaller than one layer's block).
+    head_shares: int = 1
 
     @property
     def kind(self) -> str:
@@ -73,7 +79,10 @@ class LayerView:
     """Where one layer's cache lives inside a block of its group.
 
     Attention: the layer's K/V rows for a block are `layer_bytes` bytes at
-    byte `offset` of page `column` of the block (never straddling pages).
+    byte `offset` of page `column` of the block (never straddling pages);
+    where its group cuts layers into head shares, that is the first share
+    (the first heads) and `shares` places the others, in head order, as
+    (column, offset).
     Mamba: the layer's state parts start at byte `offset` of the block's
     pages taken as one byte string (a state may straddle pages);
     `part_offsets` are relative to `offset`.
@@ -84,6 +93,12 @@ class LayerView:
     column: int
     offset: int
     part_offsets: tuple[int, ...] = ()
+    shares: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def places(self) -> tuple[tuple[int, int], ...]:
+        """(column, offset) of each head share, first heads first."""
+        return ((self.column, self.offset), *self.shares)
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,8 @@ class KVCacheLayout:
 
         groups = tuple(KVCacheGroup(**{**g, "spec": spec(g["spec"]), "layer_names": tuple(g["layer_names"])})
                        for g in data["groups"])
-        views = {name: LayerView(**{**v, "part_offsets": tuple(v["part_offsets"])})
+        views = {name: LayerView(**{**v, "part_offsets": tuple(v["part_offsets"]),
+                                    "shares": tuple(tuple(p) for p in v.get("shares", ()))})
                  for name, v in data["layer_views"].items()}
         return cls(groups, data["page_size_bytes"], data["num_pages"], data["block_size"], data["memory_bytes"],
                    views)
@@ -180,8 +196,9 @@ class KVCacheLayout:
             f"block size {self.block_size} tokens ({self.block_size_why})"
         ]
         for g in self.groups:
+            shares = f" (each in {g.head_shares} head shares)" if g.head_shares > 1 else ""
             lines.append(
-                f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<42} {g.num_layers:3d} layers, "
+                f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<42} {g.num_layers:3d} layers{shares}, "
                 f"{g.pages_per_block} page(s)/block, rounding {self.group_rounding_bytes(g):,} B/block"
             )
         return "\n".join(lines)
@@ -205,10 +222,13 @@ def _blocks_held(group: KVCacheGroup, num_tokens: int, chunk: int) -> int:
     computed, a range that may straddle one more block boundary."""
     if group.recurrent:
         return 1  # one live recurrent state
-    bs = group.block_size
-    all_blocks = -(-num_tokens // bs)
-    span = group.spec.span
-    return all_blocks if span is None else min(all_blocks, -(-(span - 1 + chunk) // bs) + 1)
+    return _attention_blocks_held(group.spec, group.block_size, num_tokens, chunk)
+
+
+def _attention_blocks_held(spec: AttentionSpec, block_size: int, num_tokens: int, chunk: int) -> int:
+    all_blocks = -(-num_tokens // block_size)
+    span = spec.span
+    return all_blocks if span is None else min(all_blocks, -(-(span - 1 + chunk) // block_size) + 1)
 
 
 def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
@@ -223,57 +243,93 @@ def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
 # Pages tried where no page splits every attention group's block exactly:
 # up to this many times the largest layer block.
 MAX_PAGE_MULTIPLE = 64
+# Head shares tried there: a layer's block cut by KV heads into at most
+# this many (each share one more attention call per layer and step).
+MAX_HEAD_SHARES = 4
+# Request lengths (tokens) at which such a page is judged: what a request
+# holds there in pages against its blocks' exact bytes.
+JUDGED_LENGTHS = (1024, 4096, 32768)
 
 
-def _least_rounding_page(attn_layer_bytes: list[int], attn_block_bytes: list[int], state_bytes: list[int]) -> int:
-    """The page that leaves the fewest bytes unused in one block of every
-    group, layer blocks never straddling a page, for layer blocks of sizes
-    no page splits all exactly (attention pages of different dtypes: a
-    quantized layer's block holds its scales beside its codes, so its size
-    is no power of two; a bfloat16 one is). Candidates: multiples of each
-    layer block size that hold the largest, up to MAX_PAGE_MULTIPLE times
-    it; on a tie the smaller page."""
-    biggest = max(attn_layer_bytes)
-    candidates = {size * m for size in set(attn_layer_bytes) for m in range(1, MAX_PAGE_MULTIPLE * biggest // size + 1)
+def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_bytes: list[int]) -> tuple[float, int]:
+    """(rounding, page) for the page whose rounding costs requests least,
+    `pieces` being each attention group's (bytes of one piece, pieces in
+    its block, blocks a request holds at each of JUDGED_LENGTHS), pieces
+    never straddling a page; rounding: the largest, over those lengths, of
+    a request's pages over its blocks' exact bytes (its capacity lost),
+    recurrent states held once. For pieces of sizes no page splits all
+    exactly (attention pages of different dtypes: a quantized layer's block
+    holds its scales beside its codes, so its size is no power of two; a
+    bfloat16 one is). Candidates: multiples of each piece size that hold
+    the largest, up to MAX_PAGE_MULTIPLE times it; on a tie the smaller page."""
+    biggest = max(size for size, _, _ in pieces)
+    candidates = {size * m for size, _, _ in pieces for m in range(1, MAX_PAGE_MULTIPLE * biggest // size + 1)
                   if size * m >= biggest}
+    exact = [sum(held[i] * size * count for size, count, held in pieces) + sum(state_bytes)
+             for i in range(len(JUDGED_LENGTHS))]
 
-    def unused(page: int) -> int:
-        waste = 0
-        for layer, block in zip(attn_layer_bytes, attn_block_bytes):
-            layers, per_page = block // layer, page // layer
-            waste += -(-layers // per_page) * page - block
-        return waste + sum(_round_up(s, page) - s for s in state_bytes)
+    def rounding(page: int) -> float:
+        states = sum(_round_up(s, page) for s in state_bytes)
+        return max((sum(held[i] * -(-count // (page // size)) for size, count, held in pieces) * page + states) / e
+                   for i, e in enumerate(exact))
 
-    return min(candidates, key=lambda p: (unused(p), p))
+    return min((rounding(p), p) for p in candidates)
 
 
-def _choose_page_size(attn_layer_bytes: list[int], attn_block_bytes: list[int], state_bytes: list[int]) -> int:
-    """Largest page that splits attention blocks exactly into whole per-layer
-    blocks and rounds each recurrent state by at most MAX_STATE_ROUNDING;
-    where none splits them exactly, the page of least rounding."""
+def _head_shares_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
+    """(page, head shares of each attention group) of least rounding
+    (_least_rounding_page), for attention groups `attn` (spec, layers,
+    block size) whose blocks no page splits exactly. Cutting a wide
+    layer's block by heads lets a page sized to a narrow one hold it whole
+    in shares (Gemma-3-4B, int8 full layers beside bfloat16 sliding ones:
+    pages of one int8 layer, each holding half a sliding layer's heads,
+    round 1.5% of a sliding block and none of a full one, where pages of
+    whole layers round a fifth of every full block). On a tie, fewer shares."""
+    options = [[s for s in range(1, min(spec.num_kv_heads, MAX_HEAD_SHARES) + 1) if spec.num_kv_heads % s == 0]
+               for spec, _, _ in attn]
+    held = [tuple(_attention_blocks_held(spec, block_size, n, 1) for n in JUDGED_LENGTHS)
+            for spec, _, block_size in attn]
+    best = None
+    for shares in itertools.product(*options):
+        pieces = [(spec.block_bytes(block_size) // s, layers * s, h)
+                  for (spec, layers, block_size), s, h in zip(attn, shares, held)]
+        rounding, page = _least_rounding_page(pieces, state_bytes)
+        key = (rounding, sum(shares), page)
+        if best is None or key < best[0]:
+            best = key, list(shares)
+    return best[0][2], best[1]
+
+
+def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
+    """(page, head shares of each attention group): the largest page that
+    splits attention blocks exactly into whole per-layer blocks and rounds
+    each recurrent state by at most MAX_STATE_ROUNDING; where none splits
+    them exactly, the page of least rounding, layers cut by heads where
+    that rounds less. `attn`: per attention group, (spec, layers, block size)."""
 
     def rounding_ok(page: int) -> bool:
         return all(_round_up(s, page) - s <= MAX_STATE_ROUNDING * s for s in state_bytes)
 
-    if attn_block_bytes:
-        unit = reduce(math.lcm, attn_layer_bytes)
-        whole = reduce(math.gcd, attn_block_bytes)
+    whole_layers = [1] * len(attn)
+    if attn:
+        unit = reduce(math.lcm, [spec.block_bytes(bs) for spec, _, bs in attn])
+        whole = reduce(math.gcd, [spec.block_bytes(bs) * layers for spec, layers, bs in attn])
         if whole % unit:
-            return _least_rounding_page(attn_layer_bytes, attn_block_bytes, state_bytes)
+            return _head_shares_page(attn, state_bytes)
         quotient = whole // unit
         pages = [unit * d for d in range(quotient, 0, -1) if quotient % d == 0]
         for page in pages:
             if rounding_ok(page):
-                return page
+                return page, whole_layers
         # States too small for the threshold (tiny test models): least rounding.
-        return min(pages, key=lambda p: (sum(_round_up(s, p) - s for s in state_bytes), -p))
+        return min(pages, key=lambda p: (sum(_round_up(s, p) - s for s in state_bytes), -p)), whole_layers
     # Recurrent layers only: a page per state if possible, else a fraction.
     biggest = max(state_bytes)
     for parts in range(1, 4097):
         page = _round_up(-(-biggest // parts), ALIGN)
         if rounding_ok(page):
-            return page
-    return ALIGN
+            return page, whole_layers
+    return ALIGN, whole_layers
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -347,30 +403,34 @@ def plan_layout(
             raise ValueError(f"layer {name!r}: expected a layer spec, got {type(spec).__name__}")
         by_spec.setdefault(spec, []).append(name)
 
-    attn_layer, attn_block, states = [], [], []
+    attn, states = [], []
     for spec, names in by_spec.items():
         if spec.kind in ATTENTION_KINDS:
-            attn_layer.append(spec.block_bytes(block_size))
-            attn_block.append(spec.block_bytes(block_size) * len(names))
+            attn.append((spec, len(names), block_size))
         else:
             states.append(_mamba_layer_layout(spec)[0] * len(names))
-    page = _choose_page_size(attn_layer, attn_block, states)
+    page, head_shares = _choose_page_size(attn, states)
+    head_shares = iter(head_shares)
 
     groups, views = [], {}
     for index, (spec, names) in enumerate(by_spec.items()):
+        shares = 1
         if spec.kind in ATTENTION_KINDS:
-            layer_bytes = spec.block_bytes(block_size)
+            shares = next(head_shares)
+            layer_bytes = spec.block_bytes(block_size) // shares
             per_page = max(1, page // layer_bytes)
-            pages = -(-len(names) // per_page)
+            pages = -(-len(names) * shares // per_page)
             for i, name in enumerate(names):
-                views[name] = LayerView(name, index, i // per_page, (i % per_page) * layer_bytes)
+                places = [divmod(i * shares + j, per_page) for j in range(shares)]  # (column, slot) of each share
+                views[name] = LayerView(name, index, places[0][0], places[0][1] * layer_bytes,
+                                        shares=tuple((c, slot * layer_bytes) for c, slot in places[1:]))
         else:
             layer_bytes, part_offsets = _mamba_layer_layout(spec)
             pages = -(-layer_bytes * len(names) // page)
             for i, name in enumerate(names):
                 views[name] = LayerView(name, index, 0, i * layer_bytes, part_offsets)
         groups.append(KVCacheGroup(index, spec, tuple(names), block_size, pages,
-                                   layer_bytes * len(names), layer_bytes))
+                                   layer_bytes * shares * len(names), layer_bytes, shares))
 
     num_pages = memory // page
     smallest = 1 + sum(g.pages_per_block for g in groups)

@@ -130,6 +130,7 @@ class Worker:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
+            module.columns = tuple(column for column, _ in view.places)
         # Keys over int8 pages stored less their layer's centre (engine/key_centres.py),
         # bound before the backend adapts the layers (the C decoder layer reads them too).
         self.key_centres = bind_key_centres(model, layout, device) if key_centre_tokens else []

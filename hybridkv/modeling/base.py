@@ -12,13 +12,15 @@ class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
     layer). The worker binds it to its KV cache group and its place in the
     pool: `group`, and for attention `column` (which page of a block holds
-    this layer); the step's `buffers` give its view of the pool by
-    `layer_name`. The backend binds `ops`, the side of it (attention or
+    this layer) and `columns` (of each head share, where the layout cuts
+    the layer's blocks by heads: `column` first); the step's `buffers`
+    give its view of the pool by `layer_name`. The backend binds `ops`, the side of it (attention or
     recurrent, layers/backends/base.py) whose ops the layer calls."""
 
     layer_name: str = ""
     group: int = -1
     column: int = 0
+    columns: tuple[int, ...] = (0,)
     ops = None
 
 
