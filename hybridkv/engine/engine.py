@@ -72,9 +72,10 @@ class Engine:
         every option, its default and its checks are in config.py
         (EngineConfig); a bad one is a ValueError before anything loads.
         The parts, built in order: the model (loaded, split over
-        `tensor_parallel_size` processes when above 1), the layout and the
-        KV cache manager, the backend, the executor and its workers, the
-        tiers below the pool, the scheduler."""
+        `tensor_parallel_size` processes when above 1), the layout, the
+        backend, the executor and its workers, the KV cache manager and the
+        scheduler (made again after measuring the key centres of int8
+        pages, key_centres.py), the tiers below the pool."""
         config = EngineConfig.build(model_dir, **options)
         config.check_machine()  # the device, the backend and the budgets, before anything loads
         self.engine_config = config
@@ -102,7 +103,7 @@ class Engine:
             keep_large_allocations()
         self.eos_token_ids = self._eos_ids(self.model_dir)
         self.tiers, self.tier_index = None, None
-        self._new_front(config)
+        self._new_manager_and_scheduler(config)
         if self.key_centre_ids:
             self._measure_key_centres(config)
         # The driver rank's storage below the pool (its copies are the worker's), and the
@@ -110,7 +111,7 @@ class Engine:
         if tiers is not None:
             self.tiers, self.tier_index = self._attach_tiers(tiers)
 
-    def _new_front(self, config: EngineConfig) -> None:
+    def _new_manager_and_scheduler(self, config: EngineConfig) -> None:
         """The KV cache manager, the scheduler and what they count, new."""
         # Where the backend's recurrent ops save states inside prefill chunks, chunks run past checkpoints.
         self.kv = KVCacheManager(self.layout, enable_prefix_caching=config.enable_prefix_caching,
@@ -134,12 +135,12 @@ class Engine:
     def _measure_key_centres(self, config: EngineConfig) -> None:
         """The calibration prompt through the engine's own steps (every
         rank's centres measure their keys, key_centres.py), then a new
-        front: nothing of the calibration stays."""
+        manager and scheduler: nothing of the calibration stays."""
         start = time.perf_counter()
         self.generate([self.key_centre_ids], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         if any(centre.measuring for centre in self.worker.key_centres):
             raise RuntimeError("the key centres' calibration prompt ended before every centre was measured")
-        self._new_front(config)
+        self._new_manager_and_scheduler(config)
         self.key_centre_seconds = time.perf_counter() - start
         logging.getLogger("hybridkv.engine").info(
             "keys of %d attention layers stored less their centre, measured over %d tokens in %.2f s",
