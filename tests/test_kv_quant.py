@@ -1,4 +1,4 @@
-"""Quantized KV pages (layers/kv_quant.py, DESIGN section 19): the codes
+"""Quantized KV pages (layers/kv_quant.py, docs/kv_dtypes.md): the codes
 and per-token-head scales of int8 and float8 pages, their error bounds,
 where the core counts their bytes, the layout they get, and attention over
 them equal to attention over the values they stand for, through every

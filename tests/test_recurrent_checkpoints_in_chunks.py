@@ -1,5 +1,5 @@
 """A recurrent mixer writes its state at a checkpoint inside a prefill chunk
-(DESIGN section 6): the chunk runs in pieces cut at its checkpoints, each
+(docs/architecture.md): the chunk runs in pieces cut at its checkpoints, each
 piece the computation a chunk ending there would run, and the state after
 it is copied to the checkpoint's pages. So a prompt that needs a
 checkpoint before its end is one engine step of prefill, and:
