@@ -8,37 +8,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..layers.norm import RMSNorm
-from .llama import LlamaAttention
 from .mamba2 import mamba2_mixer
-from .stack import DecoderStack
-from .sublayers import GatedMLP
-
-
-def attention_layers(config) -> set[int]:
-    return set(config.attn_layer_indices or ())
-
-
-class BambaDecoderLayer(nn.Module):
-    def __init__(self, config, is_attention: bool):
-        super().__init__()
-        if is_attention:
-            self.self_attn = LlamaAttention(config)
-        else:
-            self.mamba = mamba2_mixer(config)
-        self.is_attention = is_attention
-        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos_sin, batch):
-        h = self.input_layernorm(x)
-        x = x + (self.self_attn(h, cos_sin, batch) if self.is_attention else self.mamba(h, batch))
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+from .stack import DecoderStack, LayerNorms
+from .sublayers import GatedMLP, PagedSelfAttention
 
 
 class BambaForCausalLM(DecoderStack):
     final_norm = "final_layernorm"
+    norms = LayerNorms(pre_mlp="pre_ff_layernorm")
 
     def decoder_layer(self, config, index: int) -> nn.Module:
-        return BambaDecoderLayer(config, index in attention_layers(config))
+        if index in set(config.attn_layer_indices or ()):
+            mixer = {"self_attn": PagedSelfAttention(config)}
+        else:
+            mixer = {"mamba": mamba2_mixer(config)}
+        return self.layer(mixer, {"feed_forward": GatedMLP(config.hidden_size, config.intermediate_size,
+                                                           config.hidden_act)})

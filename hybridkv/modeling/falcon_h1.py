@@ -19,12 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.norm import RMSNorm
 from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
 from .base import CacheLayer
 from .mamba2 import Mamba2Mixer, mamba2_mixer
-from .stack import DecoderStack
+from .stack import DecoderStack, LayerNorms
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -37,6 +36,12 @@ def in_proj_scale(config, inner: int) -> torch.Tensor:
 
 
 class FalconH1Attention(PagedSelfAttention):
+    """Attention with its keys scaled before the rotary embedding."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.key_multiplier = config.key_multiplier
+
     def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
         q, k, v = self.project(x)
         cos, sin = cos_sin
@@ -59,35 +64,20 @@ class FalconH1MLP(GatedMLP):
         return self.down_proj(self.activated(x)) * self.down_multiplier
 
 
-class FalconH1DecoderLayer(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        inner = config.mamba_d_ssm or config.mamba_expand * config.hidden_size
-        norm = ("gated_after" if config.mamba_norm_before_gate else "gated") if config.mamba_rms_norm else None
-        self.mamba = mamba2_mixer(config, inner, out_bias=config.projectors_bias, norm=norm,
-                                  in_scale=in_proj_scale(config, inner))
-        self.self_attn = FalconH1Attention(config)
-        self.self_attn.key_multiplier = config.key_multiplier
-        self.feed_forward = FalconH1MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        c = config
-        self.ssm_in, self.ssm_out = c.ssm_in_multiplier, c.ssm_out_multiplier
-        self.attn_in, self.attn_out = c.attention_in_multiplier, c.attention_out_multiplier
-
-    def forward(self, x, cos_sin, batch):
-        h = self.input_layernorm(x)
-        mixed = self.mamba(h * self.ssm_in, batch) * self.ssm_out
-        mixed = mixed + self.self_attn(h * self.attn_in, cos_sin, batch) * self.attn_out
-        x = x + mixed
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
-
-
 class FalconH1ForCausalLM(DecoderStack):
     final_norm = "final_layernorm"
+    norms = LayerNorms(pre_mlp="pre_ff_layernorm")
 
     def decoder_layer(self, config, index: int) -> nn.Module:
-        return FalconH1DecoderLayer(config)
+        inner = config.mamba_d_ssm or config.mamba_expand * config.hidden_size
+        norm = ("gated_after" if config.mamba_norm_before_gate else "gated") if config.mamba_rms_norm else None
+        mamba = mamba2_mixer(config, inner, out_bias=config.projectors_bias, norm=norm,
+                             in_scale=in_proj_scale(config, inner))
+        c = config
+        scales = {"mamba": (c.ssm_in_multiplier, c.ssm_out_multiplier),
+                  "self_attn": (c.attention_in_multiplier, c.attention_out_multiplier)}
+        return self.layer({"mamba": mamba, "self_attn": FalconH1Attention(config)},
+                          {"feed_forward": FalconH1MLP(config)}, scales=scales)
 
     def cache_layers(self) -> dict[str, CacheLayer]:
         """Two per decoder layer: its attention under the layer's name, its

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.decoder import DecoderParts
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary, apply_rotary, inverse_frequencies
+from ..layers.rotary import Rotary, inverse_frequencies
 from ..layers.step import StepBatch
-from .stack import DecoderStack
+from .stack import DecoderStack, LayerNorms
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -32,36 +31,11 @@ class GemmaAttention(PagedSelfAttention):
         self.qk_norm = qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
+        if not self.qk_norm:
+            return super().forward(x, cos_sin, batch)
         q, k, v = self.project(x)
         cos, sin = cos_sin
-        if self.qk_norm:
-            return self.attend(self.q_norm.rotated(q, cos, sin), self.k_norm.rotated(k, cos, sin), v, batch)
-        return self.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch)
-
-
-class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, softcap: float | None):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = GemmaAttention(config, qk_norm, softcap)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
-
-    def parts(self) -> DecoderParts:
-        attn = self.self_attn
-        return DecoderParts(attn, self.mlp, self.input_layernorm, self.pre_feedforward_layernorm,
-                            self.post_attention_layernorm, self.post_feedforward_layernorm,
-                            attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
-
-    def forward(self, x, cos_sin, batch):
-        h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, batch))
-        x = x + h
-        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + h
+        return self.attend(self.q_norm.rotated(q, cos, sin), self.k_norm.rotated(k, cos, sin), v, batch)
 
 
 class GemmaForCausalLM(DecoderStack):
@@ -71,6 +45,8 @@ class GemmaForCausalLM(DecoderStack):
     # the multimodal Gemma-3's vision tower, in the older layout and in transformers 5's
     unused_weights = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
     unit_offset = True
+    norms = LayerNorms(pre_mlp="pre_feedforward_layernorm", post_mixer="post_attention_layernorm",
+                       post_mlp="post_feedforward_layernorm")
     qk_norm = True
 
     def __init__(self, config):
@@ -86,9 +62,11 @@ class GemmaForCausalLM(DecoderStack):
     def has_rotary(self, config) -> bool:
         return False  # one per layer type, built above
 
-    def decoder_layers(self, config) -> list[nn.Module]:
+    def decoder_layer(self, config, index: int) -> nn.Module:
         softcap = None if self.qk_norm else getattr(config, "attn_logit_softcapping", None)
-        return [GemmaDecoderLayer(config, self.qk_norm, softcap) for _ in config.layer_types]
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        return self.layer({"self_attn": GemmaAttention(config, self.qk_norm, softcap)},
+                          {"mlp": GatedMLP(config.hidden_size, config.intermediate_size, act)}, whole=True)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight  # the scale rounded to the weights' dtype, as transformers does

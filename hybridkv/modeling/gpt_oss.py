@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.linear import Linear
 from ..layers.parallel import current_ranks
-from ..layers.step import capturing
-from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from .experts import Router, Routing, mix_experts
+from .stack import DecoderStack
+from .sublayers import PagedSelfAttention
 
 
-class GptOssAttention(LlamaAttention):
+class GptOssAttention(PagedSelfAttention):
     """Llama's attention (rotary, biases from `attention_bias`) with a sink
     per query head (under tensor parallelism the rank's heads' sinks)."""
 
@@ -85,38 +85,23 @@ class GptOssExperts(nn.Module):
 
 class GptOssMoE(nn.Module):
     """Router (with a bias) and experts: each token's top-k experts by
-    router logit, weighted by a softmax over those k logits."""
+    router logit, weighted by a softmax over those k logits (in the model's
+    dtype)."""
 
     def __init__(self, config):
         super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.router = Router(config.hidden_size, config.num_local_experts, Routing(
+            config.num_experts_per_tok, top_k_first=True, bias=True, float32_scores=False))
         self.experts = GptOssExperts(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)
-        top, chosen = torch.topk(logits, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
-        out = torch.zeros_like(x)
-        if capturing(x):
-            # A captured or traced step: every expert on every token, weighted
-            # by its routing weight (zero where not chosen), so that no shape
-            # depends on the routing (as Jamba's MoE).
-            dense = torch.zeros_like(logits).scatter(-1, chosen, weights)
-            for e in range(self.experts.gate_up_proj.shape[0]):
-                out += self.experts(x, e) * dense[:, e, None]
-        else:
-            for e in torch.unique(chosen).tolist():  # ascending, as transformers adds them
-                token_idx, slot = torch.where(chosen == e)
-                y = self.experts(x[token_idx], e) * weights[token_idx, slot, None]
-                # (an expert's tokens are distinct: a plain add. index_add_
-                # would open a parallel region per expert on the CPU, ~30x
-                # the cost at decode sizes.)
-                out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
+        weights, chosen = self.router(x)
+        out = mix_experts(x, weights, chosen, lambda e, rows: self.experts(rows, e),
+                          self.experts.gate_up_proj.shape[0])
         return self.experts.ranks.all_reduce(out)
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
+class GptOssForCausalLM(DecoderStack):
     """Llama's decoder shape: x += attention(norm(x)); x += MoE(norm(x)),
     with this family's attention, experts and norms. The layers' `parts()`
     name a mixture-of-experts feed-forward, which a backend running whole
@@ -134,4 +119,4 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().__init__(config)
 
     def decoder_layer(self, config, index: int) -> nn.Module:
-        return LlamaDecoderLayer(config, GptOssAttention(config), GptOssMoE(config), scale_in_float32=True)
+        return self.layer({"self_attn": GptOssAttention(config)}, {"mlp": GptOssMoE(config)}, whole=True)

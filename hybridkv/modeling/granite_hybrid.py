@@ -15,23 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import Linear
-from ..layers.norm import RMSNorm
 from ..layers.parallel import ColumnParallelLinear, current_ranks
-from ..layers.rotary import apply_rotary
-from ..layers.step import StepBatch
-from .experts import mix_experts
+from .experts import Router, Routing, mix_experts
 from .mamba2 import mamba2_mixer
 from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
-
-
-class GraniteAttention(PagedSelfAttention):
-    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
-        q, k, v = self.project(x)
-        if cos_sin is not None:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        return self.attend(q, k, v, batch)
 
 
 class SharedMLP(GatedMLP):
@@ -61,8 +49,7 @@ class GraniteMoE(nn.Module):
         super().__init__()
         self.ranks = ranks = current_ranks()
         experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(hidden, experts, bias=False)
+        self.router = Router(hidden, experts, Routing(config.num_experts_per_tok, top_k_first=True))
         local = inner // ranks.world
         self.share = ranks.share(inner)
         self.gate_up_rows = [self.share, slice(inner + self.share.start, inner + self.share.stop)]
@@ -84,40 +71,21 @@ class GraniteMoE(nn.Module):
         return F.linear(self.act(gate) * up, self.output_linear[e])
 
     def forward(self, x):
-        logits, chosen = self.router(x).float().topk(self.top_k, dim=-1)
-        weights = torch.softmax(logits, dim=-1).to(x.dtype)
+        weights, chosen = self.router(x)
         return mix_experts(x, weights, chosen, self.expert, self.input_linear.shape[0])
 
 
-class GraniteDecoderLayer(nn.Module):
-    def __init__(self, config, is_attention: bool):
-        super().__init__()
-        if is_attention:
-            self.self_attn = GraniteAttention(config, scale=config.attention_multiplier)
-        else:
-            self.mamba = mamba2_mixer(config)
-        self.is_attention = is_attention
-        self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
-        self.shared_mlp = SharedMLP(config.hidden_size, config.shared_intermediate_size, config.hidden_act)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = config.residual_multiplier
-        self.ranks = current_ranks()
-
-    def forward(self, x, cos_sin, batch):
-        h = self.input_layernorm(x)
-        h = self.self_attn(h, cos_sin, batch) if self.is_attention else self.mamba(h, batch)
-        x = x + h * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
-        out = self.shared_mlp(h)
-        if self.block_sparse_moe is not None:
-            out = self.block_sparse_moe(h) + out
-        return x + self.ranks.all_reduce(out) * self.residual_multiplier  # (both partial sums under TP)
-
-
 class GraniteMoeHybridForCausalLM(DecoderStack):
-    def decoder_layers(self, config) -> list[nn.Module]:
-        return [GraniteDecoderLayer(config, t in ("full_attention", "attention")) for t in config.layer_types]
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        if config.layer_types[index] in ("full_attention", "attention"):
+            mixer = {"self_attn": PagedSelfAttention(config, scale=config.attention_multiplier)}
+        else:
+            mixer = {"mamba": mamba2_mixer(config)}
+        shared = SharedMLP(config.hidden_size, config.shared_intermediate_size, config.hidden_act)
+        feed_forwards = {"shared_mlp": shared, **({"block_sparse_moe": GraniteMoE(config)}
+                                                 if config.num_local_experts > 0 else {})}
+        # (both leave partial sums: the layer reduces their sum once)
+        return self.layer(mixer, feed_forwards, residual=config.residual_multiplier, partial_sums=True)
 
     def has_rotary(self, config) -> bool:
         return config.position_embedding_type == "rope"

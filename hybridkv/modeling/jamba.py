@@ -16,14 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks, leading_part
 from ..layers.recurrent_state import padded_chunks
 from ..layers.step import StepBatch
 from .base import CacheLayer
-from .experts import mix_experts
-from .stack import DecoderStack
+from .experts import Router, Routing, mix_experts
+from .stack import DecoderStack, LayerNorms
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -118,45 +117,30 @@ class JambaMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ranks = current_ranks()
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.router = Router(config.hidden_size, config.num_experts, Routing(config.num_experts_per_tok))
         self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                                               reduce=False)
                                      for _ in range(config.num_experts))
 
     def forward(self, x):
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights.to(x.dtype)
+        weights, chosen = self.router(x)
         out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
         return self.ranks.all_reduce(out)
 
 
-class JambaDecoderLayer(nn.Module):
-    def __init__(self, config, is_attention: bool, is_moe: bool):
-        super().__init__()
-        if is_attention:
-            self.self_attn = PagedSelfAttention(config)  # no positional encoding
-        else:
-            self.mamba = JambaMamba(config)
-        self.is_attention = is_attention
-        self.feed_forward = (JambaMoE(config) if is_moe else
-                             GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos_sin, batch):
-        mixer = self.self_attn if self.is_attention else self.mamba
-        x = x + mixer(self.input_layernorm(x), batch)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
-
-
 class JambaForCausalLM(DecoderStack):
     final_norm = "final_layernorm"
+    norms = LayerNorms(pre_mlp="pre_ff_layernorm")
 
     def has_rotary(self, config) -> bool:
         return False  # the Mamba layers carry order
 
     def decoder_layer(self, config, index: int) -> nn.Module:
-        moe = config.num_experts > 1 and index % config.expert_layer_period == config.expert_layer_offset
-        return JambaDecoderLayer(config, index % config.attn_layer_period == config.attn_layer_offset, moe)
+        if index % config.attn_layer_period == config.attn_layer_offset:
+            mixer = {"self_attn": PagedSelfAttention(config)}  # no positional encoding
+        else:
+            mixer = {"mamba": JambaMamba(config)}
+        if config.num_experts > 1 and index % config.expert_layer_period == config.expert_layer_offset:
+            return self.layer(mixer, {"feed_forward": JambaMoE(config)})
+        return self.layer(mixer, {"feed_forward": GatedMLP(config.hidden_size, config.intermediate_size,
+                                                           config.hidden_act)})

@@ -23,7 +23,7 @@ from ..layers.recurrent_state import padded_chunks
 from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
 from .base import CacheLayer
-from .stack import DecoderStack
+from .stack import DecoderStack, LayerNorms
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -91,33 +91,20 @@ class Lfm2Attention(PagedSelfAttention):
                            v, batch)
 
 
-class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config, is_attention: bool):
-        super().__init__()
-        if is_attention:
-            self.self_attn = Lfm2Attention(config)
-        else:
-            self.conv = ShortConv(config)
-        self.is_attention = is_attention
-        self.feed_forward = GatedMLP(config.hidden_size, mlp_width(config), "silu")
-        self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-
-    def forward(self, x, cos_sin, batch):
-        h = self.operator_norm(x)
-        x = x + (self.self_attn(h, cos_sin, batch) if self.is_attention else self.conv(h, batch))
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
 class Lfm2ForCausalLM(DecoderStack):
     final_norm = "embedding_norm"
     eps = "norm_eps"
+    norms = LayerNorms(input="operator_norm", pre_mlp="ffn_norm")
     # checkpoint names -> ours (the MLP as w1/w3/w2, attention's output as out_proj)
     RENAMES = ((".feed_forward.w1.", ".feed_forward.gate_proj."), (".feed_forward.w3.", ".feed_forward.up_proj."),
                (".feed_forward.w2.", ".feed_forward.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."))
 
-    def decoder_layers(self, config) -> list[nn.Module]:
-        return [Lfm2DecoderLayer(config, t != "conv") for t in config.layer_types]
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        if config.layer_types[index] == "conv":
+            mixer = {"conv": ShortConv(config)}
+        else:
+            mixer = {"self_attn": Lfm2Attention(config)}
+        return self.layer(mixer, {"feed_forward": GatedMLP(config.hidden_size, mlp_width(config), "silu")})
 
     def weight_name(self, checkpoint_name: str) -> str | None:
         for old, new in self.RENAMES:

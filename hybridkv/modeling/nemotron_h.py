@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import Linear
-from ..layers.norm import RMSNorm
 from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
-from .experts import mix_experts
+from .experts import Router, Routing, mix_experts
 from .mamba2 import Mamba2Mixer
-from .stack import DecoderStack
+from .stack import DecoderStack, LayerNorms
 from .sublayers import PagedSelfAttention
 
 BLOCK_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -57,35 +56,6 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(relu2(self.up_proj(x)))
 
 
-class NemotronHRouter(nn.Module):
-    """Sigmoid scores; experts chosen by score + correction bias, only in the
-    `topk_group` groups whose two best experts score highest; the chosen
-    experts' (uncorrected) scores, renormalised if asked, times the scaling
-    factor."""
-
-    def __init__(self, config):
-        super().__init__()
-        experts = config.n_routed_experts
-        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
-        self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
-        self.normalise, self.scale = config.norm_topk_prob, config.routed_scaling_factor
-
-    def forward(self, x: torch.Tensor):
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        tokens, experts = choice.shape
-        by_group = choice.view(tokens, self.groups, experts // self.groups)
-        best_groups = by_group.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
-        allowed = torch.zeros(tokens, self.groups, dtype=torch.bool, device=x.device).scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~allowed.repeat_interleave(experts // self.groups, dim=1), float("-inf"))
-        chosen = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, chosen)
-        if self.normalise:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, chosen
-
-
 class NemotronHMoE(nn.Module):
     """Tensor parallelism: every expert and the shared expert split by
     width, the router and the latent projections whole; the experts'
@@ -97,7 +67,11 @@ class NemotronHMoE(nn.Module):
         self.ranks = current_ranks()
         latent = getattr(config, "moe_latent_size", None)
         width = latent or config.hidden_size
-        self.gate = NemotronHRouter(config)
+        # sigmoid scores; the experts chosen by the corrected scores within the best groups
+        self.gate = Router(config.hidden_size, config.n_routed_experts, Routing(
+            config.num_experts_per_tok, scoring="sigmoid", renormalise=config.norm_topk_prob,
+            scale=config.routed_scaling_factor, correction_bias=True, groups=config.n_group,
+            topk_group=config.topk_group, float32_product=True, float32_weights=True))
         self.experts = nn.ModuleList(ReluSquaredMLP(width, config.moe_intermediate_size, config.mlp_bias, reduce=False)
                                      for _ in range(config.n_routed_experts))
         self.shared_experts = ReluSquaredMLP(config.hidden_size, config.moe_shared_expert_intermediate_size,
@@ -126,27 +100,6 @@ def nemotron_mamba(config) -> Mamba2Mixer:
         activation=config.mamba_hidden_act)
 
 
-class NemotronHBlock(nn.Module):
-    def __init__(self, config, block_type: str):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        if block_type == "linear_attention":
-            self.mixer = nemotron_mamba(config)
-        elif block_type == "full_attention":
-            self.mixer = PagedSelfAttention(config)  # no positional encoding
-        elif block_type == "mlp":
-            self.mixer = ReluSquaredMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        elif block_type == "moe":
-            self.mixer = NemotronHMoE(config)
-        else:
-            raise ValueError(f"Nemotron-H block type {block_type!r} is not supported")
-        self.takes_batch = block_type in ("linear_attention", "full_attention")
-
-    def forward(self, x, cos_sin, batch):
-        h = self.norm(x)
-        return x + (self.mixer(h, batch) if self.takes_batch else self.mixer(h))
-
-
 class NemotronHForCausalLM(DecoderStack):
     embedding = "embeddings"
     final_norm = "norm_f"
@@ -161,5 +114,19 @@ class NemotronHForCausalLM(DecoderStack):
     def has_rotary(self, config) -> bool:
         return False  # attention without positional encoding
 
+    norms = LayerNorms(input="norm", pre_mlp="norm")  # a block is a mixer or a feed-forward
+
     def decoder_layers(self, config) -> list[nn.Module]:
-        return [NemotronHBlock(config, t) for t in block_types(config)]
+        return [self.block(config, t) for t in block_types(config)]
+
+    def block(self, config, block_type: str) -> nn.Module:
+        if block_type == "linear_attention":
+            return self.layer({"mixer": nemotron_mamba(config)}, {})
+        if block_type == "full_attention":
+            return self.layer({"mixer": PagedSelfAttention(config)}, {})  # no positional encoding
+        if block_type == "mlp":
+            return self.layer({}, {"mixer": ReluSquaredMLP(config.hidden_size, config.intermediate_size,
+                                                           config.mlp_bias)})
+        if block_type == "moe":
+            return self.layer({}, {"mixer": NemotronHMoE(config)})
+        raise ValueError(f"Nemotron-H block type {block_type!r} is not supported")

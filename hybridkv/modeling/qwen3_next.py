@@ -32,9 +32,9 @@ from ..layers.norm import RMSNorm
 from ..layers.parallel import ColumnParallelLinear, current_ranks
 from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
-from .experts import mix_experts
+from .experts import Router, Routing, mix_experts
 from .gated_deltanet import GatedDeltaNet
-from .llama import LlamaForCausalLM
+from .stack import DecoderStack
 from .sublayers import GatedMLP, PagedSelfAttention
 
 
@@ -65,19 +65,16 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.ranks = current_ranks()
         hidden, experts = config.hidden_size, config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.normalise = getattr(config, "norm_topk_prob", True)
-        self.gate = Linear(hidden, experts, bias=False)
+        self.gate = Router(hidden, experts, Routing(config.num_experts_per_tok,
+                                                    renormalise=getattr(config, "norm_topk_prob", True)))
         self.experts = nn.ModuleList(GatedMLP(hidden, config.moe_intermediate_size, config.hidden_act, reduce=False)
                                      for _ in range(experts))
         self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act, reduce=False)
         self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = torch.softmax(self.gate(x).float(), dim=-1).topk(self.top_k, dim=-1)
-        if self.normalise:
-            weights = weights / weights.sum(-1, keepdim=True)
-        out = mix_experts(x, weights.to(x.dtype), chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
+        weights, chosen = self.gate(x)
+        out = mix_experts(x, weights, chosen, lambda e, rows: self.experts[e](rows), len(self.experts))
         return self.ranks.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
 
 
@@ -88,30 +85,9 @@ def is_moe_layer(config, index: int) -> bool:
     return index not in (getattr(config, "mlp_only_layers", None) or ()) and (index + 1) % step == 0
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, grouped: bool):
-        super().__init__()
-        self.is_attention = config.layer_types[index] == "full_attention"
-        if self.is_attention:
-            self.self_attn = GatedAttention(config)
-        else:
-            self.linear_attn = GatedDeltaNet(config, grouped)
-        if is_moe_layer(config, index):
-            self.mlp = SparseMoE(config)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-
-    def forward(self, x, cos_sin, batch):
-        h = self.input_layernorm(x)
-        x = x + (self.self_attn(h, cos_sin, batch) if self.is_attention else self.linear_attn(h, batch))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen3NextForCausalLM(LlamaForCausalLM):
-    """Llama's stack (embeddings, decoder layers, final norm, LM head, one
-    rotary embedding) with this family's layers and (1 + w) norms."""
+class Qwen3NextForCausalLM(DecoderStack):
+    """The shared stack (one rotary embedding) with this family's mixers and
+    feed-forwards, and (1 + w) norms."""
 
     unit_offset = True
     grouped_projections = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba
@@ -124,7 +100,13 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         super().__init__(config)
 
     def decoder_layer(self, config, index: int) -> nn.Module:
-        return Qwen3NextDecoderLayer(config, index, self.grouped_projections)
+        if config.layer_types[index] == "full_attention":
+            mixer = {"self_attn": GatedAttention(config)}
+        else:
+            mixer = {"linear_attn": GatedDeltaNet(config, self.grouped_projections)}
+        if is_moe_layer(config, index):
+            return self.layer(mixer, {"mlp": SparseMoE(config)})
+        return self.layer(mixer, {"mlp": GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)})
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

@@ -11,6 +11,7 @@ from torch import nn
 from ..layers.linear import Linear
 from ..layers.mlp import GatedMLP
 from ..layers.parallel import ColumnParallelLinear, RowParallelLinear, current_ranks
+from ..layers.rotary import apply_rotary
 from ..layers.step import StepBatch
 from .base import CacheLayer
 
@@ -115,5 +116,10 @@ class PagedSelfAttention(CacheLayer, nn.Module):
             out.append(self.ops.attend(q[:, qs].contiguous(), cache, meta, column, self.scale, self.softcap, sinks))
         return torch.cat(out, dim=1)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        return self.attend(*self.project(x), batch)
+    def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:
+        """Attention with the rotary embedding `cos_sin` on q and k, or
+        none where it is None (Jamba, Nemotron-H)."""
+        q, k, v = self.project(x)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.attend(q, k, v, batch)

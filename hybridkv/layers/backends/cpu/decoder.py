@@ -229,16 +229,16 @@ class CpuDecoderLayer(nn.Module):
 
 
 def wrap_decoder_layers(model: nn.Module, lib, free_bytes: int, report) -> int:
-    """Wrap every decoder layer (a module with `parts()`) in a
-    CpuDecoderLayer, or none: a step runs every layer one way or the other.
-    Returns how many."""
+    """Wrap every decoder layer (a module whose `parts()` describes it) in
+    a CpuDecoderLayer, or none: a step runs every layer one way or the
+    other. Returns how many."""
     layers = [(parent, name, child) for parent in list(model.modules())
               for name, child in parent.named_children() if hasattr(child, "parts")]
-    if not layers:
+    parts = {id(layer): layer.parts() for _, _, layer in layers}
+    if not layers or any(p is None for p in parts.values()):
         report.declined.append("one-call decoder layers: the model's layers describe no DecoderParts "
                                "(layers/decoder.py)")
         return 0
-    parts = {id(layer): layer.parts() for _, _, layer in layers}
     refused = {why for p in parts.values() if (why := refusal(p)) is not None}
     if refused:
         report.declined.append(f"one-call decoder layers: {', '.join(sorted(refused))}")
