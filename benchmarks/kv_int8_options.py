@@ -7,12 +7,13 @@ agreement and perplexity, as in kv_dtypes' accuracy table.
 
 Variants (V rows as the format stores them unless named):
 * bfloat16 pages, for reference;
-* int8 per row: the format (docs/kv_dtypes.md): K and V rows rotated
-  (Hadamard), one scale per token and head; the same not rotated;
+* int8 per row, keys as they are: K and V rows rotated (Hadamard), one
+  scale per token and head; the same not rotated;
 * a scale per 64 or per 32 elements of a rotated row (4 or 8 per row at
   Gemma-3's 256-wide heads: 12 or 28 more bytes a row);
-* K less a constant per layer and head before quantizing (its mean key,
-  measured on a text outside the evaluation): a query's scores all move by
+* K less a constant per layer and head before quantizing (its mean key
+  over the engine's calibration prompt, engine/key_centres.py, rounded to
+  bfloat16: the format, docs/kv_dtypes.md): a query's scores all move by
   the same amount, which softmax ignores where there is no softcap or sink;
 * K less its block's first key, that key kept in bfloat16 in the page (one
   row per block: 6% more bytes at 16-token blocks);
@@ -25,15 +26,14 @@ Variants (V rows as the format stores them unless named):
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
 
 from benchmarks import harness
 
-VARIANTS = ("bfloat16 pages", "int8 per row (the format)", "int8 per row, not rotated", "int8, a scale per 64",
-            "int8, a scale per 32", "int8, K less a constant per layer", "int8, K less its block's first key",
-            "int8 K only", "int8 V only")
+VARIANTS = ("bfloat16 pages", "int8 per row, keys as they are", "int8 per row, not rotated", "int8, a scale per 64",
+            "int8, a scale per 32", "int8, K less a constant per layer (the format)",
+            "int8, K less its block's first key", "int8 K only", "int8 V only")
 
 
 def rounded(x, group: int, rotate: bool):
@@ -77,9 +77,9 @@ class Variant:
         new_v = v if name == "int8 K only" else rounded(v, row, rotate).to(v.dtype)
         if name == "int8 V only":
             return k, new_v
-        if name == "int8, K less a constant per layer":
+        if name == "int8, K less a constant per layer (the format)":
             tokens, total = self.means[self.layer]
-            offset = (total / tokens).unsqueeze(0)
+            offset = (total.double() / tokens).to(torch.bfloat16).float().unsqueeze(0)  # as kv_quant.KeyCentre
             return (rounded(k - offset, row, rotate) + offset).to(k.dtype), new_v
         if name == "int8, K less its block's first key":
             pages, slots = meta.store_pages[column].tolist(), meta.store_offsets.tolist()
@@ -141,15 +141,14 @@ def run(args) -> dict:
         prompts = [[(5 * i + 11 * j) % 200 + 3 for j in range(80)] for i in range(2)]
         calibration = [[(3 * j) % 190 + 5 for j in range(80)]]
     else:
-        import difflib
-
         from benchmarks.kv_dtypes import PROMPT_TOKENS, texts
         from benchmarks.real_gemma3 import gguf_path, tokenizer
+        from hybridkv.engine.key_centres import CALIBRATION_TEXT, CALIBRATION_TOKENS
 
         model, tok = gguf_path(), tokenizer()
         prompts = [[2] + tok.encode(t, add_special_tokens=False)[:PROMPT_TOKENS - 1] for t in texts()]
-        # the constant offsets' text: Python source outside the evaluation's texts
-        calibration = [[2] + tok.encode(inspect.getsource(difflib), add_special_tokens=False)[:PROMPT_TOKENS - 1]]
+        # the constant offsets' text: the engine's calibration prompt (outside the evaluation's texts)
+        calibration = [tok.encode(CALIBRATION_TEXT)[:CALIBRATION_TOKENS]]
     # the reference backend: every store goes through the patched function
     engine = Engine(model, dtype="float32", backend="torch", kv_cache_memory="256MiB", max_num_batched_tokens=512,
                     progress=False, enable_prefix_caching=False)

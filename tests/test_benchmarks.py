@@ -136,7 +136,7 @@ def test_kv_dtypes_quick(tmp_path):
 def test_kv_int8_options_quick(tmp_path):
     text, data = run("kv_int8_options", tmp_path)
     rows = {r["variant"]: r for r in data["rows"]}
-    assert "int8 per row (the format)" in rows and len(rows) == 9
+    assert "int8, K less a constant per layer (the format)" in rows and len(rows) == 9
     # bfloat16 rounding moves less than int8 codes; every variant scored the same positions
     assert {r["positions"] for r in rows.values()} == {2 * 79}
     assert abs(rows["bfloat16 pages"]["perplexity_change"]) <= abs(rows["int8 K only"]["perplexity_change"]) + 1e-3
