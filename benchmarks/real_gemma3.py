@@ -126,11 +126,13 @@ def _product(shape) -> int:
     return out
 
 
-def weights_read_bound(dtype: str, threads: int, batch_1: dict) -> dict:
+def weights_read_bound(dtype: str, threads: int, batch_1: dict, decode_1: dict | None = None) -> dict:
     """The weights-read bound of a batch-1 decode step: the weights' bytes
     over this machine's read bandwidth (harness.read_bandwidth, measured
     now), and each engine's batch-1 output tokens/s as a fraction of it (a
-    run's tokens/s counts its prefill too)."""
+    run's tokens/s counts its prefill too); `decode_1`: each engine's
+    decode steps alone (the tokens after the first over the time after the
+    first), which is what the bound bounds."""
     bandwidth = harness.read_bandwidth(threads)
     q8 = os.path.join(os.path.dirname(converted_dir()), os.path.basename(gguf_path()).removesuffix(".gguf") + ".Q8_0.gguf")
     # llama.cpp's files are its weights (and a tokenizer's few MiB)
@@ -142,8 +144,12 @@ def weights_read_bound(dtype: str, threads: int, batch_1: dict) -> dict:
         if size is None:
             continue
         limit = bandwidth / size
-        bound["engines"].append({"engine": engine, "weights_mib": size / 2**20, "bound_tokens_per_s": limit,
-                                 "tokens_per_s": tokens_per_s, "fraction": tokens_per_s / limit})
+        row = {"engine": engine, "weights_mib": size / 2**20, "bound_tokens_per_s": limit,
+               "tokens_per_s": tokens_per_s, "fraction": tokens_per_s / limit}
+        if decode_1 and engine in decode_1:
+            row["decode_tokens_per_s"] = decode_1[engine]
+            row["decode_fraction"] = decode_1[engine] / limit
+        bound["engines"].append(row)
     return bound
 
 
@@ -571,13 +577,18 @@ def run(args) -> dict:
     result = report(args, columns, work, runs)
     if "batch-1" in [w["name"] for w in work]:
         batch_1 = {c["engine"]: c["tokens_per_s"] for c in result["medians"] if c["workload"] == "batch-1"}
-        result["weights_read_bound"] = bound = weights_read_bound(args.dtype, args.threads, batch_1)
+        new_tokens = next(w["new_tokens"] for w in work if w["name"] == "batch-1")
+        decode_1 = {name: statistics.median((new_tokens - 1) / (r["seconds"] - r["ttft_mean"])
+                                            for r in (run["workloads"]["batch-1"] for run in runs[name]))
+                    for name in runs}
+        result["weights_read_bound"] = bound = weights_read_bound(args.dtype, args.threads, batch_1, decode_1)
         print(f"\nweights-read bound of a batch-1 decode step (memory read {bound['read_gib_per_s']:.1f} GiB/s "
               f"on {args.threads} threads)")
         for row in bound["engines"]:
             print(f"  {row['engine']:<20} {row['weights_mib']:7.0f} MiB of weights: bound "
                   f"{row['bound_tokens_per_s']:6.1f} tok/s; batch-1 run {row['tokens_per_s']:6.1f} "
-                  f"({row['fraction']:.0%} of it)")
+                  f"({row['fraction']:.0%} of it), its decode steps alone {row['decode_tokens_per_s']:6.1f} "
+                  f"({row['decode_fraction']:.0%})")
     return result
 
 
