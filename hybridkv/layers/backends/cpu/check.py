@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ...kv_quant import QuantizedCache, dequantize, quantize, rotation
 from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
+from .decoder import layer_weights, tiled
 from .modules import gated_activation, norm_rotary
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)
@@ -216,7 +217,8 @@ def check_decode_layer(lib) -> None:
     may round the other way where the kernel's float32 K differs from
     torch's in its last bit, so the output is compared to 1e-3."""
     gen = torch.Generator().manual_seed(3)
-    hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 40, 4
+    # (48 and 38 wide: the tiled products' last tile holds zeros past a matrix's rows and columns)
+    hidden, q_heads, kv_heads, dim, inter, bs = 48, 4, 2, 16, 38, 4
     # Five rows: the products' tiles take four at a time, and a fifth alone.
     positions, firsts = [5, 12, 2, 9, 15], [0, 4, 0, 8, 12]
     R = len(positions)
@@ -284,11 +286,12 @@ def check_decode_layer(lib) -> None:
         d = F.linear(product_input(_act(gate_up[:, :inter], kind) * gate_up[:, inter:]), w["down"])
         expected = x1 + (_norm(d, w["post_feedforward_norm"], offset) if every_norm else d)
         # C: the products' weights, the pool, x, cos and sin in dtype; the rest float32
-        held = {name: None if t is None else t.to(dtype) if name in ("qkv", "o", "gate_up", "down") else t
-                for name, t in w.items()}
+        held = {name: t for name, t in w.items() if name not in ("qkv", "o", "gate_up", "down")}
+        held.update(layer_weights(lib, dtype, *(w[name].to(dtype) for name in ("qkv", "o", "gate_up", "down")), inter))
         layer = lib.structs["decoder_layer"](
             hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, inter=inter, activation=kind,
             dtype=STORAGE[dtype], eps=1e-6, norm_offset=offset, scale=0.25, softcap=0.0,
+            tiled=int(tiled(lib, dtype)),
             k_centre=None if centre is None else centre.data_ptr(),
             **{name: None if t is None else t.data_ptr() for name, t in held.items()})
         first, last, store = torch.tensor(firsts), torch.tensor(positions), store_pages.contiguous()

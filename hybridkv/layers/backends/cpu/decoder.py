@@ -27,12 +27,13 @@ residual adds and the norms after them need whole: the layer then runs as
 three C calls (kernels.c `decode_layer`'s parts) with an all-reduce of the
 sums between them, the same two all-reduces as the modules make.
 
-In bfloat16 the products read the weights as they are, half the bytes of
-float32 (a batch-1 step's time); where the CPU has AVX-512 BF16 they run
-on its bfloat16 dot product, their inputs rounded to bfloat16 as the
-modules' Linear reads them (kernels.c `layer_products`: at 4 rows a layer
-in 0.17 ms where widening each weight took 0.33, oneDNN's four products
-alone 0.19, the weights in cache). Everything between the products is
+In bfloat16 the products read half the bytes of float32 (a batch-1 step's
+time); where the CPU has AVX-512 BF16 they run on its bfloat16 dot
+product, their inputs rounded to bfloat16 as the modules' Linear reads
+them (kernels.c `layer_products`: at 4 rows a layer in 0.17 ms where
+widening each weight took 0.33, oneDNN's four products alone 0.19, the
+weights in cache), over a copy of the weights laid out in tiles of four
+rows at load (`tiles`: one run of memory per tile, not four). Everything between the products is
 float32 (the norms, biases and sinks held as float32 copies), the K/V
 rounded where stored and the residual stream where each sublayer is added.
 The modules round after every op, so the two agree to bfloat16 rounding,
@@ -59,6 +60,31 @@ MAX_ROWS = 4
 # keep up to more rows: on the real Gemma-3 270M (2-core EPYC) batch-8 steps
 # 18.3 ms against the modules' 20.1, batch 16 26.9 against 27.3.
 MAX_ROWS_NATIVE_BF16 = 16
+
+
+def tiled(lib, dtype: torch.dtype) -> bool:
+    """Whether the C layer's products read their weights in tiles
+    (`tiles`): the bfloat16 ones on the CPU's dot product."""
+    return dtype == torch.bfloat16 and bool(lib.native_bf16_products)
+
+
+def tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A product's weight [n, k] laid out as kernels.c's tiled products read
+    it: [n / 4, k / 32, 4, 32], four rows' next 32 elements side by side,
+    n rounded up to 4 rows and k to 32 columns with zeros (flat)."""
+    n, k = weight.shape
+    padded = torch.zeros((n + 3) // 4 * 4, (k + 31) // 32 * 32, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    return padded.view(-1, 4, padded.shape[1] // 32, 32).transpose(1, 2).contiguous().view(-1)
+
+
+def layer_weights(lib, dtype: torch.dtype, qkv, o, gate_up, down, inter: int) -> dict[str, torch.Tensor]:
+    """The four products' weights as the C layer reads them: dense, or in
+    tiles (gate's rows, then up's, each in whole tiles)."""
+    if not tiled(lib, dtype):
+        return {"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}
+    return {"qkv": tiles(qkv), "o": tiles(o), "gate_up": torch.cat([tiles(gate_up[:inter]), tiles(gate_up[inter:])]),
+            "down": tiles(down)}
 
 
 def max_rows(lib, dtype: torch.dtype) -> int:
@@ -173,20 +199,21 @@ class CpuDecoderLayer(nn.Module):
 
         # The tensors the struct points into, held here: they outlive the
         # modules' dense copies, which packing for oneDNN drops.
+        self.dtype = qkv.weight.dtype  # the products' weights', and the residual stream's
         self.tensors = {
-            "qkv": qkv.weight.detach(), "qkv_bias": vector(qkv.bias), "o": o.weight.detach(),
-            "o_bias": vector(o.bias), "gate_up": gate_up.weight.detach(), "down": down.weight.detach(),
-            "sinks": vector(attn.sinks),
+            **layer_weights(lib, self.dtype, qkv.weight.detach(), o.weight.detach(), gate_up.weight.detach(),
+                            down.weight.detach(), down.in_features),
+            "qkv_bias": vector(qkv.bias), "o_bias": vector(o.bias), "sinks": vector(attn.sinks),
             # the keys stored less it (kv_quant.KeyCentre; measured in place, after this)
             "k_centre": None if attn.key_centre is None else attn.key_centre.values,
             **{name: None if getattr(parts, name) is None else vector(getattr(parts, name).weight)
                for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm",
                             "q_norm", "k_norm")}}
-        self.dtype = qkv.weight.dtype  # the products' weights', and the residual stream's
         self.weights = lib.structs["decoder_layer"](
             hidden=o.out_features, q_heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             inter=down.in_features, activation=ACTIVATIONS[mlp.kind], dtype=STORAGE[self.dtype], eps=norms[0].eps,
             norm_offset=1.0 if norms[0].unit_offset else 0.0, scale=attn.scale, softcap=attn.softcap or 0.0,
+            tiled=int(tiled(lib, self.dtype)),
             **{name: None if t is None else t.data_ptr() for name, t in self.tensors.items()})
         self._cache: tuple | None = None  # (pool, the layer's paged_cache) of the last step
 
