@@ -33,13 +33,9 @@ def test_allocated_blocks_never_share_a_page_and_take_exactly_their_width(seed, 
     free: list[int] = []  # blocks given back, oldest first (the cache's queue)
     live: dict[int, int] = {}
 
-    def reclaim(pages):
-        out, got = [], 0
-        while got < pages:
-            block = free.pop(0)
-            out.append(block)
-            got += allocator.width(block)
-        return out
+    def reclaim(pages, want, reused):
+        return sort_reclaimed(allocator, [free.pop(0) for _ in range(_blocks_for(allocator, free, pages))],
+                              want, reused)
 
     for _ in range(30):
         if live and rng.random() < 0.4:
@@ -62,6 +58,69 @@ def test_allocated_blocks_never_share_a_page_and_take_exactly_their_width(seed, 
             assert 0 not in pages and not pages & seen
             seen |= pages
         assert len(seen) + allocator.num_spare_pages == num_pages - 1
+
+
+def _blocks_for(allocator: PageAllocator, queue: list[int], pages: int) -> int:
+    """How many blocks from the queue's head hold at least `pages` pages."""
+    got = count = 0
+    while got < pages:
+        got += allocator.width(queue[count])
+        count += 1
+    return count
+
+
+def sort_reclaimed(allocator: PageAllocator, blocks: list[int], want: dict, reused: dict) -> list[int]:
+    """PageAllocator.take's rule for reclaimed blocks, block by block: one
+    of a width `want` still counts goes whole to `reused`; the others are
+    returned, in order, to be taken apart (BlockCache._reclaim does this as
+    it takes them from its queue)."""
+    apart = []
+    for block in blocks:
+        width = allocator.width(block)
+        if want.get(width):
+            want[width] -= 1
+            reused[width].append(block)
+        else:
+            apart.append(block)
+    return apart
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_reclaiming_sorts_the_queues_head_as_the_rule_does(seed):
+    # BlockCache._reclaim pops the queue's head and sorts the blocks for
+    # take in one pass: the same blocks, in the same order, as popping
+    # first and sorting after (sort_reclaimed), the same keys evicted.
+    rng = random.Random(seed)
+    widths = [1, 3, 5]
+    cache = BlockCache(200, 2)
+    blocks = cache.allocate([(w, 12) for w in widths])
+    everything = [b for group in blocks for b in group]
+    group_of = {}
+    for i, block in enumerate(everything):
+        if rng.random() < 0.7:
+            group_of[block] = i % 2
+            cache.store(i % 2, [block], [f"k{block}"])
+    rng.shuffle(everything)
+    for block in everything[:30]:
+        cache.release(block)
+    queue = list(cache._free)
+    free_pages = cache.num_free_pages
+    pages = rng.randint(1, sum(cache.width(b) for b in queue))
+    want = {w: rng.randint(0, 4) for w in widths}
+    model_want, model_reused = dict(want), {w: [] for w in want}
+    taken = queue[:_blocks_for(cache.allocator, queue, pages)]
+    apart_model = sort_reclaimed(cache.allocator, taken, model_want, model_reused)
+    keys_before = {b: cache.key[b] for b in taken}
+    reused = {w: [] for w in want}
+    apart = cache._reclaim(pages, want, reused)
+    assert (apart, reused, want) == (apart_model, model_reused, model_want)
+    assert list(cache._free) == queue[len(taken):]
+    for block in taken:
+        assert cache.key[block] is None
+        assert keys_before[block] is None or keys_before[block] not in cache.cached[0] | cache.cached[1]
+    assert cache.evictions["lru"] == [sum(1 for b in taken if group_of.get(b) == g) for g in range(2)]
+    assert cache.num_free_pages == free_pages - sum(cache.width(b) for b in taken)
 
 
 def test_a_key_leaves_the_map_only_through_evict_and_moves_to_a_live_copy():
@@ -198,13 +257,14 @@ def test_adjacent_blocks_taken_apart_make_one_run_for_a_wide_block():
     # apart for a wider block, adjacent ones join one spare run, so the wide
     # block is one run of pages rather than a piece per freed block.
     pages = PageAllocator(9)
-    narrow = pages.take([(1, 8)], lambda need: [])[0]
+    narrow = pages.take([(1, 8)], lambda need, want, reused: [])[0]
     assert narrow == list(range(1, 9))
-    wide = pages.take([(8, 1)], lambda need: list(reversed(narrow)))[0][0]
+    wide = pages.take([(8, 1)], lambda need, want, reused: sort_reclaimed(pages, narrow[::-1], want, reused))[0][0]
     assert pages.runs[wide] is None and list(pages.pages(wide)) == list(range(1, 9))
     wide_again = PageAllocator(9)
-    blocks = wide_again.take([(1, 8)], lambda need: [])[0]
-    wide = wide_again.take([(8, 1)], lambda need: blocks)[0][0]  # freed first to last: joins too
+    blocks = wide_again.take([(1, 8)], lambda need, want, reused: [])[0]
+    # freed first to last: joins too
+    wide = wide_again.take([(8, 1)], lambda need, want, reused: sort_reclaimed(wide_again, blocks, want, reused))[0][0]
     assert wide_again.runs[wide] is None
 
 

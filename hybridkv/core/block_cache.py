@@ -109,12 +109,8 @@ class BlockCache:
         pages, one reference each. One call per step or admission: blocks
         taken from the queue go to a group of their own width while one
         still wants some, and only the rest are taken apart. The caller has
-        checked `num_free_pages`."""
-        need = 0
-        for width, count in needs:
-            need += width * count
-        if need > self.allocator.num_spare_pages + self._free_pages:
-            raise RuntimeError(f"allocate: {need} pages asked, {self.num_free_pages} free (caller must check)")
+        checked `num_free_pages` (`_reclaim` raises RuntimeError, before
+        any change, where the free queue is short)."""
         out = self.allocator.take(needs, self._reclaim)
         ref = self.ref
         for blocks in out:
@@ -122,11 +118,17 @@ class BlockCache:
                 ref[block] = 1
         return out
 
-    def _reclaim(self, pages: int) -> list[int]:
+    def _reclaim(self, pages: int, want: dict[int, int], reused: dict[int, list[int]]) -> list[int]:
         """Blocks from the queue's head, at least `pages` pages in all, each
-        losing its key (evicted) if it had one. Blocks on probation whose
-        grace is over go first (the pages released do not change while
-        blocks are taken, so once none is left none becomes so)."""
+        losing its key (evicted) if it had one, sorted for the allocator
+        (PageAllocator.take): one whose width `want` still counts goes to
+        `reused[width]` and is counted off; the others, in order, are
+        returned. Blocks on probation whose grace is over go first (the
+        pages released do not change while blocks are taken, so once none
+        is left none becomes so)."""
+        if pages > self._free_pages:
+            raise RuntimeError(f"allocate: {pages} pages more asked than the spare ones, "
+                               f"{self._free_pages} free in the queue (caller must check)")
         free, widths, key_of = self._free, self.allocator.widths, self.key
         out = []
         keyed = []  # blocks whose keys go for "lru" after the loop
@@ -140,15 +142,22 @@ class BlockCache:
                 del free[block]
                 if key_of[block] is not None:
                     on_probation.append(block)
-                got += widths[block]
-                out.append(block)
+                width = widths[block]
+                got += width
+                left = want.get(width)
+                if left:
+                    want[width] = left - 1
+                    reused[width].append(block)
+                else:
+                    out.append(block)
         # Without a tier or events, the usual eviction (one block per key)
         # happens here, block by block as the queue gives them up: nothing
         # observes the order of the keys that leave. Otherwise `evict` does
-        # it after the loop, in the queue's order.
+        # it after the loop, in the queue's order. (The keys that leave are
+        # counted from the maps' sizes: a copy's key stays in its map.)
         inline = self.spill is None and self.events is None
-        popitem, key_group, cached, copies, counts = \
-            free.popitem, self.key_group, self.cached, self.copies, self.evictions["lru"]
+        popitem, key_group, cached, copies = free.popitem, self.key_group, self.cached, self.copies
+        sizes = [len(m) for m in cached]
         dropped = False
         while got < pages:
             block, probation = popitem(False)
@@ -163,18 +172,27 @@ class BlockCache:
                         self._drop_copy(group, key, block)
                     else:
                         del cached[group][key]
-                        counts[group] += 1
                     dropped = True
                 else:
                     keyed.append(block)
-            got += widths[block]
-            out.append(block)
+            width = widths[block]
+            got += width
+            left = want.get(width)
+            if left:
+                want[width] = left - 1
+                reused[width].append(block)
+            else:
+                out.append(block)
         self._free_pages -= got
         if dropped:
+            counts = self.evictions["lru"]
+            for group, size in enumerate(sizes):
+                counts[group] += size - len(cached[group])
             if self._tokens_kept:
                 tokens = self.tokens
-                for block in out:
-                    tokens[block] = None
+                for blocks in (out, *reused.values()):
+                    for block in blocks:
+                        tokens[block] = None
             self.version += 1
         if keyed:
             self.evict(keyed, "lru")

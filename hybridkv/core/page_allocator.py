@@ -52,12 +52,15 @@ class PageAllocator:
     def width(self, block: int) -> int:
         return self.widths[block]
 
-    def take(self, needs: Sequence[tuple[int, int]], reclaim: Callable[[int], list[int]]) -> list[list[int]]:
+    def take(self, needs: Sequence[tuple[int, int]], reclaim: Callable[[int, dict, dict], list[int]]) -> list[list[int]]:
         """Per (width, count) in `needs`, `count` new blocks of `width`
         pages (groups of one width get consecutive pieces of one list).
-        `reclaim(pages)` gives free blocks of at least that many pages in
-        all; it is called at most once, for what the spare pages lack. The
-        caller has checked that enough pages are free."""
+        `reclaim(pages, want, reused)` takes free blocks of at least that
+        many pages in all, and sorts them as it goes by the rule below:
+        each of a width `want` (width -> count) still counts goes to
+        `reused[width]` and is counted off `want`; the others are returned,
+        in order. It is called at most once, for what the spare pages lack.
+        The caller has checked that enough pages are free."""
         need = 0
         for width, count in needs:
             need += width * count
@@ -68,16 +71,12 @@ class PageAllocator:
             if count:
                 want[width] = want.get(width, 0) + count
         reused: dict[int, list[int]] = {width: [] for width in want}
-        # A reclaimed block goes whole to a width still wanted; any other is
+        # A reclaimed block goes whole to a width still wanted (`reclaim`
+        # sorts them as it takes them: one pass per block); any other is
         # taken apart into spare pages.
         widths, runs, spare = self.widths, self.runs, self._spare
-        for block in reclaim(need - self.num_spare_pages):
+        for block in reclaim(need - self.num_spare_pages, want, reused):
             width = widths[block]
-            left = want.get(width)
-            if left:
-                want[width] = left - 1
-                reused[width].append(block)
-                continue
             if runs[block] is None:
                 # Joined to the last spare run where adjacent (a request's
                 # blocks leave the queue together, last first): a wide
@@ -94,7 +93,8 @@ class PageAllocator:
                 runs[block] = None
             self.num_spare_pages += width
         # (`want` now counts what the reused blocks did not cover.)
-        got = {width: self._cut(width, count) + reused[width] for width, count in want.items()}
+        got = {width: self._cut(width, count) + reused[width] if count else reused[width]
+               for width, count in want.items()}
         if len(got) == len(needs):  # (each width asked for once)
             return [got[width] if count else [] for width, count in needs]
         out = []
