@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core import (BlockCache, FullAttentionSpec, KVCacheManager, MambaSpec, PageAllocator, SlidingWindowSpec,
-                           plan_layout)
+from hybridkv.core import (BlockCache, ChunkedLocalSpec, FullAttentionSpec, KVCacheManager, MambaSpec, PageAllocator,
+                           SlidingWindowSpec, plan_layout)
 from hybridkv.core.request import INHERITED, NOT_INHERITED, CacheRequest
 
 
@@ -398,3 +398,14 @@ def test_a_decode_steps_block_is_keyed_as_a_prompts_blocks_are(tokens, block_siz
     for upto in range(0, len(tokens) // block_size + step, step):
         hasher.extend(stepwise, root, tokens, block_size, min(upto, len(tokens) // block_size))
     assert stepwise == whole
+
+
+def test_a_group_skips_release_work_only_where_its_rule_never_releases():
+    # AttentionManager.releases (full attention: False) lets the slow paths
+    # skip the release arithmetic: it must agree with the read rule.
+    layout = plan_layout({"a": FullAttentionSpec(1, 8, "float32"),
+                          "w": SlidingWindowSpec(1, 8, "float32", sliding_window=9),
+                          "c": ChunkedLocalSpec(1, 8, "float32", chunk_size=8)}, 1 << 14, block_size=4)
+    for manager in KVCacheManager(layout).coordinator.managers:
+        assert manager.releases == any(manager.spec.first_visible(n) > 0 for n in range(64)), manager.kind
+

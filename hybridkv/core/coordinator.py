@@ -282,20 +282,15 @@ class Coordinator:
         """Recompute the fast path after a slow path changed blocks
         (`events`: quiet_until too; an allocation leaves it as it was
         unless a group's events follow allocation)."""
-        room = NEVER
+        room = quiet_until = NEVER
         for manager in self.managers:
-            bound = manager.room(req)
+            bound, event = manager.bounds(req)
             if bound < room:
                 room = bound
-        if events:
-            quiet_until = NEVER
-            for manager in self.managers:
-                bound = manager.next_event(req)
-                if bound < quiet_until:
-                    quiet_until = bound
-        else:
-            quiet_until = req.fast.quiet_until
-        req.fast = FastPath(room, quiet_until)
+            if event < quiet_until:
+                quiet_until = event
+        # (tuple.__new__: a namedtuple's own __new__ is a Python function.)
+        req.fast = tuple.__new__(FastPath, (room, quiet_until if events else req.fast.quiet_until))
 
     def next_checkpoint(self, req: CacheRequest, hit: int, skip: int = 0) -> int | None:
         """The next checkpoint after the computed tokens or, before the
@@ -309,7 +304,7 @@ class Coordinator:
         req.num_computed = n
         if n < req.fast.quiet_until:
             return
-        if self.caching:
+        if self.caching and len(req.keys) < n // self.block_size:
             self.extend_keys(req, n // self.block_size)
         for manager in self.managers:
             manager.on_computed(req)

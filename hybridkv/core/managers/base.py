@@ -151,6 +151,10 @@ class GroupManager:
         they land in blocks the request holds alone, or need no block."""
         raise NotImplementedError
 
+    def bounds(self, req: CacheRequest) -> tuple[int, int]:
+        """(room, next_event): what the coordinator asks after a slow path."""
+        return self.room(req), self.next_event(req)
+
 
 class AttentionManager(GroupManager):
     """Block tables over positions. Which leading blocks a request no longer
@@ -161,6 +165,9 @@ class AttentionManager(GroupManager):
         super().__init__(group, block_cache, caching, verify)
         self.spec = group.spec
         self.released_pages = 0  # pages given back because no query reads them again
+        # Does the read rule ever let a key go? (Full attention: never, so
+        # the slow paths skip the release arithmetic.)
+        self.releases = self.spec.last_reader(0) < NEVER
 
     def first_needed_block(self, num_computed: int) -> int:
         """Blocks before this index are never read again once `num_computed`
@@ -180,19 +187,29 @@ class AttentionManager(GroupManager):
         return NEVER if reader >= NEVER else reader + 1
 
     def next_event(self, req):
-        event = (req.num_cached[self.index] + 1) * self.block_size if self.caching else NEVER
-        return min(event, self.release_event(req))
+        return self.bounds(req)[1]
 
     def room(self, req):
-        # Up to the end of the last block held, unless the partly filled
-        # block the next token lands in is shared (after a fork): that one
-        # is copied before it is written, so nothing is free.
-        table = req.tables[self.index]
+        return self.bounds(req)[0]
+
+    def bounds(self, req):
+        # Room: up to the end of the last block held, unless the partly
+        # filled block the next token lands in is shared (after a fork):
+        # that one is copied before it is written, so nothing is free.
+        # The next event: the next block to cache, or the next release.
+        g = self.index
+        bs = self.block_size
+        table = req.tables[g]
         n = req.num_computed
-        j = n // self.block_size
-        if n % self.block_size and j < len(table) and self.block_cache.ref[table[j]] > 1:
-            return n
-        return len(table) * self.block_size
+        room = len(table) * bs
+        if n % bs and n < room and self.block_cache.ref[table[n // bs]] > 1:
+            room = n
+        event = (req.num_cached[g] + 1) * bs if self.caching else NEVER
+        if self.releases:
+            release = self.release_event(req)
+            if release < event:
+                event = release
+        return room, event
 
     def hit_blocks(self, found, num_blocks):
         start = self.hit_start(num_blocks)
@@ -233,7 +250,10 @@ class AttentionManager(GroupManager):
         if not blocks:
             return
         table = req.tables[self.index]
-        if self._needs_copy(req, table, target):
+        # One block more than the new positions take: blocks_needed counted
+        # a copy of the shared partly filled block (_needs_copy).
+        new = -(-target // self.block_size) - len(table)
+        if len(blocks) > (new if new > 0 else 0):
             j = req.num_computed // self.block_size
             shared = table[j]
             fresh = blocks[0]
@@ -265,7 +285,9 @@ class AttentionManager(GroupManager):
                 self.block_cache.store(g, table[start:full], req.keys[start:full], tokens, keep_copies=True,
                                        parent=parent, token_ids=token_ids)
                 req.num_cached[g] = full
-        first = self.first_needed_block(n)
+        if not self.releases:
+            return
+        first = self.spec.first_visible(n) // self.block_size  # (first_needed_block, inline)
         start = req.num_released[g]
         if first > start:
             stop = min(first, len(table))

@@ -7,7 +7,7 @@ from functools import partial
 from itertools import takewhile
 from operator import is_not
 
-from .base import NEVER, AttentionManager
+from .base import AttentionManager
 
 _is_cached = partial(is_not, None)
 
@@ -23,10 +23,6 @@ class FullAttentionManager(AttentionManager):
             return super().scan(req, limit)
         found = list(takewhile(_is_cached, self.lookups(req.keys[:limit])))
         return found, b"\x01" * len(found) + (b"\x00" if len(found) < limit else b"")
-
-    def next_event(self, req):
-        # Nothing ever leaves a full-attention table: only caching.
-        return (req.num_cached[self.index] + 1) * self.block_size if self.caching else NEVER
 
     def longest_hit(self, mask, limit):
         # The first miss ends the hit.
