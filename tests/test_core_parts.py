@@ -409,3 +409,31 @@ def test_a_group_skips_release_work_only_where_its_rule_never_releases():
     for manager in KVCacheManager(layout).coordinator.managers:
         assert manager.releases == any(manager.spec.first_visible(n) > 0 for n in range(64)), manager.kind
 
+
+def test_freeing_a_windowed_request_releases_what_releasing_its_whole_table_does():
+    # AttentionManager.free skips the null entries before num_released
+    # (check_invariants holds that they are null): the pool must end as
+    # releasing every entry of the table, last first, leaves it.
+    layout = plan_layout({"a": FullAttentionSpec(1, 8, "float32"),
+                          "w": SlidingWindowSpec(1, 8, "float32", sliding_window=9)}, 1 << 14, block_size=4)
+    kvs = [KVCacheManager(layout) for _ in range(2)]
+    for kv in kvs:
+        for rid, prompt in (("a", list(range(1, 30))), ("b", list(range(1, 20)) + [7] * 9)):
+            kv.add_request(rid, prompt)
+            assert kv.allocate_slots(rid, len(prompt) - kv.get_computed_tokens(rid))
+            kv.mark_computed(rid, len(prompt) - kv.num_computed_tokens(rid))
+        for t in range(6):
+            kv.append_token_ids("a", [t])
+            assert kv.allocate_slots("a", 1)
+            kv.mark_computed("a", 1)
+        kv.check_invariants()
+    req = kvs[1]._requests["a"]
+    assert req.num_released[1] > 0 and req.tables[1][0] == 0  # (the window left blocks behind)
+    kvs[0].free("a")
+    for manager in kvs[1].coordinator.managers:
+        kvs[1].block_cache.release_all(req.tables[manager.index][::-1])
+        req.tables[manager.index] = []
+    del kvs[1]._requests["a"]
+    assert _pool_state(kvs[0].block_cache) == _pool_state(kvs[1].block_cache)
+    for kv in kvs:
+        kv.check_invariants()

@@ -696,4 +696,8 @@ class KVCacheManager:
             for manager in self.coordinator.managers:
                 for block in manager.held_blocks(req):
                     held[block] = held.get(block, 0) + 1
+                if not manager.recurrent:  # (AttentionManager.free skips these)
+                    released = req.tables[manager.index][:req.num_released[manager.index]]
+                    assert not any(released), (
+                        f"request {req.request_id!r}, group {manager.index}: a block before the released ones")
         self.block_cache.check_invariants(held)

@@ -311,9 +311,12 @@ class AttentionManager(GroupManager):
 
     def free(self, req):
         # Last block first: it enters the free queue first and so is evicted
-        # before the (more widely shared) blocks of the prefix.
-        self.block_cache.release_all(req.tables[self.index][::-1])
-        req.tables[self.index] = []
+        # before the (more widely shared) blocks of the prefix. The released
+        # ones before num_released are all null (KVCacheManager.check_invariants
+        # holds it): a window's long run of them is skipped.
+        g = self.index
+        self.block_cache.release_all(req.tables[g][req.num_released[g]:][::-1])
+        req.tables[g] = []
 
     def fork(self, parent, child):
         g = self.index
