@@ -133,23 +133,19 @@ class BlockCache:
         out = []
         keyed = []  # blocks whose keys go for "lru" after the loop
         on_probation = []  # ... and for "probation"
-        got = 0
         if self._probation:  # (empty without recurrent groups)
-            while got < pages:
+            # They go to the queue's head, in the order found, so the loop
+            # below takes them first (each still flagged as on probation).
+            expired, found = [], 0
+            while found < pages:
                 block = self._expired_probation()
                 if block is None:
                     break
-                del free[block]
-                if key_of[block] is not None:
-                    on_probation.append(block)
-                width = widths[block]
-                got += width
-                left = want.get(width)
-                if left:
-                    want[width] = left - 1
-                    reused[width].append(block)
-                else:
-                    out.append(block)
+                expired.append(block)
+                found += widths[block]
+            for block in reversed(expired):
+                free.move_to_end(block, last=False)
+        got = 0
         # Without a tier or events, the usual eviction (one block per key)
         # happens here, block by block as the queue gives them up: nothing
         # observes the order of the keys that leave. Otherwise `evict` does
