@@ -50,3 +50,35 @@ def test_damaged_files_are_clear_errors(checkpoint, tmp_path):
     junk.write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         list(read_safetensors(str(junk)))
+
+
+def test_building_a_model_skips_its_random_initialisation_and_restores_torchs():
+    # In a process of its own: the model is built on the meta device with
+    # torch.nn.init's initialisers skipped (their first op there imports
+    # torch._dynamo, ~1 s of every process that loads a model), and they
+    # are torch's own again after, also when the build fails.
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from torch.nn import init
+from hybridkv.modeling.loader import load_model, initialisers_skipped, INITIALISERS
+from hybridkv.tiny_models import tiny_model_dir
+before = {name: getattr(init, name) for name in INITIALISERS}
+model, _ = load_model(tiny_model_dir("tiny-gemma3"), progress=False)
+assert "torch._dynamo" not in sys.modules, "building the model imported torch._dynamo"
+assert all(getattr(init, name) is f for name, f in before.items())
+assert not any(p.is_meta for p in model.parameters())
+try:
+    with initialisers_skipped():
+        raise KeyError("a failed build")
+except KeyError:
+    pass
+assert all(getattr(init, name) is f for name, f in before.items())
+t = torch.zeros(3)
+init.ones_(t)
+assert t.tolist() == [1.0, 1.0, 1.0]
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -5,6 +5,7 @@ converted into such a folder (gguf.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -193,6 +194,29 @@ def _read_part(f, offset: int, like: torch.Tensor, part: tuple) -> torch.Tensor:
     return torch.stack([_read_part(f, offset + r * row_bytes, like[0], rest) for r in range(r0, r1)])
 
 
+# torch.nn.init's in-place initialisers, which modules' reset_parameters call
+INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def initialisers_skipped():
+    """Modules built inside skip their random initialisation. On the meta
+    device it computes nothing, but its first op there imports
+    torch._dynamo (~1 s of every process that builds a model, torch 2.13),
+    and every parameter is loaded from the checkpoint after."""
+    from torch.nn import init
+
+    saved = {name: getattr(init, name) for name in INITIALISERS}
+    for name in INITIALISERS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)
+
+
 def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True,
                tensor_parallel: tuple[int, int] | None = None):
     """(model, text config) with every parameter loaded from the checkpoint.
@@ -219,7 +243,7 @@ def load_model(model_dir: str, dtype="auto", device="cpu", progress: bool = True
     torch_dtype, _ = choose_dtype(dtype, device, checkpoint_dtype(text))
     ranks = Ranks(*tensor_parallel) if tensor_parallel is not None else Ranks()
     rank_text = rank_config(text, ranks.world)  # refuses what cannot be split, before building
-    with torch.device("meta"), building(ranks):
+    with torch.device("meta"), building(ranks), initialisers_skipped():
         model: CausalLM = model_class(text)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()

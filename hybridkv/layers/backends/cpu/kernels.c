@@ -876,9 +876,9 @@ static inline __m512i load_pairs(const uint16_t *p, int64_t count)
  * four rows' next 32 elements side by side, n rounded up to 4 rows and k
  * to 32 columns with zeros. A tile's four rows then stream from one run
  * of memory, where four rows of the dense matrix were four runs 2k bytes
- * apart: the products of Gemma-3 270M's 18 layers (201 MB) on both cores
- * here, each tile's next one prefetched, 17-22% faster at 1 row and 7% at
- * 16 (benchmarks/cpu_decode_step.py --dtype bfloat16 measures the step). */
+ * apart, which the hardware's prefetchers follow less well (batch-1
+ * steps of the real Gemma-3 270M in bfloat16: benchmarks/cpu_decode_step.py
+ * --dtype bfloat16). */
 static inline int64_t tile_width(int64_t k) { return (k + 31) / 32 * 32; }
 
 /* out[b * stride + a] = xb row b . weight row a (+ bias[a]) for the
@@ -896,9 +896,9 @@ INLINE void tile_rows(const uint16_t *xb, int64_t k, const uint16_t *tile, int64
         const uint16_t *p = tile + 4 * d; /* the tile's next 4 x 32 elements */
         __m512bh wv[4], xv[4];
         for (int a = 0; a < 4; a++) {
-            /* the next tile's same line: read while this one's rows of xb
-             * take it from cache (at 16 rows a step 1.6x faster than
-             * prefetching three lines on, at 1 row as fast) */
+            /* the next tile's same line: fetched while this one's further
+             * rows of xb take it from cache (a few lines ahead left 16-row
+             * products waiting on memory) */
             _mm_prefetch((const char *)(p + 4 * tile_width(k) + 32 * a), _MM_HINT_T0);
             wv[a] = (__m512bh)_mm512_loadu_si512(p + 32 * a);
         }
