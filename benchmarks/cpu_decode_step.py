@@ -6,7 +6,7 @@ Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
   engine         as shipped: the "cpu" backend. Steps of up to
-                 decoder.max_rows sequences (4; 16 in bfloat16 on
+                 decoder.max_rows sequences (4; 15 in bfloat16 on
                  the CPU's bfloat16 dot product) run each decoder layer as
                  one C call (layers/backends/cpu/decoder.py, the route
                  "cpu:decoder-layers"); bigger ones run the

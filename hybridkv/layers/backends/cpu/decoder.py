@@ -57,9 +57,11 @@ from .modules import ACTIVATIONS
 # packed products then beat matrix-vector ones (benchmarks/cpu_decode_step.py).
 MAX_ROWS = 4
 # Where bfloat16 products run on the CPU's dot product, the one-call layers
-# keep up to more rows: on the real Gemma-3 270M (2-core EPYC) batch-8 steps
-# 18.3 ms against the modules' 20.1, batch 16 26.9 against 27.3.
-MAX_ROWS_NATIVE_BF16 = 16
+# keep up to more rows: on the real Gemma-3 270M (2-core EPYC, weights in
+# tiles, alternating runs) batch-8 steps 18-20 ms against the modules' 22-24,
+# batch 13 24.7 against 26.0, batch 15 27.0 against 27.7; at 16, 28.9
+# against the modules' 27.7.
+MAX_ROWS_NATIVE_BF16 = 15
 
 
 def tiled(lib, dtype: torch.dtype) -> bool:
