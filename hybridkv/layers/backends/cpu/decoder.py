@@ -33,11 +33,11 @@ product, their inputs rounded to bfloat16 as the modules' Linear reads
 them (kernels.c `layer_products`: at 4 rows a layer in 0.17 ms where
 widening each weight took 0.33, oneDNN's four products alone 0.19, the
 weights in cache), over a copy of the weights laid out in tiles of four
-rows at load (`tiles`: one run of memory per tile, not four). Everything between the products is
-float32 (the norms, biases and sinks held as float32 copies), the K/V
-rounded where stored and the residual stream where each sublayer is added.
-The modules round after every op, so the two agree to bfloat16 rounding,
-not bit for bit.
+rows at load (`tiles`: one run of memory per tile, not four). Everything
+between the products is float32 (the norms, biases and sinks held as
+float32 copies), the K/V rounded where stored and the residual stream
+where each sublayer is added. The modules round after every op, so the
+two agree to bfloat16 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ class CpuDecoderLayer(nn.Module):
     @staticmethod
     def _check(status: int) -> None:
         if status != 0:
-            raise MemoryError("hybridkv's CPU decoder layer could not allocate its scratch")
+            raise MemoryError("hybridkv's CPU decoder layer could not allocate its scratch (or refused its "
+                              "weights' layout: decoder_layer.tiled)")
 
 
 def wrap_decoder_layers(model: nn.Module, lib, free_bytes: int, report) -> int:
