@@ -34,9 +34,9 @@ def plot_layout(layout: KVCacheLayout, title: str, path: str) -> None:
                 left.add_patch(Rectangle((p + filled, y + 0.1), 1 - filled, 0.8, facecolor="none",
                                          edgecolor="grey", hatch="///", linewidth=0.5))
         if not group.recurrent:  # mark the layer boundaries inside the pages
-            per_page = max(1, page // group.layer_bytes)
-            for i in range(group.head_shares, group.num_layers * group.head_shares, group.head_shares):
-                x = (i // per_page) + (i % per_page) / per_page
+            for name in group.layer_names[1:]:
+                column, offset, _ = layout.layer_views[name].places[0]
+                x = column + offset / page
                 left.plot([x, x], [y + 0.1, y + 0.9], color="white", linewidth=0.4)
         label = f"{group.kind} x{group.num_layers}: {group.pages_per_block} page(s)"
         left.text(-0.5, y + 0.5, label, ha="right", va="center", fontsize=8)

@@ -249,30 +249,71 @@ def test_an_engine_on_quantized_pages_says_so_and_serves_hits(kv_cache_dtype):
     assert again.metrics.num_cached_tokens > 0  # a hit reads the pages as stored: the same codes, the same tokens
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     routes = engine.stats["backend"]["routes"]
-    if any(g.head_shares > 1 for g in engine.layout.groups):  # (full-int8: the sliding layers in head shares)
-        assert "cut into head shares" in declined and "cpu:modules" in routes
+    if any(g.heads_per_page for g in engine.layout.groups):  # (full-int8: the sliding layers cut by heads)
+        assert "cut by heads" in declined and "cpu:modules" in routes
     else:
         assert "cpu:decoder-layers" in routes
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_layers_cut_into_head_shares_attend_as_whole_ones(backend_name, monkeypatch):
-    # int8 full layers beside float32 sliding ones: the planner cuts each
-    # sliding layer's block into two head shares, each in a page of its own
-    # (core/layout.py); a step stores and reads each share apart and gives
-    # what whole layers give.
+def test_layers_cut_by_heads_attend_as_whole_ones(backend_name, monkeypatch):
+    # int8 full layers beside float32 sliding ones: the planner packs the
+    # sliding layers' heads, a page of one int8 layer holding half a
+    # sliding layer's (core/layout.py); a step stores and reads each piece
+    # apart and gives what whole layers give.
     def run():
         engine = Engine(tiny_model_dir("tiny-gemma3"), kv_cache_memory="4MiB", progress=False, dtype="float32",
                         backend=backend_name, kv_cache_dtype={"full_attention": "int8"})
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
         out = engine.generate([[(5 * j) % 200 + 3 for j in range(70)]], params, use_tqdm=False)[0]
         logprobs = [next(iter(p.values())) for p in out.prompt_logprobs[1:]]
-        return [g.head_shares for g in engine.layout.groups], out.outputs[0].token_ids, logprobs
+        return [g.heads_per_page for g in engine.layout.groups], out.outputs[0].token_ids, logprobs
 
-    shares, tokens, logprobs = run()
-    monkeypatch.setattr("hybridkv.core.layout.MAX_HEAD_SHARES", 1)
+    packed, tokens, logprobs = run()
+    monkeypatch.setattr("hybridkv.core.layout.PACKING_SLACK", float("inf"))  # the fewest packed groups: none
     whole, whole_tokens, whole_logprobs = run()
-    assert shares == [2, 1] and whole == [1, 1]
+    assert packed == [1, 0] and whole == [0, 0]
+    assert tokens == whole_tokens
+    assert logprobs == pytest.approx(whole_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_layers_cut_into_uneven_pieces_attend_as_whole_ones(backend_name, tmp_path, monkeypatch):
+    # Three KV heads a layer, pages of two: the sliding layers' heads go
+    # 2 + 1, 1 + 2, ... across pages (core/layout.py), so a piece starts at
+    # any head; each stores and reads its own heads and the query heads
+    # that read them, and the tokens and logprobs are whole layers'.
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    import hybridkv.core.layout as layout_module
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=6, num_key_value_heads=3, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=8, max_position_embeddings=512,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"])
+    Gemma3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    head = 2 * 16 * 16 * 4  # a float32 sliding layer's block, per KV head
+
+    def run(packed: bool):
+        with monkeypatch.context() as m:
+            if packed:
+                m.setattr(layout_module, "_packed_heads_page", lambda attn, states: (2 * head, [True, False]))
+            else:
+                m.setattr(layout_module, "PACKING_SLACK", float("inf"))
+            engine = Engine(str(tmp_path), kv_cache_memory="4MiB", progress=False, dtype="float32",
+                            backend=backend_name, kv_cache_dtype={"full_attention": "int8"})
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+        out = engine.generate([[(5 * j) % 200 + 3 for j in range(40)]], params, use_tqdm=False)[0]
+        logprobs = [next(iter(p.values())) for p in out.prompt_logprobs[1:]]
+        pieces = [[heads for _, _, heads in engine.layout.layer_views[f"model.layers.{i}"].places]
+                  for i in (0, 1, 3)]
+        return pieces, out.outputs[0].token_ids, logprobs
+
+    pieces, tokens, logprobs = run(packed=True)
+    whole, whole_tokens, whole_logprobs = run(packed=False)
+    assert pieces == [[2, 1], [1, 2], [2, 1]] and whole == [[0], [0], [0]]
     assert tokens == whole_tokens
     assert logprobs == pytest.approx(whole_logprobs, abs=1e-5)
 

@@ -59,34 +59,45 @@ def _check_views(layout):
             if group.recurrent:
                 spans.append((view.offset, view.offset + group.layer_bytes))
                 continue
-            assert len(view.places) == group.head_shares
-            for column, offset in view.places:  # each head share whole in one page
-                assert offset + group.layer_bytes <= page
-                spans.append((column * page + offset, column * page + offset + group.layer_bytes))
+            if not group.heads_per_page:
+                assert view.places == ((view.column, view.offset, 0),)
+            else:  # the layer's heads in pieces, in order, each whole in one page
+                assert sum(heads for _, _, heads in view.places) == group.spec.num_kv_heads
+                assert all(0 < heads <= group.heads_per_page for _, _, heads in view.places)
+                assert len(view.places) <= -(-group.spec.num_kv_heads // group.heads_per_page) + 1
+            for column, offset, heads in view.places:
+                size = heads * group.head_bytes if heads else group.layer_bytes
+                assert offset + size <= page
+                spans.append((column * page + offset, column * page + offset + size))
         spans.sort()
         for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
             assert a1 <= b0
         assert spans[-1][1] <= group.pages_per_block * page
 
 
-@pytest.mark.parametrize("config", ["gemma-3-4b", "gemma-3-27b", "gemma-3-12b", "gpt-oss-20b"])
+@pytest.mark.parametrize("config", ["gemma-3-4b", "gemma-3-27b", "gemma-3-12b", "gpt-oss-20b", "gemma-2-27b",
+                                    "llama-4-scout"])
 def test_int8_full_layers_beside_bfloat16_windows_lose_little_to_rounding(config):
     # No page splits both groups' blocks exactly; a request then holds at
     # most 2% more pages than its blocks' exact bytes, at short and long
     # contexts alike. Gemma-3-4B needs its sliding layers cut by heads for
     # that (5 int8 full layers take 2.54 pages of one sliding layer's size):
-    # whole layers lost 13% at 32K tokens.
+    # whole layers lost 13% at 32K tokens. Gemma-2-27B packs the heads of
+    # its int8 layers, 31 to a page of one bfloat16 layer (whole layers:
+    # 3% of each sliding block).
     specs = with_kv_cache_dtype(specs_from_config(load_config(f"models/{config}.json"), dtype="bfloat16"),
                                 {"full_attention": "int8"})
     layout = plan_layout(specs, "80GiB")
     for tokens in (1024, 4096, 32768):
         exact = sum(_blocks_held(g, tokens, 1) * g.block_bytes for g in layout.groups)
         assert layout.pages_per_request(tokens) * layout.page_size_bytes <= 1.02 * exact
-    if config == "gemma-3-4b":
-        assert [g.head_shares for g in layout.groups] == [2, 1]
+    if config == "gemma-3-4b":  # half a sliding layer to a page of one int8 layer
+        assert [g.heads_per_page for g in layout.groups] == [2, 0]
+    if config == "gemma-2-27b":
+        assert [(g.kind, g.heads_per_page) for g in layout.groups] == [("sliding_window", 0), ("full", 31)]
     _check_views(layout)
     # One dtype everywhere: exact pages, layers whole.
-    assert all(g.head_shares == 1 for g in plan_layout(with_kv_cache_dtype(specs, "int8"), "80GiB").groups)
+    assert all(g.heads_per_page == 0 for g in plan_layout(with_kv_cache_dtype(specs, "int8"), "80GiB").groups)
 
 
 def test_gemma3_27b_keeps_two_groups_and_sixteen_token_blocks():

@@ -51,13 +51,14 @@ class KVCacheGroup:
     pages_per_block: int
     # Bytes of one block that layers use (the rest of its pages is rounding).
     block_bytes: int
-    # Attention: bytes of one head share of a layer's block (the whole
-    # layer's where head_shares is 1); Mamba: padded bytes of one layer's state.
+    # Attention: bytes of one layer's block; Mamba: padded bytes of one layer's state.
     layer_bytes: int
-    # Attention: each layer's block cut by KV heads into this many equal
-    # shares, each whole in one page (a page of least rounding between
-    # groups of different dtypes may be smaller than one layer's block).
-    head_shares: int = 1
+    # Attention: 0, each layer's block whole in one page; else the group's
+    # KV heads packed this many to a page, layer after layer, so that a
+    # layer's block is cut by heads where a page ends (a page of least
+    # rounding between groups of different dtypes need not hold whole
+    # layer blocks: LayerView.runs).
+    heads_per_page: int = 0
 
     @property
     def kind(self) -> str:
@@ -73,16 +74,22 @@ class KVCacheGroup:
     def num_layers(self) -> int:
         return len(self.layer_names)
 
+    @property
+    def head_bytes(self) -> int:
+        """Attention: bytes of one KV head's share of a layer's block."""
+        return self.layer_bytes // self.spec.num_kv_heads
+
 
 @dataclass(frozen=True)
 class LayerView:
     """Where one layer's cache lives inside a block of its group.
 
     Attention: the layer's K/V rows for a block are `layer_bytes` bytes at
-    byte `offset` of page `column` of the block (never straddling pages);
-    where its group cuts layers into head shares, that is the first share
-    (the first heads) and `shares` places the others, in head order, as
-    (column, offset).
+    byte `offset` of page `column` of the block (never straddling pages).
+    Where its group packs heads (`heads_per_page`), `runs` holds the block
+    in pieces instead, in head order: (column, offset, heads), each piece
+    laid out as a block of that many heads, whole in one page (`column`
+    and `offset` are the first's).
     Mamba: the layer's state parts start at byte `offset` of the block's
     pages taken as one byte string (a state may straddle pages);
     `part_offsets` are relative to `offset`.
@@ -93,12 +100,13 @@ class LayerView:
     column: int
     offset: int
     part_offsets: tuple[int, ...] = ()
-    shares: tuple[tuple[int, int], ...] = ()
+    runs: tuple[tuple[int, int, int], ...] = ()
 
     @property
-    def places(self) -> tuple[tuple[int, int], ...]:
-        """(column, offset) of each head share, first heads first."""
-        return ((self.column, self.offset), *self.shares)
+    def places(self) -> tuple[tuple[int, int, int], ...]:
+        """(column, offset, heads) of each piece of the layer's block, first
+        heads first; heads 0: the whole block, in one piece."""
+        return self.runs or ((self.column, self.offset, 0),)
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,7 @@ class KVCacheLayout:
         groups = tuple(KVCacheGroup(**{**g, "spec": spec(g["spec"]), "layer_names": tuple(g["layer_names"])})
                        for g in data["groups"])
         views = {name: LayerView(**{**v, "part_offsets": tuple(v["part_offsets"]),
-                                    "shares": tuple(tuple(p) for p in v.get("shares", ()))})
+                                    "runs": tuple(tuple(p) for p in v.get("runs", ()))})
                  for name, v in data["layer_views"].items()}
         return cls(groups, data["page_size_bytes"], data["num_pages"], data["block_size"], data["memory_bytes"],
                    views)
@@ -196,7 +204,7 @@ class KVCacheLayout:
             f"block size {self.block_size} tokens ({self.block_size_why})"
         ]
         for g in self.groups:
-            shares = f" (each in {g.head_shares} head shares)" if g.head_shares > 1 else ""
+            shares = f" (KV heads {g.heads_per_page} to a page)" if g.heads_per_page else ""
             lines.append(
                 f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<42} {g.num_layers:3d} layers{shares}, "
                 f"{g.pages_per_block} page(s)/block, rounding {self.group_rounding_bytes(g):,} B/block"
@@ -243,15 +251,21 @@ def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
 # Pages tried where no page splits every attention group's block exactly:
 # up to this many times the largest layer block.
 MAX_PAGE_MULTIPLE = 64
-# Head shares tried there: a layer's block cut by KV heads into at most
-# this many (each share one more attention call per layer and step).
-MAX_HEAD_SHARES = 4
+# Where a group's heads are packed (KVCacheGroup.heads_per_page), a page
+# holds at least 1/this of one of its layers' blocks: a layer then lies in
+# at most this many pieces, plus one (each one more attention call per
+# layer and step).
+MAX_PIECES = 4
+# Packing heads is taken only where it rounds at least this much less:
+# within it of the least rounding, the fewest packed groups (and calls).
+PACKING_SLACK = 0.005
 # Request lengths (tokens) at which such a page is judged: what a request
 # holds there in pages against its blocks' exact bytes.
 JUDGED_LENGTHS = (1024, 4096, 32768)
 
 
-def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_bytes: list[int]) -> tuple[float, int]:
+def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_bytes: list[int],
+                         smallest: int = 0) -> tuple[float, int]:
     """(rounding, page) for the page whose rounding costs requests least,
     `pieces` being each attention group's (bytes of one piece, pieces in
     its block, blocks a request holds at each of JUDGED_LENGTHS), pieces
@@ -261,10 +275,12 @@ def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_b
     exactly (attention pages of different dtypes: a quantized layer's block
     holds its scales beside its codes, so its size is no power of two; a
     bfloat16 one is). Candidates: multiples of each piece size that hold
-    the largest, up to MAX_PAGE_MULTIPLE times it; on a tie the smaller page."""
+    the largest and `smallest` bytes, up to MAX_PAGE_MULTIPLE times the
+    largest; on a tie the smaller page."""
     biggest = max(size for size, _, _ in pieces)
+    least = max(biggest, smallest)
     candidates = {size * m for size, _, _ in pieces for m in range(1, MAX_PAGE_MULTIPLE * biggest // size + 1)
-                  if size * m >= biggest}
+                  if size * m >= least}
     exact = [sum(held[i] * size * count for size, count, held in pieces) + sum(state_bytes)
              for i in range(len(JUDGED_LENGTHS))]
 
@@ -276,46 +292,53 @@ def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_b
     return min((rounding(p), p) for p in candidates)
 
 
-def _head_shares_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
-    """(page, head shares of each attention group) of least rounding
+def _packed_heads_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[bool]]:
+    """(page, whether each attention group packs heads) of least rounding
     (_least_rounding_page), for attention groups `attn` (spec, layers,
-    block size) whose blocks no page splits exactly. Cutting a wide
-    layer's block by heads lets a page sized to a narrow one hold it whole
-    in shares (Gemma-3-4B, int8 full layers beside bfloat16 sliding ones:
-    pages of one int8 layer, each holding half a sliding layer's heads,
-    round 1.5% of a sliding block and none of a full one, where pages of
-    whole layers round a fifth of every full block). On a tie, fewer shares."""
-    options = [[s for s in range(1, min(spec.num_kv_heads, MAX_HEAD_SHARES) + 1) if spec.num_kv_heads % s == 0]
-               for spec, _, _ in attn]
+    block size) whose blocks no page splits exactly. Packing a group's KV
+    heads lets a page sized to another group's blocks hold its layers with
+    little left over, a layer cut where a page ends (Gemma-3-4B, int8 full
+    layers beside bfloat16 sliding ones: pages of one int8 layer, each
+    holding half a sliding layer's heads, round 1.5% of a sliding block and
+    none of a full one, where pages of whole layers round a fifth of every
+    full block; Gemma-2-27B: 31 heads of its int8 full layers to a page of
+    one bfloat16 sliding layer round 0.3%, whole layers 2-3%). Within
+    PACKING_SLACK of the least rounding, the fewest packed groups."""
+    options = [[False, True] if spec.num_kv_heads > 1 and spec.block_bytes(bs) // spec.num_kv_heads % ALIGN == 0
+               else [False] for spec, _, bs in attn]
     held = [tuple(_attention_blocks_held(spec, block_size, n, 1) for n in JUDGED_LENGTHS)
             for spec, _, block_size in attn]
-    best = None
-    for shares in itertools.product(*options):
-        pieces = [(spec.block_bytes(block_size) // s, layers * s, h)
-                  for (spec, layers, block_size), s, h in zip(attn, shares, held)]
-        rounding, page = _least_rounding_page(pieces, state_bytes)
-        key = (rounding, sum(shares), page)
-        if best is None or key < best[0]:
-            best = key, list(shares)
-    return best[0][2], best[1]
+    tried = []  # (packed groups, rounding, page, packing per group)
+    for packing in itertools.product(*options):
+        pieces = [(spec.block_bytes(block_size) // (spec.num_kv_heads if packed else 1),
+                   layers * (spec.num_kv_heads if packed else 1), h)
+                  for (spec, layers, block_size), packed, h in zip(attn, packing, held)]
+        smallest = max((spec.block_bytes(block_size) // MAX_PIECES
+                        for (spec, _, block_size), packed in zip(attn, packing) if packed), default=0)
+        rounding, page = _least_rounding_page(pieces, state_bytes, smallest)
+        tried.append((sum(packing), rounding, page, list(packing)))
+    least = min(rounding for _, rounding, _, _ in tried)
+    _, _, page, packing = min(t for t in tried if t[1] <= least + PACKING_SLACK)
+    return page, packing
 
 
-def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
-    """(page, head shares of each attention group): the largest page that
-    splits attention blocks exactly into whole per-layer blocks and rounds
-    each recurrent state by at most MAX_STATE_ROUNDING; where none splits
-    them exactly, the page of least rounding, layers cut by heads where
-    that rounds less. `attn`: per attention group, (spec, layers, block size)."""
+def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[bool]]:
+    """(page, whether each attention group packs heads): the largest page
+    that splits attention blocks exactly into whole per-layer blocks and
+    rounds each recurrent state by at most MAX_STATE_ROUNDING; where none
+    splits them exactly, the page of least rounding, a group's heads packed
+    where that rounds less. `attn`: per attention group, (spec, layers,
+    block size)."""
 
     def rounding_ok(page: int) -> bool:
         return all(_round_up(s, page) - s <= MAX_STATE_ROUNDING * s for s in state_bytes)
 
-    whole_layers = [1] * len(attn)
+    whole_layers = [False] * len(attn)
     if attn:
         unit = reduce(math.lcm, [spec.block_bytes(bs) for spec, _, bs in attn])
         whole = reduce(math.gcd, [spec.block_bytes(bs) * layers for spec, layers, bs in attn])
         if whole % unit:
-            return _head_shares_page(attn, state_bytes)
+            return _packed_heads_page(attn, state_bytes)
         quotient = whole // unit
         pages = [unit * d for d in range(quotient, 0, -1) if quotient % d == 0]
         for page in pages:
@@ -409,28 +432,39 @@ def plan_layout(
             attn.append((spec, len(names), block_size))
         else:
             states.append(_mamba_layer_layout(spec)[0] * len(names))
-    page, head_shares = _choose_page_size(attn, states)
-    head_shares = iter(head_shares)
+    page, packing = _choose_page_size(attn, states)
+    packing = iter(packing)
 
     groups, views = [], {}
     for index, (spec, names) in enumerate(by_spec.items()):
-        shares = 1
+        heads_per_page = 0
         if spec.kind in ATTENTION_KINDS:
-            shares = next(head_shares)
-            layer_bytes = spec.block_bytes(block_size) // shares
-            per_page = max(1, page // layer_bytes)
-            pages = -(-len(names) * shares // per_page)
-            for i, name in enumerate(names):
-                places = [divmod(i * shares + j, per_page) for j in range(shares)]  # (column, slot) of each share
-                views[name] = LayerView(name, index, places[0][0], places[0][1] * layer_bytes,
-                                        shares=tuple((c, slot * layer_bytes) for c, slot in places[1:]))
+            layer_bytes = spec.block_bytes(block_size)
+            if next(packing):
+                heads, head_bytes = spec.num_kv_heads, layer_bytes // spec.num_kv_heads
+                heads_per_page = page // head_bytes
+                pages = -(-len(names) * heads // heads_per_page)
+                for i, name in enumerate(names):
+                    runs, first = [], i * heads  # the layer's heads in the group's stream of them
+                    while first < (i + 1) * heads:
+                        column, slot = divmod(first, heads_per_page)
+                        count = min((i + 1) * heads - first, heads_per_page - slot)
+                        runs.append((column, slot * head_bytes, count))
+                        first += count
+                    views[name] = LayerView(name, index, runs[0][0], runs[0][1], runs=tuple(runs))
+            else:
+                per_page = max(1, page // layer_bytes)
+                pages = -(-len(names) // per_page)
+                for i, name in enumerate(names):
+                    column, slot = divmod(i, per_page)
+                    views[name] = LayerView(name, index, column, slot * layer_bytes)
         else:
             layer_bytes, part_offsets = _mamba_layer_layout(spec)
             pages = -(-layer_bytes * len(names) // page)
             for i, name in enumerate(names):
                 views[name] = LayerView(name, index, 0, i * layer_bytes, part_offsets)
         groups.append(KVCacheGroup(index, spec, tuple(names), block_size, pages,
-                                   layer_bytes * shares * len(names), layer_bytes, shares))
+                                   layer_bytes * len(names), layer_bytes, heads_per_page))
 
     num_pages = memory // page
     smallest = 1 + sum(g.pages_per_block for g in groups)

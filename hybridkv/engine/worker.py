@@ -130,7 +130,8 @@ class Worker:
             module.layer_name = name
             module.group = view.group
             module.column = view.column
-            module.columns = tuple(column for column, _ in view.places)
+            module.columns = tuple(column for column, _, _ in view.places)
+            module.piece_heads = tuple(heads for _, _, heads in view.places)  # 0: every KV head
         # Keys over int8 pages stored less their layer's centre (engine/key_centres.py),
         # bound before the backend adapts the layers (the C decoder layer reads them too).
         self.key_centres = bind_key_centres(model, layout, device) if key_centre_tokens else []

@@ -30,23 +30,24 @@ class KVBuffers:
         """A page no table of a real request names: padding writes here."""
         return self.layout.num_pages + column
 
-    def attention_cache(self, layer_name: str, share: int = 0) -> torch.Tensor | QuantizedCache:
+    def attention_cache(self, layer_name: str, piece: int = 0) -> torch.Tensor | QuantizedCache:
         """[pages, 2 (K, V), block_size, kv_heads, head_dim], a view of the
         pool; for a quantized layer its codes so and its scales [pages, 2,
-        block_size, kv_heads] (kv_quant.py). Where the layout cuts the
-        layer's blocks into head shares, share `share` of them (its
-        kv_heads / shares heads, in its own page column: LayerView.places).
-        Made when asked (a few view ops), so that a traced or captured step
-        has the pool as its one cache input rather than many aliased views."""
+        block_size, kv_heads] (kv_quant.py). Where the layout packs the
+        group's heads (LayerView.runs), piece `piece` of the layer's block:
+        its heads only, laid out alike, in its own page column. Made when
+        asked (a few view ops), so that a traced or captured step has the
+        pool as its one cache input rather than many aliased views."""
         view = self.layout.layer_views[layer_name]
         group = self.layout.groups[view.group]
         spec = group.spec
-        offset = view.places[share][1]
-        raw = self.pool[:, offset:offset + group.layer_bytes]
-        shape = (self.pool.shape[0], 2, group.block_size, spec.num_kv_heads // group.head_shares)
+        _, offset, heads = view.places[piece]
+        heads = heads or spec.num_kv_heads
+        raw = self.pool[:, offset:offset + heads * group.head_bytes]
+        shape = (self.pool.shape[0], 2, group.block_size, heads)
         if not spec.quantized:
             return raw.view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size)
-        codes = spec.code_bytes(group.block_size) // group.head_shares
+        codes = spec.code_bytes(group.block_size) // spec.num_kv_heads * heads
         return QuantizedCache(raw[:, :codes].view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size),
                               raw[:, codes:].view(torch.float32).view(shape))
 

@@ -12,8 +12,9 @@ class CacheLayer:
     """A module that keeps per-request cache state (an attention or a Mamba
     layer). The worker binds it to its KV cache group and its place in the
     pool: `group`, and for attention `column` (which page of a block holds
-    this layer) and `columns` (of each head share, where the layout cuts
-    the layer's blocks by heads: `column` first); the step's `buffers`
+    this layer), `columns` and `piece_heads` (the page and KV heads of each
+    piece, where the layout cuts the layer's blocks by heads: `column`
+    first; heads 0, every head, where it does not); the step's `buffers`
     give its view of the pool by `layer_name`. The backend binds `ops`, the side of it (attention or
     recurrent, layers/backends/base.py) whose ops the layer calls."""
 
@@ -21,6 +22,7 @@ class CacheLayer:
     group: int = -1
     column: int = 0
     columns: tuple[int, ...] = (0,)
+    piece_heads: tuple[int, ...] = (0,)
     ops = None
 
 

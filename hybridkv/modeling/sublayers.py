@@ -96,24 +96,25 @@ class PagedSelfAttention(CacheLayer, nn.Module):
             ops.store(cache, k, v, meta, self.column)
             attended = ops.attend(q, cache, meta, self.column, self.scale, self.softcap, self.sinks)
         else:
-            attended = self.attend_shares(q, k, v, batch, meta)
+            attended = self.attend_pieces(q, k, v, batch, meta)
         if gate is not None:
             attended = attended * torch.sigmoid(gate)
         return self.o_proj(attended.reshape(q.shape[0], -1))
 
-    def attend_shares(self, q, k, v, batch: StepBatch, meta) -> torch.Tensor:
-        """The paged attention of a layer whose blocks the layout cuts into
-        head shares (core/layout.py), one store and one attention per
-        share: its KV heads and the query heads that read them."""
-        kv_heads = self.num_kv_heads // len(self.columns)
-        q_heads = kv_heads * (self.num_heads // self.num_kv_heads)
-        out = []
-        for share, column in enumerate(self.columns):
-            cache = batch.buffers.attention_cache(self.layer_name, share)
-            kv, qs = slice(share * kv_heads, (share + 1) * kv_heads), slice(share * q_heads, (share + 1) * q_heads)
+    def attend_pieces(self, q, k, v, batch: StepBatch, meta) -> torch.Tensor:
+        """The paged attention of a layer whose blocks the layout cuts by
+        heads where a page ends (core/layout.py, `heads_per_page`), one store
+        and one attention per piece: its KV heads and the query heads that
+        read them."""
+        group_size = self.num_heads // self.num_kv_heads
+        out, first = [], 0
+        for piece, (column, heads) in enumerate(zip(self.columns, self.piece_heads)):
+            cache = batch.buffers.attention_cache(self.layer_name, piece)
+            kv, qs = slice(first, first + heads), slice(first * group_size, (first + heads) * group_size)
             self.ops.store(cache, k[:, kv].contiguous(), v[:, kv].contiguous(), meta, column)
             sinks = None if self.sinks is None else self.sinks[qs]
             out.append(self.ops.attend(q[:, qs].contiguous(), cache, meta, column, self.scale, self.softcap, sinks))
+            first += heads
         return torch.cat(out, dim=1)
 
     def forward(self, x: torch.Tensor, cos_sin, batch: StepBatch) -> torch.Tensor:

@@ -118,7 +118,7 @@ def refusal(parts: DecoderParts) -> str | None:
     if attn.num_heads % attn.num_kv_heads or attn.head_dim % 2:
         return "head layout"
     if len(attn.columns) > 1:
-        return "K/V cut into head shares in the pages (mixed page dtypes: core/layout.py)"
+        return "K/V cut by heads where pages end (mixed page dtypes: core/layout.py)"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(_dense(t) for m in linears for t in (m.weight, m.bias)) or not all(_dense(n.weight) for n in norms) \
             or not _dense(attn.sinks):
