@@ -82,7 +82,7 @@ def test_the_boundary_is_read_from_the_c_source(lib):
     # with the compiled library's (checked at load).
     assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
-                                  "row_max", "rotate_rows", "gated_delta", "ssd", "host_all_reduce",
+                                  "layer_stage", "row_max", "rotate_rows", "gated_delta", "ssd", "host_all_reduce",
                                   "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]
@@ -116,8 +116,8 @@ def library_with(lib, name: str, replace):
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer", "row_max",
-                                    "rotate_rows", "gated_delta", "ssd"])
+@pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer", "layer_stage",
+                                    "row_max", "rotate_rows", "gated_delta", "ssd"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
 
@@ -125,6 +125,7 @@ def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
         def wrong(*args):
             status = fn(*args)
             out = args[{"decode_attention": 7, "norm_rotary": 13, "gated_activation": 5, "decode_layer": 3,
+                        "layer_stage": 3,
                         "row_max": 4, "rotate_rows": 0, "gated_delta": 15, "ssd": 16}[broken]]
             ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
             return status
@@ -232,10 +233,12 @@ def test_bfloat16_engine_runs_the_c_kernels_and_matches_the_reference_backend(tm
 @needs_compiler
 @pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, dtype, monkeypatch):
-    # Every step the backend routes to the one-call layers runs twice from
-    # the same pool: through the modules, then through the C layers; hidden
-    # states and the pool must agree. The pool starts as NaN bytes, so a
+@pytest.mark.parametrize("route", ["decoder-layers", "decoder-stages"])
+def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, dtype, route, monkeypatch):
+    # Every step the backend routes to the one-call layers (up to `rows`
+    # rows), or to their stages between the modules' products (more rows),
+    # runs twice from the same pool: through the modules, then through the
+    # C layers; hidden states and the pool must agree. The pool starts as NaN bytes, so a
     # slot the C layer should have zeroed (a fresh block's tail) or written
     # and did not shows up. Gemma-3: q/k norms, windows of 8 keys; Gemma-2:
     # soft-capped attention, no q/k norms; Mistral: no post norms, SiLU.
@@ -244,9 +247,11 @@ def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, 
     # each tensor's largest values (a rotated K element is the difference of
     # two terms that size, each rounded by the modules).
     path = model_dir(tmp_path_factory, family)
-    rows = decoder.max_rows(library.load(), dtype)  # 4, or 15 on the CPU's bfloat16 dot product
-    engine = Engine(path, kv_cache_memory="192KiB", block_size=4, max_num_seqs=min(rows, 7),
-                    max_num_batched_tokens=16, progress=False, backend="cpu", dtype=str(dtype).removeprefix("torch."))
+    rows = decoder.max_rows(library.load(), dtype)  # 3, or 11 on the CPU's bfloat16 dot product
+    seqs = min(rows, 7) if route == "decoder-layers" else rows + 3
+    engine = Engine(path, kv_cache_memory="512KiB", block_size=4, max_num_seqs=seqs,
+                    max_num_batched_tokens=16 if route == "decoder-layers" else 128, progress=False, backend="cpu",
+                    dtype=str(dtype).removeprefix("torch."))
 
     def tolerance(expected):
         if dtype == torch.float32:
@@ -260,7 +265,7 @@ def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, 
     forward, rows_compared = model.forward, []
 
     def both(batch):
-        if batch.route != "decoder-layers":
+        if batch.route != route:
             return forward(batch)
         step, before = batch.route_state, pool.clone()
         batch.route_state = None  # the modules
@@ -276,14 +281,18 @@ def test_decoder_layers_in_one_call_match_the_modules(tmp_path_factory, family, 
 
     monkeypatch.setattr(model, "forward", both)
     params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
-    prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((11, 4, 2, 7, 5, 9, 3))]
-    engine.generate(prompts[:min(rows, 7)], params, use_tqdm=False)
+    lengths = (11, 4, 2, 7, 5, 9, 3)
+    prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(lengths[i % 7])] for i in range(seqs)]
+    engine.generate(prompts, params, use_tqdm=False)
     engine.generate(prompts[:1], params, use_tqdm=False)
-    # decode steps of one row and of several ran through the C layer, past
-    # one tile of four rows where the route takes them
-    assert 1 in rows_compared and max(rows_compared) == min(rows, 7)
     routes = engine.stats["backend"]["routes"]
-    assert routes["cpu:decoder-layers"] == len(rows_compared) and routes["cpu:modules"] > 0
+    assert routes[f"cpu:{route}"] == len(rows_compared) and routes["cpu:modules"] > 0
+    if route == "decoder-layers":
+        # decode steps of one row and of several ran through the C layer, past
+        # one tile of four rows where the route takes them
+        assert 1 in rows_compared and max(rows_compared) == min(rows, 7)
+    else:  # every decode step of more rows, all sequences at once among them
+        assert min(rows_compared) > rows and max(rows_compared) == seqs
 
 
 @needs_compiler

@@ -3,9 +3,11 @@ model holds its part in column- and row-parallel linear layers and a
 vocabulary-parallel LM head, which read their own slices of the checkpoint
 and sum or gather across the ranks in their forward. So every rank runs
 the same backend route as one process would: on the cpu backend, decode
-steps of up to four rows go through the C decoder layers on both ranks
+steps of up to three rows go through the C decoder layers on both ranks
 (three C calls per layer, the partial sums all-reduced between them), and
-the tokens are the one process's on every family that splits."""
+of four through their stages (the modules' products and all-reduces
+between them), and the tokens are the one process's on every family that
+splits."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_two_ranks_take_the_one_process_route_through_the_c_decoder_layers(tmp_p
     one, one_backend = generate(path, 1, backend="cpu", max_num_batched_tokens=16)
     two, two_backend = generate(path, 2, backend="cpu", max_num_batched_tokens=16)
     assert two == one
-    assert one_backend["routes"]["cpu:decoder-layers"] > 0
+    assert one_backend["routes"]["cpu:decoder-layers"] > 0 and one_backend["routes"]["cpu:decoder-stages"] > 0
     assert two_backend["routes"] == one_backend["routes"]
     assert not any("decoder layers" in why for why in two_backend["declined"])
 

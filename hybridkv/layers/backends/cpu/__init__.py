@@ -7,9 +7,11 @@ CPU step in hybridkv's C kernels (kernels.c) and oneDNN's products:
   place (recurrent.py); the other recurrent kinds run the reference's ops;
 * RMS norms, Gemma's q/k norm + rotary and the gated activation in one C
   pass each (modules.py, swapped in for the shared modules);
-* whole decoder layers as one C call on decode steps of up to four rows
-  (decoder.py: the route "cpu:decoder-layers"; other steps run the
-  modules, "cpu:modules");
+* whole decoder layers as one C call on decode steps of up to three rows
+  (eleven in bfloat16 on AVX-512 BF16), and as five C calls between
+  oneDNN's products on larger decode steps (decoder.py: the routes
+  "cpu:decoder-layers" and "cpu:decoder-stages"; steps with a prefill
+  chunk run the modules, "cpu:modules");
 * every Linear over oneDNN's packed weights (linear.py).
 
 The kernels are built for the machine at install time or by `hybridkv
@@ -108,7 +110,7 @@ class CpuBackend(Backend):
             return "fixed-shape"
         step = decode_step(batch, self.decoder_rows) if self.decoder_rows else None
         batch.route_state = step
-        return "decoder-layers" if step is not None else "modules"
+        return "modules" if step is None else "decoder-stages" if step.stages else "decoder-layers"
 
     def row_max(self, logits):
         # kernels.c `row_max`: both cores at memory's rate, where torch's

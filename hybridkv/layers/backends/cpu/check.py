@@ -204,7 +204,10 @@ def check_gated_activation(lib) -> None:
 def check_decode_layer(lib) -> None:
     """One decoder layer over five decode rows, Gemma's shape (every norm,
     offset 1, GELU) and Llama's (two norms, offset 0, SiLU) with attention
-    sinks; in one call, and in the three parts a tensor-parallel rank runs.
+    sinks; in one call, in the three parts a tensor-parallel rank runs, and
+    in the stages between the products (`layer_stage`, torch making the
+    products of the weights in dtype: each product's output rounded to it
+    too, and the activation's, which the rule then rounds alike).
     In bfloat16 (weights, pool, x, cos and sin) against the same rule in
     float32 from the same values, rounded where the kernel rounds: the K/V
     stored, x after each residual add, and (where the CPU has its bfloat16
@@ -285,6 +288,25 @@ def check_decode_layer(lib) -> None:
         gate_up = F.linear(product_input(h), w["gate_up"])
         d = F.linear(product_input(_act(gate_up[:, :inter], kind) * gate_up[:, inter:]), w["down"])
         expected = x1 + (_norm(d, w["post_feedforward_norm"], offset) if every_norm else d)
+        # the rule with every product's input and output in dtype (the stages'; in float32 the same rule)
+        staged_cache = cache.clone()
+        sq, sk, sv = rounded(F.linear(rounded(_norm(x, w["input_norm"], offset)), w["qkv"], w["qkv_bias"])).split(
+            [q_heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        sq, sk, sv = sq.reshape(R, q_heads, dim), sk.reshape(R, kv_heads, dim), sv.reshape(R, kv_heads, dim)
+        if every_norm:
+            sq, sk = _norm(sq, w["q_norm"], offset), _norm(sk, w["k_norm"], offset)
+        sq, sk = _rotate(sq, cos[:, None], sin[:, None]), _rotate(sk, cos[:, None], sin[:, None])
+        if centre is not None:
+            sk = sk - centre
+        for r in range(R):
+            staged_cache[store_pages[r], 0, store_offsets[r]] = stored(sk[r])
+            staged_cache[store_pages[r], 1, store_offsets[r]] = stored(sv[r])
+        so = rounded(F.linear(rounded(_attention(sq, staged_cache, pages, positions, firsts, 0.25, 0.0, w["sinks"])
+                                      .reshape(R, -1)), w["o"]))
+        sx1 = rounded(x + (_norm(so, w["post_attention_norm"], offset) if every_norm else so))
+        sgu = rounded(F.linear(rounded(_norm(sx1, w["pre_feedforward_norm"], offset)), w["gate_up"]))
+        sd = rounded(F.linear(rounded(_act(sgu[:, :inter], kind) * sgu[:, inter:]), w["down"]))
+        staged = sx1 + (_norm(sd, w["post_feedforward_norm"], offset) if every_norm else sd)
         # C: the products' weights, the pool, x, cos and sin in dtype; the rest float32
         held = {name: t for name, t in w.items() if name not in ("qkv", "o", "gate_up", "down")}
         held.update(layer_weights(lib, dtype, *(w[name].to(dtype) for name in ("qkv", "o", "gate_up", "down")), inter))
@@ -302,11 +324,18 @@ def check_decode_layer(lib) -> None:
         if codes is not None:
             pool = QuantizedCache(*pool_codes)
         # The whole layer in one call, then in its three parts (a tensor-parallel
-        # rank's, here with nothing to add between them: one rank's sums are whole).
-        for parts in ((0,), (1, 2, 3)):
+        # rank's, here with nothing to add between them: one rank's sums are whole),
+        # then in stages.
+        for parts in ((0,), (1, 2, 3), "stages"):
             what = f"decode_layer ({dtype}{f', {codes} pages' if codes else ''}, offset {offset}, parts {parts})"
             got, sums = x.to(dtype, copy=True), torch.empty(x.shape)
-            for part in parts:
+            if parts == "stages":
+                what = what.replace("decode_layer", "layer_stage")
+                _stages(lib, layer, paged_cache(lib, pool), rows, got, cos, sin,
+                        {name: w[name].to(dtype) for name in ("qkv", "o", "gate_up", "down")},
+                        w["qkv_bias"].to(dtype), q_heads * dim, inter)
+                expected, expected_cache = staged, staged_cache
+            for part in parts if parts != "stages" else ():
                 status = lib.decode_layer(layer, paged_cache(lib, pool), rows, got.data_ptr(), cos.data_ptr(),
                                           sin.data_ptr(), sums.data_ptr() if part else None, part,
                                           torch.get_num_threads())
@@ -343,6 +372,25 @@ def check_decode_layer(lib) -> None:
                 raise AssertionError(f"{what} is over two bfloat16 steps from torch's float32 result")
             for page, slot in written:
                 _bf16_near(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store (bfloat16)")
+
+
+def _stages(lib, layer, cache, rows, x, cos, sin, w, qkv_bias, q_width: int, inter: int) -> None:
+    """x through `layer_stage`'s five stages, torch making the products of
+    the weights `w` (of x's dtype) between them, as decoder.py's
+    CpuDecoderLayer does with the modules' products."""
+    def stage(product, width, which):
+        out = None if width == 0 else torch.empty(x.shape[0], width, dtype=x.dtype)
+        if lib.layer_stage(layer, cache, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                           None if product is None else product.contiguous().data_ptr(),
+                           None if out is None else out.data_ptr(), which, torch.get_num_threads()) != 0:
+            raise AssertionError("layer_stage failed")
+        return out
+
+    h = stage(None, x.shape[1], 0)
+    heads = stage(F.linear(h, w["qkv"], qkv_bias), q_width, 1)
+    h = stage(F.linear(heads, w["o"]), x.shape[1], 2)
+    act = stage(F.linear(h, w["gate_up"]), inter, 3)
+    stage(F.linear(act, w["down"]), 0, 4)
 
 
 def check_rotate_rows(lib) -> None:

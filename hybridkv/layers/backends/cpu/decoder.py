@@ -1,7 +1,8 @@
 """A decoder layer's decode step in one C call (kernels.c `decode_layer`):
 norms, the q/k/v product, q/k norms and rotary, the K/V store, attention,
 the output product, the residual adds and the gated MLP, for a step whose
-every sequence has one token and which has few of them.
+every sequence has one token and which has few of them; with more, the
+same layer in stages between the modules' own products (`layer_stage`).
 
 Why: at batch 1 a step reads every weight once, and the rest should be
 free. Through torch's modules it is not: per layer about fifteen calls from
@@ -11,11 +12,23 @@ of the products alone (benchmarks/cpu_decode_step.py). Here a layer is one
 call, one parallel region, and its products are matrix-vector ones that
 read each weight row once for every query row.
 
+Stages: from a dozen rows on (a few in float32) oneDNN's packed products
+beat the layer's own, but through the modules a layer still spent about
+fifteen calls from Python between them: a fifth of a 16-row bfloat16 step
+of the real Gemma-3 270M (5 of 27 ms) went to them, not to the products.
+So such a step runs each layer as five C calls between the modules' four
+products (their oneDNN products, and under tensor parallelism their
+all-reduces): the input norm; the q/k norms, rotary, K/V store and
+attention; the residual add and the next norm; the gated activation; the
+last residual add. Each computes in float32 as `decode_layer` does and
+rounds to the model's dtype where it writes, which the products read.
+
 `CpuDecoderLayer` wraps a family's decoder layer (its `parts()`, layers/
-decoder.py). Whether a step runs the C call is decided once per step by
-the backend (`CpuBackend.route`: "cpu:decoder-layers"), which leaves the
-step's rows (`CpuDecodeStep`) in the batch; any other step runs the
-wrapped layer's modules. The products read the dense weights, while
+decoder.py). Whether a step runs the C calls is decided once per step by
+the backend (`CpuBackend.route`: "cpu:decoder-layers" for one call a
+layer, "cpu:decoder-stages" for the stages), which leaves the step's rows
+(`CpuDecodeStep`) in the batch; any other step (a prefill chunk in it)
+runs the wrapped layer's modules. The products read the dense weights, while
 oneDNN's batched products read packed ones (linear.py): a wrapped layer
 keeps both copies, so layers are wrapped only where the machine has four
 times the dense weights free (under tensor parallelism: on every rank, so
@@ -53,15 +66,17 @@ from ...kv_quant import QuantizedCache
 from .attention import CODES, STORAGE, CpuMetadata, paged_cache
 from .modules import ACTIVATIONS
 
-# Above this many query rows a step goes through the modules: oneDNN's
-# packed products then beat matrix-vector ones (benchmarks/cpu_decode_step.py).
-MAX_ROWS = 4
+# Above this many query rows a decode step runs the layers in stages between
+# oneDNN's packed products, which then beat the one-call layers'
+# matrix-vector ones: on the real Gemma-3 270M in float32 (2-core EPYC, the
+# two routes taking turns in one engine, 128-token prompts) 3-row steps
+# 32.3 ms one way and 32.2 the other, 4 rows 31.3 against 29.7, 2 rows
+# 30.0 against 30.4.
+MAX_ROWS = 3
 # Where bfloat16 products run on the CPU's dot product, the one-call layers
-# keep up to more rows: on the real Gemma-3 270M (2-core EPYC, weights in
-# tiles, alternating runs) batch-8 steps 18-20 ms against the modules' 22-24,
-# batch 13 24.7 against 26.0, batch 15 27.0 against 27.7; at 16, 28.9
-# against the modules' 27.7.
-MAX_ROWS_NATIVE_BF16 = 15
+# keep up to more rows: 11 rows 21.7 ms against the stages' 22.0, 12 rows
+# 23.1 against 22.6, 15 rows 26.1 against 24.2 (as above, weights in tiles).
+MAX_ROWS_NATIVE_BF16 = 11
 
 
 def tiled(lib, dtype: torch.dtype) -> bool:
@@ -95,6 +110,8 @@ def max_rows(lib, dtype: torch.dtype) -> int:
 # kernels.c's parts of `decode_layer`: the whole layer, or the three that a
 # tensor-parallel rank runs with an all-reduce of their sums between them.
 LAYER_WHOLE, LAYER_PARTS = 0, (1, 2, 3)
+# kernels.c's stages of `layer_stage`, between the four products.
+STAGE_INPUT, STAGE_ATTEND, STAGE_MID, STAGE_ACT, STAGE_END = range(5)
 
 
 def _dense(t: torch.Tensor | None) -> bool:
@@ -158,19 +175,22 @@ class GroupRows:
 
 @dataclass
 class CpuDecodeStep:
-    """What the step's C layers read: the pool and each group's rows."""
+    """What the step's C layers read: the pool and each group's rows;
+    `stages`: the layers run in stages between the modules' products
+    (`layer_stage`), not as one call each."""
 
     buffers: object
     groups: dict[int, GroupRows]
     threads: int
+    stages: bool = False
 
 
 def decode_step(batch, rows: int) -> CpuDecodeStep | None:
     """The step's rows if it is one the C layers run (eager, decodes only,
-    at most `rows`, every group on the cpu attention); else None."""
+    every group on the cpu attention): as one call each up to `rows` rows,
+    in stages above; else None."""
     inputs = batch.inputs
-    if inputs.fixed_shape or inputs.chunks is not None or inputs.decodes is None or \
-            len(inputs.input_ids) > rows or torch.compiler.is_compiling():
+    if inputs.fixed_shape or inputs.chunks is not None or inputs.decodes is None or torch.compiler.is_compiling():
         return None
     groups = {}
     for group, meta in batch.attention.items():
@@ -179,7 +199,7 @@ def decode_step(batch, rows: int) -> CpuDecodeStep | None:
         ref, dec = meta.reference, meta.decodes
         groups[group] = GroupRows(ref.store_pages.to(torch.int64).contiguous(),
                                   ref.store_offsets.to(torch.int64).contiguous(), dec.pages, dec.first, dec.last)
-    return CpuDecodeStep(batch.buffers, groups, torch.get_num_threads())
+    return CpuDecodeStep(batch.buffers, groups, torch.get_num_threads(), len(inputs.input_ids) > rows)
 
 
 class CpuDecoderLayer(nn.Module):
@@ -191,6 +211,8 @@ class CpuDecoderLayer(nn.Module):
         self.layer = layer
         self.lib = lib
         attn, mlp, norms = parts.attention, parts.mlp, parts.norms()
+        # Their products run the steps in stages (looked up then: packing swaps them after this).
+        self.attention, self.mlp = attn, mlp
         # Where the layer's K/V lives (bound by the worker before prepare).
         self.layer_name, self.group, self.column = attn.layer_name, attn.group, attn.column
         self.ranks = attn.ranks  # the tensor-parallel ranks its partial sums are added up over
@@ -241,6 +263,8 @@ class CpuDecoderLayer(nn.Module):
             raise ValueError(f"the C decoder layer reads {self.dtype}; got {x.dtype}, cos and sin {cos.dtype}")
         rows = step.groups[self.group].rows(self.lib, self.column)
         call = (self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if step.stages:
+            return self._stages(x, call, step.threads)
         if self.ranks.world == 1:
             self._check(self.lib.decode_layer(*call, None, LAYER_WHOLE, step.threads))
             return x
@@ -249,6 +273,25 @@ class CpuDecoderLayer(nn.Module):
             self._check(self.lib.decode_layer(*call, sums.data_ptr(), part, step.threads))
             if part != LAYER_PARTS[-1]:
                 self.ranks.all_reduce(sums)
+        return x
+
+    def _stages(self, x: torch.Tensor, call: tuple, threads: int) -> torch.Tensor:
+        """The layer with the modules' own products (oneDNN's, batched; under
+        tensor parallelism their all-reduces too) and kernels.c's
+        `layer_stage` between them: x updated in place."""
+        attn, mlp, stage = self.attention, self.mlp, self.lib.layer_stage
+
+        def between(product: torch.Tensor | None, width: int, which: int) -> torch.Tensor | None:
+            out = None if width == 0 else torch.empty(x.shape[0], width, dtype=self.dtype)
+            self._check(stage(*call, None if product is None else product.contiguous().data_ptr(),
+                              None if out is None else out.data_ptr(), which, threads))
+            return out
+
+        h = between(None, x.shape[1], STAGE_INPUT)
+        heads = between(attn.qkv_proj(h), attn.num_heads * attn.head_dim, STAGE_ATTEND)
+        h = between(attn.o_proj(heads), x.shape[1], STAGE_MID)
+        act = between(mlp.gate_up_proj(h), mlp.down_proj.in_features, STAGE_ACT)
+        between(mlp.down_proj(act), 0, STAGE_END)
         return x
 
     @staticmethod

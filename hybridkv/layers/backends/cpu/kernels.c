@@ -1054,26 +1054,23 @@ typedef struct {
  * the residual add and the norms after them need the whole sum. */
 enum { LAYER_WHOLE = 0, LAYER_ATTENTION = 1, LAYER_FEED_FORWARD = 2, LAYER_LAST_RESIDUAL = 3 };
 
-/* sums [rows, hidden] = attn(rotary(norm(q)), ...) Wo (+ b) of h = norm(x),
- * the new K/V stored: each thread's share, inside the caller's parallel
- * region. A failed attention row sets *failed. */
-static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const void *x,
-                           const void *cos, const void *sin, float *h, float *qkv, float *attn, float *sums,
-                           uint16_t *xb, int *failed)
+/* attn [rows, q_heads * head_dim] = attention of qkv [rows, q, k, v] (float32,
+ * the q/k/v product's output): q and k normed and rotated (k less its
+ * centre, and K/V rotated for int8 pages), the new K/V stored, each row's
+ * queries attended over its keys. Inside the caller's parallel region; a
+ * failed attention row sets *failed. */
+static void attention_between(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const void *cos,
+                              const void *sin, float *qkv, float *attn, int *failed)
 {
     const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
     const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
     const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
     const int t = (int)L->dtype, ct = (int)c->dtype;
     const size_t row_bytes = size_of(ct) * (size_t)L->head_dim;
-    const int64_t H = L->hidden, dim = L->head_dim, heads = L->q_heads + L->kv_heads;
+    const int64_t dim = L->head_dim, heads = L->q_heads + L->kv_heads;
     const int64_t q_width = L->q_heads * dim, kv_width = L->kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t groups = L->q_heads / L->kv_heads, batches = (groups + 3) / 4;
     const float offset = L->norm_offset, eps = L->eps;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        norm_x_row(at(x, r * H, t), t, L->input_norm, offset, eps, H, h + r * H);
-    layer_products(h, rows, H, L->qkv, t, L->qkv_bias, qkv_width, qkv, xb);
 #pragma omp for schedule(static) collapse(2)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t head = 0; head < heads; head++) { /* the query heads, then the key heads */
@@ -1138,7 +1135,32 @@ static void attention_part(const decoder_layer *L, const paged_cache *c, const d
             }
         }
     }
+}
+
+/* sums [rows, hidden] = attn(rotary(norm(q)), ...) Wo (+ b) of h = norm(x),
+ * the new K/V stored: each thread's share, inside the caller's parallel
+ * region. A failed attention row sets *failed. */
+static void attention_part(const decoder_layer *L, const paged_cache *c, const decode_rows *d, const void *x,
+                           const void *cos, const void *sin, float *h, float *qkv, float *attn, float *sums,
+                           uint16_t *xb, int *failed)
+{
+    const int64_t rows = d->rows, H = L->hidden, q_width = L->q_heads * L->head_dim;
+    const int t = (int)L->dtype;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        norm_x_row(at(x, r * H, t), t, L->input_norm, L->norm_offset, L->eps, H, h + r * H);
+    layer_products(h, rows, H, L->qkv, t, L->qkv_bias, q_width + 2 * L->kv_heads * L->head_dim, qkv, xb);
+    attention_between(L, c, d, cos, sin, qkv, attn, failed);
     layer_products(attn, rows, q_width, L->o, t, L->o_bias, H, sums, xb);
+}
+
+/* x += post_attention_norm(sub) (float32, normed in place), then h
+ * (float32) = pre_feedforward_norm(x): one row. */
+static void residual_then_norm(const decoder_layer *L, void *x, float *sub, float *h)
+{
+    const int t = (int)L->dtype;
+    add_residual(x, t, sub, L->post_attention_norm, L->norm_offset, L->eps, L->hidden);
+    norm_x_row(x, t, L->pre_feedforward_norm, L->norm_offset, L->eps, L->hidden, h);
 }
 
 /* x += post_norm(sums) (the attention's), then sums [rows, hidden] =
@@ -1149,10 +1171,8 @@ static void feed_forward_part(const decoder_layer *L, int64_t rows, void *x, flo
     const int64_t H = L->hidden;
     const int t = (int)L->dtype;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        add_residual(at(x, r * H, t), t, sums + r * H, L->post_attention_norm, L->norm_offset, L->eps, H);
-        norm_x_row(at(x, r * H, t), t, L->pre_feedforward_norm, L->norm_offset, L->eps, H, h + r * H);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        residual_then_norm(L, at(x, r * H, t), sums + r * H, h + r * H);
     layer_gated_products(h, rows, H, L->gate_up, t, L->inter, (int)L->activation, act, xb, gu);
     layer_products(act, rows, L->inter, L->down, t, NULL, H, sums, xb);
 }
@@ -1214,6 +1234,87 @@ int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows
             for (int64_t r = 0; r < rows; r++)
                 add_residual(at(x, r * H, (int)L->dtype), (int)L->dtype, sums + r * H, L->post_feedforward_norm,
                              L->norm_offset, L->eps, H);
+        }
+    }
+    free(scratch);
+    return failed ? -1 : 0;
+}
+
+/* The stages of `decode_layer` between its four products, for a caller
+ * that makes those itself (decoder.py: oneDNN's batched products, which
+ * beat the layer's own from 16 rows on, where the modules' way spent a
+ * fifth of a 16-row step between the products, in Python). `in` is the
+ * product before the stage, `out` the input of the one after it, [rows, n]
+ * each, of the layer's type t (the products read and write it):
+ *   LAYER_STAGE_INPUT:  out = input_norm(x)                       (in unused)
+ *   LAYER_STAGE_ATTEND: out = attention of in = q/k/v, the new K/V stored
+ *   LAYER_STAGE_MID:    x += post_attention_norm(in); out = pre_feedforward_norm(x)
+ *   LAYER_STAGE_ACT:    out = act(in's gate) * in's up
+ *   LAYER_STAGE_END:    x += post_feedforward_norm(in)            (out unused)
+ * each computed in float32 as `decode_layer` does it and rounded to t once,
+ * where written. Returns 0, or -1 where memory for scratch could not be had
+ * (or a row's attention could not, or `stage` is none of these). */
+enum { LAYER_STAGE_INPUT = 0, LAYER_STAGE_ATTEND = 1, LAYER_STAGE_MID = 2, LAYER_STAGE_ACT = 3, LAYER_STAGE_END = 4 };
+
+int layer_stage(const decoder_layer *L, const paged_cache *c, const decode_rows *d, void *x, const void *cos,
+                const void *sin, const void *in, void *out, int stage, int threads)
+{
+    if (stage < LAYER_STAGE_INPUT || stage > LAYER_STAGE_END || (is_code((int)c->dtype) && c->scales == NULL) ||
+        (c->rotated && (c->head_dim & (c->head_dim - 1))))
+        return -1;
+    const int t = (int)L->dtype;
+    const int64_t rows = d->rows, H = L->hidden, dim = L->head_dim, inter = L->inter;
+    const int64_t q_width = L->q_heads * dim, qkv_width = q_width + 2 * L->kv_heads * dim;
+    /* Floats: q/k/v and the attention's output (ATTEND), or a row of the
+     * product and of the norm after it per row (the others). */
+    const int64_t floats = stage == LAYER_STAGE_ATTEND ? rows * (qkv_width + q_width) : rows * 2 * H;
+    float *scratch = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+    if (scratch == NULL)
+        return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        if (stage == LAYER_STAGE_INPUT) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                norm_x_row(at(x, r * H, t), t, L->input_norm, L->norm_offset, L->eps, H, scratch + r * H);
+                copy_as(scratch + r * H, F32, at(out, r * H, t), t, H);
+            }
+        } else if (stage == LAYER_STAGE_ATTEND) {
+            float *qkv = scratch, *attn = scratch + rows * qkv_width;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                copy_as(at(in, r * qkv_width, t), t, qkv + r * qkv_width, F32, qkv_width);
+            attention_between(L, c, d, cos, sin, qkv, attn, &failed);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                copy_as(attn + r * q_width, F32, at(out, r * q_width, t), t, q_width);
+        } else if (stage == LAYER_STAGE_MID) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *sub = scratch + r * 2 * H, *h = sub + H;
+                copy_as(at(in, r * H, t), t, sub, F32, H);
+                residual_then_norm(L, at(x, r * H, t), sub, h);
+                copy_as(h, F32, at(out, r * H, t), t, H);
+            }
+        } else if (stage == LAYER_STAGE_ACT) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const void *g = at(in, r * 2 * inter, t), *u = at(g, inter, t);
+                void *o = at(out, r * inter, t);
+                int64_t j = 0;
+                for (; j + LANES <= inter; j += LANES)
+                    store_as(o, j, activation(load_as(g, j, t), (int)L->activation) * load_as(u, j, t), t);
+                for (; j < inter; j++)
+                    put_as(o, j, activation1(get_as(g, j, t), (int)L->activation) * get_as(u, j, t), t);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *sub = scratch + r * 2 * H;
+                copy_as(at(in, r * H, t), t, sub, F32, H);
+                add_residual(at(x, r * H, t), t, sub, L->post_feedforward_norm, L->norm_offset, L->eps, H);
+            }
         }
     }
     free(scratch);
