@@ -6,15 +6,17 @@ Configurations (one engine, switched in place, interleaved `--repeat` times;
 medians of the steady steps, where every sequence decodes):
 
   engine         as shipped: the "cpu" backend. Steps of up to
-                 decoder.max_rows sequences (4; 15 in bfloat16 on
+                 decoder.max_rows sequences (3; 11 in bfloat16 on
                  the CPU's bfloat16 dot product) run each decoder layer as
                  one C call (layers/backends/cpu/decoder.py, the route
-                 "cpu:decoder-layers"); bigger ones run the
-                 modules, with decode attention, norms, rotary and the
-                 gated activation in hybridkv's C kernels and every weight
-                 in oneDNN's packed layout, the tied LM head included (a
-                 second copy, the embedding keeps the dense one)
-  layer modules  every step through the modules (what bigger steps do)
+                 "cpu:decoder-layers"); bigger ones run it as five C calls
+                 between the modules' products ("cpu:decoder-stages"):
+                 decode attention, norms, rotary and the gated activation
+                 in hybridkv's C kernels and every weight in oneDNN's
+                 packed layout, the tied LM head included (a second copy,
+                 the embedding keeps the dense one)
+  no stages      the steps bigger than decoder.max_rows through the modules
+  layer modules  every step through the modules
   gathered decode  the modules, and decode attention as the torch reference
                  runs it: every page a decode group reads gathered
                  (index_select), then two batched matmuls
@@ -122,10 +124,11 @@ def run(args) -> dict:
     native = engine.backend.name == "cpu"
     shipped_usable = modules.usable
 
-    def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False):
+    def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False, no_stages=False):
         """Undo the chosen parts of the shipped engine (none: as shipped)."""
         if native:
             engine.backend.decoder_rows = 0 if layer_modules or gathered or elementwise else shipped_rows
+            engine.backend.decoder_stages = not no_stages
         if packed_head is not None:
             head.packed = None if dense_head else packed_head
         modules.usable = (lambda x: False) if elementwise else shipped_usable  # the C norms, rotary, activation
@@ -134,12 +137,15 @@ def run(args) -> dict:
 
     cpu_attention_supports = engine.backend.attention.supports if native else None
     shipped_rows = engine.backend.decoder_rows if native else 0
-    configs = {"engine": {}, "layer modules": {"layer_modules": True}, "gathered decode": {"gathered": True},
+    configs = {"engine": {}, "no stages": {"no_stages": True}, "layer modules": {"layer_modules": True},
+               "gathered decode": {"gathered": True},
                "torch elementwise": {"elementwise": True}, "dense LM head": {"dense_head": True}}
     if not native:  # no C kernels here: nothing to undo
-        configs.pop("layer modules"), configs.pop("gathered decode"), configs.pop("torch elementwise")
+        for name in ("no stages", "layer modules", "gathered decode", "torch elementwise"):
+            configs.pop(name)
     elif not isinstance(model.model.layers[0], decoder.CpuDecoderLayer):
-        configs.pop("layer modules")  # no room for the decoder layers' dense weights: the engine runs the modules
+        # no room for the decoder layers' dense weights: the engine runs the modules
+        configs.pop("layer modules"), configs.pop("no stages")
     if packed_head is None or head.weight.numel() == 0:
         configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare
     steps = {(b, name): [] for b in batches for name in configs}

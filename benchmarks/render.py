@@ -442,6 +442,7 @@ TABLES: dict[str, Table] = {
         "llama.cpp, Q4_K_M": readme_cell("llama.cpp"), "llama.cpp, Q8_0": readme_cell("llama.cpp Q8_0")}),
     "cpu-decode-step": Table("cpu_decode_step.json", rows_of("steps"), {
         "batch": key("batch"), "engine": cpu_step_cell("engine_s"),
+        "larger steps through the modules": cpu_step_cell("no_stages_s"),
         "layers through the modules": cpu_step_cell("layer_modules_s"),
         "+ decode attention gathered (the reference)": cpu_step_cell("gathered_decode_s"),
         "+ norms, rotary, activation as torch ops": cpu_step_cell("torch_elementwise_s"),

@@ -109,6 +109,8 @@ class CpuBackend(Backend):
         if batch.inputs.fixed_shape:
             return "fixed-shape"
         step = decode_step(batch, self.decoder_rows) if self.decoder_rows else None
+        if step is not None and step.stages and not self.decoder_stages:
+            step = None
         batch.route_state = step
         return "modules" if step is None else "decoder-stages" if step.stages else "decoder-layers"
 
@@ -129,3 +131,6 @@ class CpuBackend(Backend):
     # The most rows of a decode step the one-call decoder layers run, set by
     # prepare where it wrapped them (decoder.max_rows); 0: every step runs the modules.
     decoder_rows = 0
+    # Larger decode steps: the wrapped layers in stages (True), or the modules
+    # (False: benchmarks/cpu_decode_step.py compares the two).
+    decoder_stages = True
