@@ -2,7 +2,8 @@
 engine as it is beside the engine with one choice undone, and at batch 1
 the step against the time its matrix products alone take.
 
-Configurations (one engine, switched in place, interleaved `--repeat` times;
+Configurations (one engine, switched in place, interleaved `--repeat` times,
+every other round in reverse order;
 medians of the steady steps, where every sequence decodes):
 
   engine         as shipped: the "cpu" backend. Steps of up to
@@ -151,9 +152,10 @@ def run(args) -> dict:
     steps = {(b, name): [] for b in batches for name in configs}
     first_ids = {}
     try:
-        for _ in range(repeat):
+        for round_ in range(repeat):
             for b in batches:
-                for name, undo in configs.items():
+                # (every other round in reverse: this VM's speed drifts, and a fixed order would bias the first)
+                for name, undo in list(configs.items())[::-1 if round_ % 2 else 1]:
                     switch(**undo)
                     engine.kv.reset_prefix_cache()
                     times, ids = steady_steps(engine, work[b], new_tokens)
