@@ -64,7 +64,7 @@ def _check_views(layout):
             else:  # the layer's heads in pieces, in order, each whole in one page
                 assert sum(heads for _, _, heads in view.places) == group.spec.num_kv_heads
                 assert all(0 < heads <= group.heads_per_page for _, _, heads in view.places)
-                assert len(view.places) <= -(-group.spec.num_kv_heads // group.heads_per_page) + 1
+                assert len(view.places) <= -(-group.spec.num_kv_heads // group.heads_per_page) + 1 <= 5
             for column, offset, heads in view.places:
                 size = heads * group.head_bytes if heads else group.layer_bytes
                 assert offset + size <= page

@@ -252,8 +252,8 @@ def _mamba_layer_layout(spec: RecurrentSpec) -> tuple[int, tuple[int, ...]]:
 # up to this many times the largest layer block.
 MAX_PAGE_MULTIPLE = 64
 # Where a group's heads are packed (KVCacheGroup.heads_per_page), a page
-# holds at least 1/this of one of its layers' blocks: a layer then lies in
-# at most this many pieces, plus one (each one more attention call per
+# holds at least 1/this of a layer's heads (rounded up): a layer then lies
+# in at most this many pieces, plus one (each one more attention call per
 # layer and step).
 MAX_PIECES = 4
 # Packing heads is taken only where it rounds at least this much less:
@@ -313,7 +313,7 @@ def _packed_heads_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: 
         pieces = [(spec.block_bytes(block_size) // (spec.num_kv_heads if packed else 1),
                    layers * (spec.num_kv_heads if packed else 1), h)
                   for (spec, layers, block_size), packed, h in zip(attn, packing, held)]
-        smallest = max((spec.block_bytes(block_size) // MAX_PIECES
+        smallest = max((-(-spec.num_kv_heads // MAX_PIECES) * (spec.block_bytes(block_size) // spec.num_kv_heads)
                         for (spec, _, block_size), packed in zip(attn, packing) if packed), default=0)
         rounding, page = _least_rounding_page(pieces, state_bytes, smallest)
         tried.append((sum(packing), rounding, page, list(packing)))
