@@ -380,8 +380,9 @@ def _stages(lib, layer, cache, rows, x, cos, sin, w, qkv_bias, q_width: int, int
     CpuDecoderLayer does with the modules' products."""
     def stage(product, width, which):
         out = None if width == 0 else torch.empty(x.shape[0], width, dtype=x.dtype)
+        product = None if product is None else product.contiguous()  # (held: C reads it)
         if lib.layer_stage(layer, cache, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                           None if product is None else product.contiguous().data_ptr(),
+                           None if product is None else product.data_ptr(),
                            None if out is None else out.data_ptr(), which, torch.get_num_threads()) != 0:
             raise AssertionError("layer_stage failed")
         return out

@@ -283,7 +283,8 @@ class CpuDecoderLayer(nn.Module):
 
         def between(product: torch.Tensor | None, width: int, which: int) -> torch.Tensor | None:
             out = None if width == 0 else torch.empty(x.shape[0], width, dtype=self.dtype)
-            self._check(stage(*call, None if product is None else product.contiguous().data_ptr(),
+            product = None if product is None else product.contiguous()  # (held: C reads it)
+            self._check(stage(*call, None if product is None else product.data_ptr(),
                               None if out is None else out.data_ptr(), which, threads))
             return out
 

@@ -1242,8 +1242,9 @@ int decode_layer(const decoder_layer *L, const paged_cache *c, const decode_rows
 
 /* The stages of `decode_layer` between its four products, for a caller
  * that makes those itself (decoder.py: oneDNN's batched products, which
- * beat the layer's own from 16 rows on, where the modules' way spent a
- * fifth of a 16-row step between the products, in Python). `in` is the
+ * beat the layer's own from a dozen rows on, a few in float32, where the
+ * modules' way spent a fifth of a 16-row step between the products, in
+ * Python). `in` is the
  * product before the stage, `out` the input of the one after it, [rows, n]
  * each, of the layer's type t (the products read and write it):
  *   LAYER_STAGE_INPUT:  out = input_norm(x)                       (in unused)
