@@ -403,6 +403,7 @@ def test_prefill_and_decode_replicas_equal_one_plain_engine(cluster, plain, tmp_
             assert hit == (len(prompt) - 1) // 16 * 16  # the whole hit, from the prefill replica's blocks
         metrics = cluster.get(f"/{app}/metrics").text
         assert 'hybridkv_prefills_total{outcome="done"} 3.0' in metrics
+        time.sleep(SETTLE_S)  # the router hears of the decode replica's blocks
         # A prompt the decode replica holds, and a short one, are computed there: no transfer.
         for prompt, expected_hit in ((prompt + [7, 8, 9], (len(prompt) + 2) // 16 * 16), (tokens(rng, 40), 0)):
             _, text, hit = complete(cluster, app, prompt, max_tokens=6)
