@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 
@@ -124,33 +125,38 @@ def full_attention_run(engine, probe) -> int:
 # -- the event feed (no Ray) ---------------------------------------------------
 def test_feed_follows_the_replica_and_recovers_from_a_gap():
     """A router fed every report knows each hit the replica would give; one
-    that missed a report notices at the next delta, forgets the replica, and
-    knows it exactly again from the next snapshot."""
+    that missed a report (a snapshot too) takes what it missed from the next
+    report's backlog and stays exact; one that missed more than the backlog
+    notices, forgets the replica, and knows it exactly again from the next
+    snapshot."""
     engine = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
-    reporter = EventReporter(snapshot_every=3)  # reports 1, 3 and 6 are snapshots
-    every, gappy = IndexFeed(), IndexFeed()
+    reporter = EventReporter(snapshot_every=4, backlog=1)  # reports 1, 4 and 8 are snapshots
+    every, skips_one, gappy = IndexFeed(), IndexFeed(), IndexFeed()
+    missed = {skips_one: {2, 4}, gappy: {5, 6}}
     rng = random.Random(1)
-    prompts = [tokens(rng, 40) for _ in range(6)]
-    before = None
-    for i, prompt in enumerate(prompts):
+    prompts = [tokens(rng, 40) for _ in range(8)]
+    last_taken = {}  # feed -> the truth when it took its latest report
+    for seq, prompt in enumerate(prompts, start=1):
         greedy(engine, prompt + tokens(rng, 24), 2)
         report = reporter.report(engine.kv)
-        every.offer("r", report)
-        if i != 3:  # gappy misses report 4
-            gappy.offer("r", report)
+        assert report["seq"] == seq and report["snapshot"] == (seq in (1, 4, 8))
+        for feed in (every, skips_one, gappy):
+            if seq not in missed.get(feed, ()):
+                feed.offer("r", report)
         truth = PrefixIndex(engine.layout)  # the replica's state now, read whole
         truth.apply("r", snapshot_events(engine.kv))
         want = [truth.hit_tokens("r", p + [7]) for p in prompts]
         assert [every.hits(p + [7]).get("r", 0) for p in prompts] == want
-        got = [gappy.hits(p + [7]).get("r", 0) for p in prompts]
-        if i == 3:
-            assert got == before  # stale by one report: it has not seen report 4 yet
-        elif i == 4:
-            assert got == [0] * len(prompts) and not gappy.synced("r") and gappy.num_gaps == 1  # 5 follows 3
-        else:
-            assert got == want and gappy.synced("r")
-        before = want
-    assert sum(want) > 0 and every.num_gaps == 0
+        for feed in (skips_one, gappy):
+            got = [feed.hits(p + [7]).get("r", 0) for p in prompts]
+            if seq in missed[feed]:
+                assert got == last_taken[feed]  # stale: it has not seen this report yet
+            elif feed is gappy and seq == 7:
+                assert got == [0] * len(prompts) and not gappy.synced("r") and gappy.num_gaps == 1  # 7 follows 4
+            else:
+                assert got == want and feed.synced("r"), (seq, feed is gappy)
+                last_taken[feed] = want
+    assert sum(want) > 0 and every.num_gaps == 0 and skips_one.num_gaps == 0
 
 
 def test_recent_routes_count_until_the_reports_catch_up():
@@ -339,6 +345,18 @@ def _wait_replaced(app: str, before: set[str], timeout: float = 120) -> str:
     raise TimeoutError(f"no replacement among the replicas of {app}: {ids}, before {before}")
 
 
+def _wait_metric(client, app: str, pattern: str, timeout: float = 60) -> None:
+    """Until the ingress's /metrics (the replicas' reports as its router
+    last took them) has a line matching `pattern`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = client.get(f"/{app}/metrics").text
+        if re.search(pattern, text):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no line of /{app}/metrics matches {pattern!r}:\n{text}")
+
+
 def _retried(client) -> float:
     text = client.get("/tiny-gemma3/metrics").text
     line = next(line for line in text.splitlines() if line.startswith("hybridkv_requests_retried_total"))
@@ -403,7 +421,8 @@ def test_prefill_and_decode_replicas_equal_one_plain_engine(cluster, plain, tmp_
             assert hit == (len(prompt) - 1) // 16 * 16  # the whole hit, from the prefill replica's blocks
         metrics = cluster.get(f"/{app}/metrics").text
         assert 'hybridkv_prefills_total{outcome="done"} 3.0' in metrics
-        time.sleep(SETTLE_S)  # the router hears of the decode replica's blocks
+        # The router has the decode replica's report made after those prompts (and so its blocks).
+        _wait_metric(cluster, app, r'hybridkv_generation_tokens_total\{replica="[^"]+"\} 18\.0')
         # A prompt the decode replica holds, and a short one, are computed there: no transfer.
         for prompt, expected_hit in ((prompt + [7, 8, 9], (len(prompt) + 2) // 16 * 16), (tokens(rng, 40), 0)):
             _, text, hit = complete(cluster, app, prompt, max_tokens=6)

@@ -13,14 +13,19 @@ replica's incarnation (`epoch`) and a sequence number:
 * a report is the events since the previous report (a delta), or, every
   `snapshot_every` reports and on the first, the whole state: a reset
   followed by every key each group holds (a snapshot);
-* a router applies a delta only on top of the report numbered just before
-  it; on a gap (or a new epoch: the replica was restarted) it forgets that
-  replica and ignores its deltas until the next snapshot, instead of
-  guessing.
+* each report also carries the deltas of the `backlog` reports before it,
+  so a router that missed up to that many (the controller's push keeps
+  only the latest, and two reports may pass between two pushes under load)
+  applies what it missed, in order, and stays exact;
+* a router applies a delta only on top of the reports numbered before it
+  (its own or from the backlog); on a longer gap (or a new epoch: the
+  replica was restarted) it forgets that replica and ignores its deltas
+  until the next snapshot, instead of guessing.
 
 Staleness: a router knows what a replica held one report period ago (plus
-the controller's push); after a gap it knows nothing of that replica for
-at most `snapshot_every` periods, and routes to it by queue length only.
+the controller's push); after a gap longer than the backlog it knows
+nothing of that replica for at most `snapshot_every` periods, and routes to
+it by queue length only.
 
 Torch-free: the replica side reads a KVCacheManager, the router side holds
 a PrefixIndex.
@@ -38,23 +43,29 @@ from ..core.prefix_index import PrefixIndex
 class EventReporter:
     """The replica's side: turns the manager's events into numbered reports."""
 
-    def __init__(self, snapshot_every: int = 20):
+    def __init__(self, snapshot_every: int = 20, backlog: int = 4):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if backlog < 0:
+            raise ValueError(f"backlog must be >= 0, got {backlog}")
         self.snapshot_every = snapshot_every
         self.epoch = uuid.uuid4().hex  # a restarted replica starts a new numbering
         self.seq = 0
+        # The deltas of the latest reports, oldest first; a snapshot's own
+        # delta too, so a router that missed the snapshot can still catch up.
+        self._recent: deque = deque(maxlen=backlog)
 
     def report(self, kv) -> dict:
         """The next report of manager `kv` (made with enable_kv_events=True).
         Call where nothing else touches `kv` (the engine thread)."""
-        events = kv.take_events()  # drained every time, so a snapshot leaves no backlog behind it
+        delta = kv.take_events()  # drained every time, so a snapshot leaves nothing pending behind it
         self.seq += 1
         snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0
-        if snapshot:
-            events = snapshot_events(kv)
-        return {"epoch": self.epoch, "seq": self.seq, "snapshot": snapshot, "events": events,
-                "layout": kv.layout if snapshot else None}
+        report = {"epoch": self.epoch, "seq": self.seq, "snapshot": snapshot,
+                  "events": snapshot_events(kv) if snapshot else delta,
+                  "layout": kv.layout if snapshot else None, "earlier": list(self._recent)}
+        self._recent.append(delta)
+        return report
 
 
 def snapshot_events(kv) -> list:
@@ -86,8 +97,8 @@ class IndexFeed:
             return
         mark = (report["epoch"], report["seq"])
         last = self._seen.get(replica)
-        if last == mark:
-            return
+        if last is not None and last[0] == mark[0] and last[1] >= mark[1]:
+            return  # taken already, or older than what was
         self._seen[replica] = mark
         self.reports[replica] = self.reports.get(replica, 0) + 1
         if report["snapshot"]:
@@ -95,13 +106,27 @@ class IndexFeed:
                 self.index = PrefixIndex(report["layout"])
             self.index.apply(replica, report["events"])  # it begins with a reset
             self._synced.add(replica)
-        elif replica in self._synced and last is not None and last[0] == mark[0] and last[1] + 1 == mark[1]:
-            self.index.apply(replica, report["events"])
-        else:
-            if replica in self._synced:
-                self.num_gaps += 1
-            self.forget(replica)
-            self._seen[replica] = mark
+            return
+        same_run = replica in self._synced and last is not None and last[0] == mark[0]
+        if same_run and self._catch_up(replica, last[1], mark[1], report):
+            return
+        if replica in self._synced:
+            self.num_gaps += 1
+        self.forget(replica)
+        self._seen[replica] = mark
+
+    def _catch_up(self, replica, last: int, seq: int, report: dict) -> bool:
+        """Apply delta `seq` on top of report `last`, with the deltas in
+        between from the report's backlog; False (nothing applied) where
+        the backlog does not reach back to `last`."""
+        earlier = report.get("earlier", ())
+        missed = seq - last - 1
+        if not 0 <= missed <= len(earlier):
+            return False
+        for events in earlier[len(earlier) - missed:]:
+            self.index.apply(replica, events)
+        self.index.apply(replica, report["events"])
+        return True
 
     def forget(self, replica) -> None:
         """`replica` is gone, or its reports have a gap: nothing is known of it."""
