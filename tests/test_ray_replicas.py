@@ -428,8 +428,11 @@ def test_prefill_and_decode_replicas_equal_one_plain_engine(cluster, plain, tmp_
             _, text, hit = complete(cluster, app, prompt, max_tokens=6)
             assert text == greedy(engine, prompt, 6) and hit == expected_hit
         metrics = cluster.get(f"/{app}/metrics").text
-        assert 'hybridkv_prefills_total{outcome="done"} 3.0' in metrics
-        assert 'hybridkv_prefills_total{outcome="local"} 2.0' in metrics
+        router = [line for line in metrics.splitlines() if line.startswith(("hybridkv_prefills_total",
+                                                                            "hybridkv_router_"))]
+        assert 'hybridkv_prefills_total{outcome="done"} 3.0' in metrics, router
+        assert 'hybridkv_prefills_total{outcome="local"} 2.0' in metrics, router
+        assert any(line.startswith("hybridkv_router_replica_synced{") for line in router), router
     finally:
         serve.delete(app)
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -225,6 +225,15 @@ class ReplicaSet:
                                 "failed: the decode replica computed the prompt itself; local: the part past a "
                                 "decode replica's hit was short enough to compute there)", labelnames=["outcome"],
                                 registry=self.server_metrics.registry)
+        # What the router of the engine deployment knows of its replicas'
+        # caches (set at each scrape): a router that lost track of a replica
+        # routes to it by queue length alone until its next snapshot.
+        self.router_synced = Gauge("hybridkv_router_replica_synced", "1 where this process's router follows the "
+                                   "replica's cached blocks exactly, 0 where it lost its reports until the next "
+                                   "snapshot", labelnames=["replica"], registry=self.server_metrics.registry)
+        self.router_gaps = Gauge("hybridkv_router_report_gaps", "Times this process's router missed more of a "
+                                 "replica's reports than the next one's backlog held",
+                                 registry=self.server_metrics.registry)
         self.max_model_len = None
         self.alive = True  # Ray Serve health-checks and replaces the replicas themselves
         self.error = None
@@ -275,6 +284,11 @@ class ReplicaSet:
     async def metrics(self) -> bytes:
         deployment = self.handle.deployment_id
         stats = replica_stats().get((deployment.app_name, deployment.name), {})
+        router = router_of(deployment.app_name, deployment.name)
+        if router is not None:
+            self.router_gaps.set(router.feed.num_gaps)
+            for replica in stats:
+                self.router_synced.labels(replica).set(int(router.feed.synced(replica)))
         return self.server_metrics.render_replicas(stats)
 
 
