@@ -1,12 +1,16 @@
-"""Prefill attention in query tiles against one masked call per chunk.
+"""Prefill attention in query tiles against one masked call per chunk, and
+the tiles' softmax in one C pass against torch's passes.
 
 The torch attention reference (layers/backends/reference/attention.py) cuts a long
-prefill chunk into query tiles that score only the keys they may read. This
-script prefills the same prompts with the engine both ways, interleaved in
-one process (these machines are noisy), and prints the best time of each.
+prefill chunk into query tiles that score only the keys they may read; on
+the cpu backend each tile's softmax is one pass of a C kernel
+(`masked_softmax`) where torch makes four. This script prefills the same
+prompts with the engine each way, interleaved in one process (these
+machines are noisy), and prints the best time of each.
 
     python -m benchmarks.prefill_tiles                  # tiny-gemma3 and small-gemma3
     python -m benchmarks.prefill_tiles --models gemma3-270m   # the real model: 16 prompts of 700 tokens
+    python -m benchmarks.prefill_tiles --models gemma3-270m --dtype bfloat16
     python -m benchmarks.prefill_tiles --quick          # seconds: CI smoke run
 """
 
@@ -19,11 +23,13 @@ from benchmarks import harness
 
 def arguments(parser) -> None:
     parser.add_argument("--models", default="tiny-gemma3,small-gemma3")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
 
 def result_name(args) -> str:
-    return "prefill_tiles.json" if args.models == "tiny-gemma3,small-gemma3" else \
-        f"prefill_tiles_{args.models.replace(',', '_').replace('-', '_')}.json"
+    name = "prefill_tiles" if args.models == "tiny-gemma3,small-gemma3" else \
+        f"prefill_tiles_{args.models.replace(',', '_').replace('-', '_')}"
+    return f"{name}.json" if args.dtype == "float32" else f"{name}_{args.dtype}.json"
 
 
 def run(args) -> dict:
@@ -40,31 +46,43 @@ def run(args) -> dict:
     def one_call(spec, seg):
         return [(0, seg.length, 0, seg.mask.shape[-1])]
 
-    print(f"{num} prompts of 100-1000 tokens (gemma3-270m: 16 of 700), prefill + 1 token, float32, "
+    print(f"{num} prompts of 100-1000 tokens (gemma3-270m: 16 of 700), prefill + 1 token, {args.dtype}, "
           f"{args.threads} threads, best of {repeat}")
-    print(f"{'model':<14} {'one call s':>11} {'query tiles s':>14} {'speedup':>8}")
+    print(f"{'model':<14} {'one call s':>11} {'tiles, torch softmax s':>23} {'query tiles s':>14} "
+          f"{'tiles x':>8} {'C softmax x':>12}")
+    configs = (("one", one_call, True), ("torch softmax", tiled, False), ("tiles", tiled, True))
     rows = []
     try:
         for model in models:
             if model == "gemma3-270m":  # the real model (the `gemma` extra), real_gemma3.py's long-16 prompts
-                engine = Engine(real_gemma3.gguf_path(), kv_cache_memory="1GiB", progress=False, dtype="float32",
+                engine = Engine(real_gemma3.gguf_path(), kv_cache_memory="1GiB", progress=False, dtype=args.dtype,
                                 max_num_seqs=64, enable_prefix_caching=False)
                 prompts = real_gemma3.batch_prompts(16, 700)
             else:
-                engine = Engine(tiny_model_dir(model), kv_cache_memory="512MiB", progress=False, dtype="float32",
+                engine = Engine(tiny_model_dir(model), kv_cache_memory="512MiB", progress=False, dtype=args.dtype,
                                 max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
                 prompts = prompts_for("random", num, engine.vocab_size)
+            ops = engine.backend.attention
+            fused = getattr(ops, "fused_softmax", None)  # the cpu backend's switch (None: another backend)
             params = SamplingParams(temperature=0.0, max_tokens=1)
-            best = {"one": float("inf"), "tiles": float("inf")}
-            for _ in range(repeat):
-                for name, tiles in (("one", one_call), ("tiles", tiled)):
+            best = {name: float("inf") for name, _, _ in configs}
+            for round_ in range(repeat):
+                # Reversed every other round: a fixed order lets this VM's drift favour one.
+                for name, tiles, c_softmax in configs if round_ % 2 == 0 else configs[::-1]:
                     attention.query_tiles = tiles
+                    if fused is not None:
+                        ops.fused_softmax = c_softmax
                     start = time.perf_counter()
                     engine.generate(prompts, params, use_tqdm=False)
                     best[name] = min(best[name], time.perf_counter() - start)
-            print(f"{model:<14} {best['one']:>11.2f} {best['tiles']:>14.2f} {best['one'] / best['tiles']:>7.2f}x")
-            rows.append({"model": model, "prompts": len(prompts), "one_call_s": best["one"],
-                         "query_tiles_s": best["tiles"], "speedup": best["one"] / best["tiles"]})
+            if fused is not None:
+                ops.fused_softmax = fused
+            one, torch_softmax, tiles = best["one"], best["torch softmax"], best["tiles"]
+            print(f"{model:<14} {one:>11.2f} {torch_softmax:>23.2f} {tiles:>14.2f} {one / tiles:>7.2f}x "
+                  f"{torch_softmax / tiles:>11.2f}x")
+            rows.append({"model": model, "prompts": len(prompts), "dtype": args.dtype, "backend": engine.backend.name,
+                         "one_call_s": one, "torch_softmax_s": torch_softmax, "query_tiles_s": tiles,
+                         "speedup": one / tiles, "c_softmax_speedup": torch_softmax / tiles})
     finally:
         attention.query_tiles = tiled
     return {"models": rows}

@@ -417,9 +417,13 @@ TABLES: dict[str, Table] = {
         "gain": key("ttft_gain", lambda v: times(v, 1)), "hit rate": lambda r: pct(r["on"]["hit_rate"]),
         "per-pair gains": lambda r: " / ".join(f"{a['ttft_mean'] / b['ttft_mean']:.2f}"
                                                for a, b in zip(r["runs"]["off"], r["runs"]["on"]))}),
-    "prefill-tiles": Table(("prefill_tiles.json", "prefill_tiles_gemma3_270m.json"), rows_of("models"), {
-        "model": key("model"), "prompts": key("prompts"), "one masked call": key("one_call_s", seconds),
-        "query tiles": key("query_tiles_s", seconds), "speedup": key("speedup", times)}),
+    "prefill-tiles": Table(("prefill_tiles.json", "prefill_tiles_gemma3_270m.json",
+                            "prefill_tiles_gemma3_270m_bfloat16.json"), rows_of("models"), {
+        "model": key("model"), "dtype": lambda r: r.get("dtype", "float32"), "prompts": key("prompts"),
+        "one masked call": key("one_call_s", seconds), "query tiles": key("query_tiles_s", seconds),
+        "speedup": key("speedup", times),
+        "tiles, torch's softmax": lambda r: seconds(r["torch_softmax_s"]) if "torch_softmax_s" in r else "not run",
+        "C softmax": lambda r: times(r["c_softmax_speedup"]) if "c_softmax_speedup" in r else "not run"}),
     "real-gemma3": real_gemma3_table(["hybridkv", "vllm"], ["vllm"]),
     "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm", "llama.cpp", "llama.cpp Q8_0"],
                                               ["vllm", "llama.cpp", "llama.cpp Q8_0"], "real_gemma3_bfloat16.json"),

@@ -82,7 +82,8 @@ def test_the_boundary_is_read_from_the_c_source(lib):
     # with the compiled library's (checked at load).
     assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
-                                  "layer_stage", "row_max", "rotate_rows", "gated_delta", "ssd", "host_all_reduce",
+                                  "layer_stage", "row_max", "rotate_rows", "masked_softmax", "gated_delta", "ssd",
+                                  "host_all_reduce",
                                   "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]
@@ -117,7 +118,7 @@ def library_with(lib, name: str, replace):
 
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer", "layer_stage",
-                                    "row_max", "rotate_rows", "gated_delta", "ssd"])
+                                    "row_max", "rotate_rows", "masked_softmax", "gated_delta", "ssd"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
 
@@ -126,7 +127,8 @@ def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
             status = fn(*args)
             out = args[{"decode_attention": 7, "norm_rotary": 13, "gated_activation": 5, "decode_layer": 3,
                         "layer_stage": 3,
-                        "row_max": 4, "rotate_rows": 0, "gated_delta": 15, "ssd": 16}[broken]]
+                        "row_max": 4, "rotate_rows": 0, "masked_softmax": 9, "gated_delta": 15,
+                        "ssd": 16}[broken]]
             ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
             return status
         return wrong

@@ -2,7 +2,8 @@
 CPU step in hybridkv's C kernels (kernels.c) and oneDNN's products:
 
 * decode attention reads each query's keys where they lie in the pool
-  (attention.py); stores and prefill attention stay the reference's;
+  (attention.py); stores and prefill attention stay the reference's, but
+  for each prefill tile's softmax: one C pass (`masked_softmax`);
 * the gated delta rule (Gated DeltaNet) token by token on the states in
   place (recurrent.py); the other recurrent kinds run the reference's ops;
 * RMS norms, Gemma's q/k norm + rotary and the gated activation in one C

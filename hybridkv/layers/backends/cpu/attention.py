@@ -77,6 +77,9 @@ class CpuAttention(AttentionOps):
     """The attention side of the "cpu" backend."""
 
     name = "cpu"
+    # Prefill tiles' softmax in one C pass (True), or torch's passes (False:
+    # benchmarks/prefill_tiles.py compares the two).
+    fused_softmax = True
 
     def __init__(self, lib):
         self.lib = lib
@@ -106,8 +109,9 @@ class CpuAttention(AttentionOps):
             ref = meta.reference
             out = torch.empty_like(q)
             if ref.prefills:
+                weights = self.tile_weights if self.fused_softmax else None
                 torch_attention.attend_prefills(self.rotated(q), cache, ref.spec, ref.prefills, column, scale,
-                                                softcap, out, sinks)
+                                                softcap, out, sinks, weights)
                 out = self.rotated(out)
             if meta.decodes is not None:
                 out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column,
@@ -123,8 +127,28 @@ class CpuAttention(AttentionOps):
             out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column, scale,
                                                          softcap, sinks)
         ref = meta.reference
-        torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks)
+        weights = self.tile_weights if self.fused_softmax and q.dtype in STORAGE else None
+        torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks, weights)
         return out
+
+    def tile_weights(self, scores: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+        """A prefill tile's softmax weights, in place of its scores [rows,
+        groups, keys] (float32 or bfloat16, dense; `visible` [rows, keys]
+        bool): one pass of the C kernel `masked_softmax` where torch makes
+        four over the tile (scale, mask, softmax, rounding) and a float32
+        copy of it."""
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+        if visible.stride(-1) != 1:
+            visible = visible.contiguous()
+        rows, groups, keys = scores.shape
+        status = self.lib.masked_softmax(scores.data_ptr(), visible.data_ptr(), visible.stride(0), rows, groups, keys,
+                                         scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+                                         scores.data_ptr(), STORAGE[scores.dtype], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("hybridkv's CPU prefill softmax could not allocate its scratch rows")
+        return scores
 
     def rotated(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] times the orthonormal Hadamard matrix of order n

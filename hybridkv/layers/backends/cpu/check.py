@@ -410,6 +410,43 @@ def check_rotate_rows(lib) -> None:
         raise AssertionError("rotate_rows took rows of 80 elements")
 
 
+def check_masked_softmax(lib) -> None:
+    """A prefill tile's weights: float32 and bfloat16 scores (three query
+    heads a row, 37 keys: a tail past the vector width), each row seeing
+    its own keys through a strided mask (one row none: all zeros), with
+    and without soft-capping and sinks, out of place and in place; within
+    one bfloat16 step of torch's float32 softmax in bfloat16 (it rounds
+    once, where it writes)."""
+    gen = torch.Generator().manual_seed(8)
+    rows, groups, keys, scale = 5, 3, 37, 0.3
+    wide = torch.zeros(rows, keys + 11, dtype=torch.bool)  # rows keys + 11 bytes apart
+    for r in range(rows):
+        wide[r, :20 + 3 * r] = r != 2
+    visible = wide[:, :keys]
+    for dtype in STORAGE:
+        for softcap, sinks in ((0.0, None), (4.0, torch.randn(groups, generator=gen))):
+            for in_place in (False, True):
+                scores = (torch.randn(rows, groups, keys, generator=gen) * 4).to(dtype)
+                x = scores.float() * scale
+                if softcap:
+                    x = torch.tanh(x / softcap) * softcap
+                x = x.masked_fill(~visible[:, None, :], float("-inf"))
+                if sinks is not None:
+                    x = torch.cat([x, sinks.view(1, groups, 1).expand(rows, groups, 1)], dim=-1)
+                expected = torch.softmax(x, dim=-1)[..., :keys].nan_to_num(0.0)
+                out = scores if in_place else torch.empty_like(scores)
+                status = lib.masked_softmax(scores.data_ptr(), visible.data_ptr(), wide.stride(0), rows, groups, keys,
+                                            scale, softcap, None if sinks is None else sinks.data_ptr(),
+                                            out.data_ptr(), STORAGE[dtype], 2)
+                what = f"masked_softmax ({dtype}, softcap {softcap}, sinks {sinks is not None})"
+                if status != 0:
+                    raise AssertionError(f"{what} failed")
+                if dtype == torch.float32:
+                    _close(out, expected, what)
+                elif ((out.float() - expected).abs() > _steps(expected)).any():
+                    raise AssertionError(f"{what} is more than one bfloat16 step from torch's float32 weights")
+
+
 def check_row_max(lib) -> None:
     """The greedy pick: torch's max over rows wider than one span of the
     kernel (kernels.c MAX_SPAN) with a tail past the vector width, ties
@@ -518,6 +555,7 @@ def check(lib) -> None:
         check_gated_activation(lib)
         check_decode_layer(lib)
         check_rotate_rows(lib)
+        check_masked_softmax(lib)
         check_row_max(lib)
         check_gated_delta(lib)
         check_ssd(lib)

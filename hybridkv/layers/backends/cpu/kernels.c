@@ -654,6 +654,111 @@ int rotate_rows(float *x, int64_t rows, int64_t n, int64_t stride, int threads)
     return 0;
 }
 
+/* Sixteen bytes of a visibility mask as lanes: all ones where nonzero. */
+typedef uint8_t bvec __attribute__((vector_size(LANES)));
+
+static inline ivec visible_lanes(const uint8_t *p)
+{
+    bvec b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, ivec) != 0;
+}
+
+INLINE void masked_softmax_row(const void *scores, int64_t at, const uint8_t *visible, int64_t keys, float scale,
+                               float softcap, const float *sink, void *out, float *x, int st)
+{
+    vec top = splat(-INFINITY);
+    int64_t k = 0;
+    for (; k + LANES <= keys; k += LANES) {
+        vec v = load_as(scores, at + k, st) * scale;
+        if (softcap > 0.0f)
+            for (int i = 0; i < LANES; i++)
+                v[i] = softcap * tanhf(v[i] / softcap);
+        v = select(visible_lanes(visible + k), v, splat(-INFINITY));
+        store(x + k, v);
+        top = select(v > top, v, top);
+    }
+    float best = -INFINITY;
+    for (int i = 0; i < LANES; i++)
+        best = top[i] > best ? top[i] : best;
+    for (; k < keys; k++) {
+        float v = get_as(scores, at + k, st) * scale;
+        if (softcap > 0.0f)
+            v = softcap * tanhf(v / softcap);
+        x[k] = visible[k] ? v : -INFINITY;
+        best = x[k] > best ? x[k] : best;
+    }
+    if (sink != NULL && *sink > best)
+        best = *sink;
+    if (best == -INFINITY) { /* a row that sees nothing weighs nothing */
+        for (k = 0; k < keys; k++)
+            put_as(out, at + k, 0.0f, st);
+        return;
+    }
+    vec sum = {0};
+    for (k = 0; k + LANES <= keys; k += LANES) {
+        const vec v = load(x + k);
+        const vec e = select(v > -INFINITY, exp_nonpositive(v - best), splat(0.0f)); /* hidden: exactly 0 */
+        store(x + k, e);
+        sum += e;
+    }
+    float total = sum_lanes(sum);
+    for (; k < keys; k++) {
+        x[k] = x[k] > -INFINITY ? expf(x[k] - best) : 0.0f;
+        total += x[k];
+    }
+    if (sink != NULL)
+        total += expf(*sink - best); /* the sink weighs no value */
+    const float inverse = 1.0f / total;
+    for (k = 0; k + LANES <= keys; k += LANES)
+        store_as(out, at + k, load(x + k) * inverse, st);
+    for (; k < keys; k++)
+        put_as(out, at + k, x[k] * inverse, st);
+}
+
+INLINE int masked_softmax_as(const void *scores, const uint8_t *visible, int64_t mask_stride, int64_t rows,
+                             int64_t groups, int64_t keys, float scale, float softcap, const float *sinks, void *out,
+                             int threads, int st)
+{
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows * groups * keys > PARALLEL_WORK)
+    {
+        float *x = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * groups; t++) {
+            if (x == NULL) {
+                failed = 1;
+                continue;
+            }
+            masked_softmax_row(scores, t * keys, visible + t / groups * mask_stride, keys, scale, softcap,
+                               sinks == NULL ? NULL : sinks + t % groups, out, x, st);
+        }
+        free(x);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The weights of a prefill tile's attention, in place of torch's passes
+ * over its scores (scale, cap, mask, softmax, rounding): scores [rows,
+ * groups, keys] (type st: float32 or bfloat16, a product's output, dense),
+ * visible [rows, keys] bytes (rows mask_stride apart; 0 hides the key from
+ * the row's queries), sinks [groups] float32 or NULL (one more logit in
+ * each denominator). Writes the softmax over keys of scale * score
+ * (soft-capped where softcap > 0: softcap tanh(x / softcap)) to out [rows,
+ * groups, keys] (type st; it may be scores): 0 for a hidden key, and for
+ * every key of a row that sees none. float32 throughout, rounded once where
+ * written (torch's passes round the scaled scores to bfloat16 first).
+ * Returns 0, or -1 where a thread's scratch row could not be had. */
+int masked_softmax(const void *scores, const uint8_t *visible, int64_t mask_stride, int64_t rows, int64_t groups,
+                   int64_t keys, float scale, float softcap, const float *sinks, void *out, int st, int threads)
+{
+    if (st == BF16)
+        return masked_softmax_as(scores, visible, mask_stride, rows, groups, keys, scale, softcap, sinks, out,
+                                 threads, BF16);
+    return masked_softmax_as(scores, visible, mask_stride, rows, groups, keys, scale, softcap, sinks, out, threads,
+                             F32);
+}
+
 /* The float32 norm the decoder layer runs on its scratch rows. */
 static void norm_row(const float *row, const float *weight, float offset, float eps, int64_t dim, float *out)
 {

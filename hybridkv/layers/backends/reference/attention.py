@@ -273,9 +273,12 @@ def gather(cache: torch.Tensor | QuantizedCache, pages: torch.Tensor):
     return (rows[:, 0].index_select(0, flat).view(shape), rows[:, 1].index_select(0, flat).view(shape))
 
 
-def _attend_products(q, k, v, mask, scale, softcap, sinks=None):
+def _attend_products(q, k, v, mask, scale, softcap, sinks=None, weights=None):
     """q [Lq, Hq, D]; k, v [Lk, Hkv, D]; mask [Lq, Lk] (bool); sinks [Hq]
-    or None -> [Lq, Hq, D].
+    or None -> [Lq, Hq, D]. `weights`: a backend's
+    `weights(scores, mask, scale, softcap, sinks)` -> the softmax's weights in
+    the scores' dtype (the CPU backend's one pass: attention.py), or None
+    for torch's passes.
     Each KV head's queries stacked as the rows of one product (scores [Lq *
     G, Lk]), a softmax, a second product: on the CPU both products go
     through oneDNN (linear.product_nt), which makes a prefill tile 1.7x
@@ -287,14 +290,20 @@ def _attend_products(q, k, v, mask, scale, softcap, sinks=None):
     if padded != rows:
         q = torch.cat([q, q.new_zeros(padded - rows, heads, dim)])
         mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])])
-    hidden = ~mask[:, None, :]
+    hidden = ~mask[:, None, :] if weights is None else None
     out = torch.empty_like(q)
     for h in range(k.shape[1]):
         query = q[:, h * groups:(h + 1) * groups].reshape(padded * groups, dim)
         # One KV head's rows made dense (a copy where there are several
         # heads): the products run on dense operands (linear.product_nt).
         keys, values = k[:, h].contiguous(), v[:, h].contiguous()
-        scores = product_nt(query, keys).view(padded, groups, -1).mul_(scale)
+        scores = product_nt(query, keys).view(padded, groups, -1)
+        if weights is not None:
+            probs = weights(scores, mask, scale, softcap, None if sinks is None else sinks[h * groups:(h + 1) * groups])
+            out[:, h * groups:(h + 1) * groups] = product_nt(probs.view(padded * groups, -1), values.t()).view(
+                padded, groups, dim)
+            continue
+        scores.mul_(scale)
         if softcap is not None:
             scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
         scores.masked_fill_(hidden, float("-inf"))
@@ -326,8 +335,10 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column
 
 
 def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[PrefillSegment], column: int,
-                    scale: float, softcap: float | None, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
-    """The prefill chunks' part of `attend`, into `out`."""
+                    scale: float, softcap: float | None, out: torch.Tensor, sinks: torch.Tensor | None = None,
+                    weights=None) -> None:
+    """The prefill chunks' part of `attend`, into `out`; `weights`: as
+    `_attend_products` takes it (CPU tiles only)."""
     for seg in prefills:
         keys, values = gather(cache, seg.pages[column])  # [L, H, D]
         keys, values, mask = keys.to(q.dtype), values.to(q.dtype), seg.mask
@@ -344,7 +355,7 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
                 width = -(-(hi - lo) // KEY_BUCKET) * KEY_BUCKET
                 lo = min(lo, columns - width)  # widened to the bucket: the keys added are masked
                 out[rows] = _attend_products(q[rows], keys[lo:lo + width], values[lo:lo + width],
-                                             mask[first:last, lo:lo + width], scale, softcap, sinks)
+                                             mask[first:last, lo:lo + width], scale, softcap, sinks, weights)
                 continue
             query = q[rows].transpose(0, 1).unsqueeze(0)
             result = _attend(query, keys[lo:hi].transpose(0, 1).unsqueeze(0),
