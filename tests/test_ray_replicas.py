@@ -130,7 +130,7 @@ def test_feed_follows_the_replica_and_recovers_from_a_gap():
     notices, forgets the replica, and knows it exactly again from the next
     snapshot."""
     engine = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
-    reporter = EventReporter(snapshot_every=4, backlog=1)  # reports 1, 4 and 8 are snapshots
+    reporter = EventReporter(snapshot_every=4, backlog=1, small_snapshot_blocks=0)  # reports 1, 4, 8: snapshots
     every, skips_one, gappy = IndexFeed(), IndexFeed(), IndexFeed()
     missed = {skips_one: {2, 4}, gappy: {5, 6}}
     rng = random.Random(1)
@@ -157,6 +157,29 @@ def test_feed_follows_the_replica_and_recovers_from_a_gap():
                 assert got == want and feed.synced("r"), (seq, feed is gappy)
                 last_taken[feed] = want
     assert sum(want) > 0 and every.num_gaps == 0 and skips_one.num_gaps == 0
+
+
+def test_a_router_that_starts_late_follows_a_small_cache_at_once():
+    """A router's first report of a replica is its latest, not its first:
+    while the pool caches few blocks every report is a snapshot, so it
+    follows the replica from there; past that, from the next periodic
+    snapshot."""
+    engine = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
+    small, periodic = EventReporter(snapshot_every=20), EventReporter(snapshot_every=20, small_snapshot_blocks=0)
+    rng = random.Random(2)
+    prompts = [tokens(rng, 40) for _ in range(3)]
+    late, blind = IndexFeed(), IndexFeed()
+    for prompt in prompts:
+        greedy(engine, prompt, 2)
+        reports = small.report(engine.kv), periodic.report(engine.kv)  # (the second's deltas are empty: unused)
+    assert reports[0]["seq"] == 3 and reports[0]["snapshot"] and not reports[1]["snapshot"]
+    late.offer("r", reports[0])
+    blind.offer("r", reports[1])
+    truth = PrefixIndex(engine.layout)
+    truth.apply("r", snapshot_events(engine.kv))
+    want = [truth.hit_tokens("r", p + [7]) for p in prompts]
+    assert sum(want) > 0 and [late.hits(p + [7]).get("r", 0) for p in prompts] == want and late.synced("r")
+    assert not blind.synced("r") and blind.index is None
 
 
 def test_recent_routes_count_until_the_reports_catch_up():

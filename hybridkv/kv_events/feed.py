@@ -11,8 +11,12 @@ two reports may pass while it is busy. So each report carries its
 replica's incarnation (`epoch`) and a sequence number:
 
 * a report is the events since the previous report (a delta), or, every
-  `snapshot_every` reports and on the first, the whole state: a reset
-  followed by every key each group holds (a snapshot);
+  `snapshot_every` reports, on the first, and whenever the pool caches at
+  most `small_snapshot_blocks` blocks, the whole state: a reset followed by
+  every key each group holds (a snapshot). A router that starts after a
+  replica sees its latest report first, not its first: while the cache is
+  small (a replica's first minutes) every report lets it join at once;
+  later it joins at the next periodic snapshot;
 * each report also carries the deltas of the `backlog` reports before it,
   so a router that missed up to that many (the controller's push keeps
   only the latest, and two reports may pass between two pushes under load)
@@ -43,12 +47,14 @@ from ..core.prefix_index import PrefixIndex
 class EventReporter:
     """The replica's side: turns the manager's events into numbered reports."""
 
-    def __init__(self, snapshot_every: int = 20, backlog: int = 4):
+    def __init__(self, snapshot_every: int = 20, backlog: int = 4, small_snapshot_blocks: int = 4096):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         if backlog < 0:
             raise ValueError(f"backlog must be >= 0, got {backlog}")
         self.snapshot_every = snapshot_every
+        # A snapshot of this many keys (32 bytes each) costs a report little.
+        self.small_snapshot_blocks = small_snapshot_blocks
         self.epoch = uuid.uuid4().hex  # a restarted replica starts a new numbering
         self.seq = 0
         # The deltas of the latest reports, oldest first; a snapshot's own
@@ -60,7 +66,8 @@ class EventReporter:
         Call where nothing else touches `kv` (the engine thread)."""
         delta = kv.take_events()  # drained every time, so a snapshot leaves nothing pending behind it
         self.seq += 1
-        snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0
+        snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or \
+            kv.block_cache.num_cached_blocks <= self.small_snapshot_blocks
         report = {"epoch": self.epoch, "seq": self.seq, "snapshot": snapshot,
                   "events": snapshot_events(kv) if snapshot else delta,
                   "layout": kv.layout if snapshot else None, "earlier": list(self._recent)}
