@@ -727,6 +727,7 @@ INLINE int masked_softmax_as(const void *scores, const uint8_t *visible, int64_t
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * groups; t++) {
             if (x == NULL) {
+#pragma omp atomic write
                 failed = 1;
                 continue;
             }
