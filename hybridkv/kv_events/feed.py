@@ -67,10 +67,11 @@ class EventReporter:
         delta = kv.take_events()  # drained every time, so a snapshot leaves nothing pending behind it
         self.seq += 1
         snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or \
-            kv.block_cache.num_cached_blocks <= self.small_snapshot_blocks
+            kv.stats.cached_blocks <= self.small_snapshot_blocks
+        # (A snapshot needs no backlog: a router takes it whole.)
         report = {"epoch": self.epoch, "seq": self.seq, "snapshot": snapshot,
                   "events": snapshot_events(kv) if snapshot else delta,
-                  "layout": kv.layout if snapshot else None, "earlier": list(self._recent)}
+                  "layout": kv.layout if snapshot else None, "earlier": [] if snapshot else list(self._recent)}
         self._recent.append(delta)
         return report
 

@@ -287,6 +287,7 @@ class ReplicaSet:
         router = router_of(deployment.app_name, deployment.name)
         if router is not None:
             self.router_gaps.set(router.feed.num_gaps)
+            self.router_synced.clear()  # (replicas gone since the last scrape leave no line)
             for replica in stats:
                 self.router_synced.labels(replica).set(int(router.feed.synced(replica)))
         return self.server_metrics.render_replicas(stats)
