@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[
 
 from ray import serve  # noqa: E402
 
+from hybridkv.core.events import AllBlocksCleared  # noqa: E402
 from hybridkv.core.prefix_index import PrefixIndex  # noqa: E402
 from hybridkv.engine import Engine, SamplingParams  # noqa: E402
 from hybridkv.server.protocol import render_chat  # noqa: E402
@@ -162,16 +163,25 @@ def test_feed_follows_the_replica_and_recovers_from_a_gap():
 def test_a_router_that_starts_late_follows_a_small_cache_at_once():
     """A router's first report of a replica is its latest, not its first:
     while the pool caches few blocks every report is a snapshot, so it
-    follows the replica from there; past that, from the next periodic
-    snapshot."""
+    follows the replica from there (past that, from the next periodic
+    snapshot); a router that follows it already takes each report's delta,
+    not the snapshot (a reset and every key, milliseconds per replica)."""
     engine = Engine(tiny_model_dir("tiny-gemma3"), enable_kv_events=True, **OPTIONS["tiny-gemma3"])
     small, periodic = EventReporter(snapshot_every=20), EventReporter(snapshot_every=20, small_snapshot_blocks=0)
     rng = random.Random(2)
     prompts = [tokens(rng, 40) for _ in range(3)]
-    late, blind = IndexFeed(), IndexFeed()
+    late, blind, early = IndexFeed(), IndexFeed(), IndexFeed()
+    resets = []
     for prompt in prompts:
         greedy(engine, prompt, 2)
         reports = small.report(engine.kv), periodic.report(engine.kv)  # (the second's deltas are empty: unused)
+        early.offer("r", reports[0])
+        if early.index is not None and not hasattr(early.index.apply, "recorded"):
+            def recording(source, events, apply=early.index.apply):
+                resets.append(bool(events) and isinstance(events[0], AllBlocksCleared))
+                apply(source, events)
+            recording.recorded = True
+            early.index.apply = recording
     assert reports[0]["seq"] == 3 and reports[0]["snapshot"] and not reports[1]["snapshot"]
     late.offer("r", reports[0])
     blind.offer("r", reports[1])
@@ -180,6 +190,8 @@ def test_a_router_that_starts_late_follows_a_small_cache_at_once():
     want = [truth.hit_tokens("r", p + [7]) for p in prompts]
     assert sum(want) > 0 and [late.hits(p + [7]).get("r", 0) for p in prompts] == want and late.synced("r")
     assert not blind.synced("r") and blind.index is None
+    assert [early.hits(p + [7]).get("r", 0) for p in prompts] == want and early.synced("r")
+    assert len(resets) == 2 and not any(resets)  # reports 2 and 3: their deltas
 
 
 def test_recent_routes_count_until_the_reports_catch_up():
@@ -312,14 +324,16 @@ def test_killed_replica_is_replaced_and_no_request_is_lost(cluster, plain):
     engine = plain("tiny-gemma3")
     rng = random.Random(6)
     prompts = [tokens(rng, 24) for _ in range(16)]
-    expected = [greedy(engine, p, 24) for p in prompts]
+    # Longer than the stream below, which starts after them: they are still
+    # running when its replica is killed (24 tokens were sometimes done by then).
+    expected = [greedy(engine, p, 96) for p in prompts]
     long_prompt = tokens(rng, 24)
     long_expected = greedy(engine, long_prompt, 64)
     retried_before = _retried(cluster)
     results: dict[int, tuple] = {}
 
     def send(i):
-        results[i] = complete(cluster, "tiny-gemma3", prompts[i], max_tokens=24)
+        results[i] = complete(cluster, "tiny-gemma3", prompts[i], max_tokens=96)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
     for t in threads:

@@ -15,8 +15,9 @@ replica's incarnation (`epoch`) and a sequence number:
   most `small_snapshot_blocks` blocks, the whole state: a reset followed by
   every key each group holds (a snapshot). A router that starts after a
   replica sees its latest report first, not its first: while the cache is
-  small (a replica's first minutes) every report lets it join at once;
-  later it joins at the next periodic snapshot;
+  small (a replica's first minutes) every report lets it join at once (a
+  router that follows the replica already takes such a report's delta,
+  carried beside it); later it joins at the next periodic snapshot;
 * each report also carries the deltas of the `backlog` reports before it,
   so a router that missed up to that many (the controller's push keeps
   only the latest, and two reports may pass between two pushes under load)
@@ -66,12 +67,17 @@ class EventReporter:
         Call where nothing else touches `kv` (the engine thread)."""
         delta = kv.take_events()  # drained every time, so a snapshot leaves nothing pending behind it
         self.seq += 1
-        snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or \
-            kv.stats.cached_blocks <= self.small_snapshot_blocks
-        # (A snapshot needs no backlog: a router takes it whole.)
+        periodic = self.seq == 1 or self.seq % self.snapshot_every == 0
+        small = not periodic and kv.stats.cached_blocks <= self.small_snapshot_blocks
+        snapshot = periodic or small
+        # A periodic snapshot every router takes whole (it needs no backlog).
+        # A small one is for routers that join: one that follows the replica
+        # takes its delta (and the backlog) instead, for applying a snapshot
+        # of a few thousand keys costs a router milliseconds per replica.
         report = {"epoch": self.epoch, "seq": self.seq, "snapshot": snapshot,
                   "events": snapshot_events(kv) if snapshot else delta,
-                  "layout": kv.layout if snapshot else None, "earlier": [] if snapshot else list(self._recent)}
+                  "delta": delta if small else None, "layout": kv.layout if snapshot else None,
+                  "earlier": [] if periodic else list(self._recent)}
         self._recent.append(delta)
         return report
 
@@ -109,31 +115,34 @@ class IndexFeed:
             return  # taken already, or older than what was
         self._seen[replica] = mark
         self.reports[replica] = self.reports.get(replica, 0) + 1
+        same_run = replica in self._synced and last is not None and last[0] == mark[0]
         if report["snapshot"]:
+            delta = report.get("delta")
+            if delta is not None and same_run and self._catch_up(replica, last[1], mark[1], report, delta):
+                return
             if self.index is None:
                 self.index = PrefixIndex(report["layout"])
             self.index.apply(replica, report["events"])  # it begins with a reset
             self._synced.add(replica)
             return
-        same_run = replica in self._synced and last is not None and last[0] == mark[0]
-        if same_run and self._catch_up(replica, last[1], mark[1], report):
+        if same_run and self._catch_up(replica, last[1], mark[1], report, report["events"]):
             return
         if replica in self._synced:
             self.num_gaps += 1
         self.forget(replica)
         self._seen[replica] = mark
 
-    def _catch_up(self, replica, last: int, seq: int, report: dict) -> bool:
-        """Apply delta `seq` on top of report `last`, with the deltas in
-        between from the report's backlog; False (nothing applied) where
-        the backlog does not reach back to `last`."""
+    def _catch_up(self, replica, last: int, seq: int, report: dict, delta: list) -> bool:
+        """Apply `delta` (report `seq`'s) on top of report `last`, with the
+        deltas in between from the report's backlog; False (nothing
+        applied) where the backlog does not reach back to `last`."""
         earlier = report.get("earlier", ())
         missed = seq - last - 1
         if not 0 <= missed <= len(earlier):
             return False
         for events in earlier[len(earlier) - missed:]:
             self.index.apply(replica, events)
-        self.index.apply(replica, report["events"])
+        self.index.apply(replica, delta)
         return True
 
     def forget(self, replica) -> None:
