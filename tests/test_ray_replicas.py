@@ -160,7 +160,7 @@ def test_feed_follows_the_replica_and_recovers_from_a_gap():
     assert sum(want) > 0 and every.num_gaps == 0 and skips_one.num_gaps == 0
 
 
-def test_a_router_that_starts_late_follows_a_small_cache_at_once():
+def test_a_router_that_starts_late_follows_a_small_cache_at_once(monkeypatch):
     """A router's first report of a replica is its latest, not its first:
     while the pool caches few blocks every report is a snapshot, so it
     follows the replica from there (past that, from the next periodic
@@ -171,17 +171,18 @@ def test_a_router_that_starts_late_follows_a_small_cache_at_once():
     rng = random.Random(2)
     prompts = [tokens(rng, 40) for _ in range(3)]
     late, blind, early = IndexFeed(), IndexFeed(), IndexFeed()
-    resets = []
+    applied = []  # (index, whether the events applied begin with a reset)
+    apply = PrefixIndex.apply
+
+    def recording(index, source, events):
+        applied.append((index, bool(events) and isinstance(events[0], AllBlocksCleared)))
+        return apply(index, source, events)
+
+    monkeypatch.setattr(PrefixIndex, "apply", recording)
     for prompt in prompts:
         greedy(engine, prompt, 2)
         reports = small.report(engine.kv), periodic.report(engine.kv)  # (the second's deltas are empty: unused)
-        early.offer("r", reports[0])
-        if early.index is not None and not hasattr(early.index.apply, "recorded"):
-            def recording(source, events, apply=early.index.apply):
-                resets.append(bool(events) and isinstance(events[0], AllBlocksCleared))
-                apply(source, events)
-            recording.recorded = True
-            early.index.apply = recording
+        early.offer("r", reports[0])  # a router there from the start
     assert reports[0]["seq"] == 3 and reports[0]["snapshot"] and not reports[1]["snapshot"]
     late.offer("r", reports[0])
     blind.offer("r", reports[1])
@@ -191,7 +192,7 @@ def test_a_router_that_starts_late_follows_a_small_cache_at_once():
     assert sum(want) > 0 and [late.hits(p + [7]).get("r", 0) for p in prompts] == want and late.synced("r")
     assert not blind.synced("r") and blind.index is None
     assert [early.hits(p + [7]).get("r", 0) for p in prompts] == want and early.synced("r")
-    assert len(resets) == 2 and not any(resets)  # reports 2 and 3: their deltas
+    assert [reset for index, reset in applied if index is early.index] == [True, False, False]  # then deltas
 
 
 def test_recent_routes_count_until_the_reports_catch_up():
