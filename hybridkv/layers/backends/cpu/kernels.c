@@ -311,14 +311,6 @@ INLINE void dot4(const float *q0, const float *q1, const float *q2, const float 
     }
 }
 
-/* Where key position p of a row lies in the pool (elements from the
- * layer's head). */
-static inline int64_t slot(const int64_t *row_pages, int64_t p, int64_t block0, int64_t block_size,
-                           int64_t page_stride, int64_t slot_stride)
-{
-    return row_pages[p / block_size - block0] * page_stride + (p % block_size) * slot_stride;
-}
-
 /* One row and up to four of a KV head's query heads (count): scores
  * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
  * The cache's elements are of type ct (inlined once per type); for codes
@@ -328,19 +320,30 @@ static inline int64_t slot(const int64_t *row_pages, int64_t p, int64_t block0, 
 INLINE void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
                          const void *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
                          int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
-                         int64_t dim, float scale, float softcap, float *scores, int ct, const float *sc,
-                         const int64_t ss[3])
+                         int64_t dim, float scale, float softcap, float *scores, int64_t *keys, int ct,
+                         const float *sc, const int64_t ss[3])
 {
     float s[4];
-    const int64_t last_block = (lo + n - 1) / block_size, row_bytes = dim * (int64_t)size_of(ct);
+    const int64_t row_bytes = dim * (int64_t)size_of(ct);
+    /* Each key's place in the pool (and, for codes, its scales' place),
+     * found once for the row by walking its blocks: the passes below read
+     * every key several times, and a division per read cost more than the
+     * arithmetic it feeds. */
+    int64_t *scale_at = keys + n;
+    for (int64_t i = 0, b = lo / block_size - block0, at_slot = lo % block_size; i < n; i++) {
+        keys[i] = row_pages[b] * page_stride + at_slot * slot_stride;
+        if (is_code(ct))
+            scale_at[i] = row_pages[b] * ss[0] + at_slot * ss[2];
+        if (++at_slot == block_size)
+            at_slot = 0, b++;
+    }
     for (int64_t i = 0; i < n; i++) {
-        const int64_t p = lo + i, key = slot(row_pages, p, block0, block_size, page_stride, slot_stride);
+        const int64_t key = keys[i];
         /* The next block's row at this slot, fetched a block ahead: the
          * pages of a row lie anywhere in the pool, where the hardware's own
          * prefetch does not follow. */
-        if (p / block_size < last_block) {
-            const char *next = at(cache, slot(row_pages, p + block_size, block0, block_size, page_stride,
-                                              slot_stride), ct);
+        if (i + block_size < n) {
+            const char *next = at(cache, keys[i + block_size], ct);
             for (int64_t b = 0; b < row_bytes; b += 64)
                 __builtin_prefetch(next + b);
         }
@@ -350,7 +353,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
             __builtin_prefetch(value + b);
         dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
         if (is_code(ct)) {
-            const float k_scale = sc[slot(row_pages, p, block0, block_size, ss[0], ss[2])];
+            const float k_scale = sc[scale_at[i]];
             for (int g = 0; g < 4; g++)
                 s[g] *= k_scale;
         }
@@ -377,7 +380,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
     }
     if (is_code(ct)) /* the weights times each value row's scale (the totals are the weights' own) */
         for (int64_t i = 0; i < n; i++) {
-            const float v_scale = sc[slot(row_pages, lo + i, block0, block_size, ss[0], ss[2]) + ss[1]];
+            const float v_scale = sc[scale_at[i] + ss[1]];
             for (int g = 0; g < 4; g++)
                 scores[g * n + i] *= v_scale;
         }
@@ -396,8 +399,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
                 for (int j = 0; j < 4; j++)
                     acc[g][j] = load(os[g] + d + j * LANES);
             for (int64_t i = i0; i < i1; i++) {
-                const int64_t v = slot(row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
-                                  half_stride + d;
+                const int64_t v = keys[i] + half_stride + d;
                 const vec v0 = load_as(cache, v, ct), v1 = load_as(cache, v + LANES, ct),
                           v2 = load_as(cache, v + 2 * LANES, ct), v3 = load_as(cache, v + 3 * LANES, ct);
                 for (int g = 0; g < 4; g++) {
@@ -420,8 +422,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
             float acc = 0.0f;
             for (int64_t i = 0; i < n; i++)
                 acc += scores[g * n + i] *
-                       get_as(cache, slot(row_pages, lo + i, block0, block_size, page_stride, slot_stride) +
-                                         half_stride + d, ct);
+                       get_as(cache, keys[i] + half_stride + d, ct);
             os[g][d] = acc / total[g];
         }
     }
@@ -466,12 +467,15 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     const int64_t block_size = c->block_size;
     /* Rotated int8 rows (`paged_cache`): the queries rotated alike, the output back. */
     const int rotate = c->dtype == I8 && c->rotated;
-    /* The scores, then (bfloat16 or rotated q and out) four heads of each in float32. */
+    /* The scores, then (bfloat16 or rotated q and out) four heads of each
+     * in float32, then the keys' places (and their scales': attend_heads). */
     const int copies = dtype != F32 || rotate;
-    float *scores = malloc(sizeof(float) * (size_t)(4 * n + (copies ? 8 * dim : 0)));
+    const size_t floats = (size_t)(4 * n + (copies ? 8 * dim : 0));
+    float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(2 * n));
     if (scores == NULL)
         return -1;
     float *wide = scores + 4 * n;
+    int64_t *keys = (int64_t *)(scores + floats); /* (4n + 8dim floats: 8-byte aligned) */
     const float *qs[4];
     float *os[4];
     float sink[4];
@@ -499,19 +503,19 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     const int64_t ss[3] = {c->scale_page_stride, c->scale_half_stride, c->scale_slot_stride};
     if (c->dtype == F32)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, F32, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, F32, sc, ss);
     else if (c->dtype == I8)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, I8, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, I8, sc, ss);
     else if (c->dtype == E4M3)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, E4M3, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E4M3, sc, ss);
     else if (c->dtype == E5M2)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, E5M2, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E5M2, sc, ss);
     else
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, BF16, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, BF16, sc, ss);
     for (int g = 0; rotate && g < count; g++)
         rotate_hadamard(os[g], dim);
     if (copies)
