@@ -32,30 +32,52 @@ def row_maxes():
     return [None, CpuBackend().row_max]
 
 
+# A bfloat16 model's logits come as its LM head wrote them (modeling/base.py).
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("row_max", row_maxes(), ids=lambda f: "torch" if f is None else "cpu")
-def test_greedy_rows_take_the_first_maximum(row_max):
-    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
+def test_greedy_rows_take_the_first_maximum(row_max, dtype):
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]], dtype=dtype)
     assert draw(logits, [GREEDY, GREEDY], row_max=row_max) == [1, 0]
     wide = torch.zeros(3, 70_001)
     wide[0, 40_000] = wide[0, 60_000] = 2.0  # spans apart: the first still wins
     wide[1, 70_000] = 1.0
     wide[2, 16] = wide[2, 33] = -1.0
     wide[2] -= 5.0
-    assert draw(wide, [GREEDY] * 3, row_max=row_max) == [40_000, 70_000, 0]
+    assert draw(wide.to(dtype), [GREEDY] * 3, row_max=row_max) == [40_000, 70_000, 0]
 
 
 @pytest.mark.parametrize("row_max", row_maxes(), ids=lambda f: "torch" if f is None else "cpu")
-def test_a_row_with_nan_or_inf_fails_alone(row_max):
+def test_bfloat16_logits_sample_as_their_float32_values(row_max):
+    """The same tokens from bfloat16 logits as from the same values in
+    float32: greedy rows (values that differ in the last bfloat16 bit) and
+    seeded draws (the rows drawn from are widened before the temperature)."""
+    logits = torch.randn(4, 3_000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits[0, 2_999] = logits[0].max() + 0.0078125  # the largest, one step above the next
+    hot = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    params = [GREEDY, hot, GREEDY, SamplingParams(temperature=1.3, seed=5)]
+    streams = [None if p.seed is None else request_stream(p.seed, 0) for p in params]
+    narrow = draw(logits, params, streams, row_max=row_max)
+    streams = [None if p.seed is None else request_stream(p.seed, 0) for p in params]
+    assert narrow == draw(logits.float(), params, streams, row_max=row_max)
+    assert narrow[0] == 2_999
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("row_max", row_maxes(), ids=lambda f: "torch" if f is None else "cpu")
+def test_a_row_with_nan_or_inf_fails_alone(row_max, dtype):
     logits = torch.randn(3, 50)
     logits[0, 7] = float("nan")
     logits[2, 3] = float("inf")
     hot = SamplingParams(temperature=1.0)
-    out = draw(logits, [GREEDY, hot, hot], row_max=row_max)
+    out = draw(logits.to(dtype), [GREEDY, hot, hot], row_max=row_max)
     assert out[0] is None and out[2] is None and isinstance(out[1], int)
     masked = torch.full((1, 10), float("-inf"))
     masked[0, 4] = 0.0  # -inf entries are ordinary masks
-    assert draw(masked, [hot], row_max=row_max) == [4]
-    assert draw(torch.full((1, 10), float("-inf")), [GREEDY], row_max=row_max) == [None]
+    assert draw(masked.to(dtype), [hot], row_max=row_max) == [4]
+    assert draw(torch.full((1, 10), float("-inf"), dtype=dtype), [GREEDY], row_max=row_max) == [None]
 
 
 def test_top_k_and_top_p_keep_only_what_they_allow():

@@ -8,7 +8,9 @@ batched); the rest share the engine's stream.
 Cost matters here: a 262,144-word vocabulary makes a batch-64 logits tensor
 67 MB, and a pass over it costs as much as a layer of the model on the CPU.
 So greedy rows take one pass (the max gives the token and tells whether the
-row is finite), and a sort happens only for rows that ask for top-k/top-p.
+row is finite) over the logits as the model gave them (a bfloat16 model's
+in bfloat16, half the bytes), and a sort happens only for rows that ask for
+top-k/top-p.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _draw(logits, rows, params, streams, default, sort) -> list[int]:
     """Tokens for `rows` of `logits`, all filtered the same way (a row's
     token must not depend on which other rows are drawn with it)."""
     chosen = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-    probs, order = _filtered_probabilities(chosen, [params[i] for i in rows], sort)
+    probs, order = _filtered_probabilities(chosen.float(), [params[i] for i in rows], sort)
     shared = [j for j, i in enumerate(rows) if streams[i] is None]
     uniforms = np.empty(len(rows))
     uniforms[shared] = default.random(len(shared))
@@ -63,7 +65,9 @@ def _draw(logits, rows, params, streams, default, sort) -> list[int]:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], streams: list[np.random.Generator | None],
            default: np.random.Generator, row_max=None) -> list[int | None]:
-    """One token per row of `logits` [rows, vocab] (float32); None for a row
+    """One token per row of `logits` [rows, vocab] (float32, or bfloat16:
+    the greedy pick reads them as they are, rows drawn from are widened
+    first); None for a row
     whose logits are not all finite (a broken model: the caller fails that
     request alone). `streams[r]`: row r's own random stream (a seeded
     request), or None to draw from `default` (seeding.py). `row_max`: the

@@ -87,8 +87,10 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], params: SamplingParam
                   stream: np.random.Generator | None, default: np.random.Generator) -> list[int] | None:
     """The tokens a verified step emits: the accepted drafts, then one more
     (the bonus, or the replacement of the first rejected draft). `logits`
-    [len(drafts) + 1, vocab] float32. None if a row needed is not finite.
-    Draws come from the request's own stream, or `default` (seeding.py)."""
+    [len(drafts) + 1, vocab] (float32, or bfloat16: widened here). None if
+    a row needed is not finite. Draws come from the request's own stream,
+    or `default` (seeding.py)."""
+    logits = logits.float()
     k = len(drafts)
     if params.greedy:
         best, picks = logits.max(dim=-1)

@@ -158,7 +158,7 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, PromptLogprobs | None, TierReport | None]:
-        """Run one step: logits [sampled rows, vocab] (float32), in order, the
+        """Run one step: logits [sampled rows, vocab] (modeling/base.py), in order, the
         prompt logprobs of the plan's `logprob_rows` (None when it has
         none), and the report of its tier copies (None when it has none).
         Under tensor parallelism the driver's rank gets the logits, the
@@ -261,7 +261,7 @@ class Worker:
         step = max(1, LOGPROB_SLICE_BYTES // (4 * self.model.config.vocab_size))
         parts = []
         for start in range(0, len(rows), step):
-            logits = self.model.compute_logits(hidden[rows[start:start + step]])
+            logits = self.model.compute_logits(hidden[rows[start:start + step]]).float()
             if not logits.numel():  # another rank's: the driver reduces
                 continue
             norm = torch.logsumexp(logits, dim=-1, keepdim=True)

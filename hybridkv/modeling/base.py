@@ -44,7 +44,12 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [rows, vocab] for the given hidden rows."""
+        """Logits [rows, vocab] for the given hidden rows: float32, or the
+        LM head's own bfloat16 where nothing after it needs float32 (the
+        sampler's greedy pick reads them as they are; whatever computes
+        with them, a softmax or a temperature, widens the rows it takes:
+        at a 262,144-word vocabulary, widening a batch-64 step's logits
+        writes 67 MB that the pick would then read back)."""
         raise NotImplementedError
 
     def cache_layers(self) -> dict[str, CacheLayer]:

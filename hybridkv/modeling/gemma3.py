@@ -80,9 +80,9 @@ class GemmaForCausalLM(DecoderStack):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)  # (the model's dtype where nothing follows: modeling/base.py)
         if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            logits = torch.tanh(logits.float() / self.final_softcap) * self.final_softcap
         return logits
 
 

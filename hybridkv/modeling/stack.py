@@ -176,4 +176,4 @@ class DecoderStack(CausalLM):
         return getattr(self.model, self.final_norm)(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # (the model's dtype: modeling/base.py)

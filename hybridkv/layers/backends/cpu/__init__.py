@@ -116,16 +116,19 @@ class CpuBackend(Backend):
         return "modules" if step is None else "decoder-stages" if step.stages else "decoder-layers"
 
     def row_max(self, logits):
+        from .attention import STORAGE
+
         # kernels.c `row_max`: both cores at memory's rate, where torch's
-        # max reads a [16, 262144] batch of logits in ~2 ms.
-        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or \
+        # max reads a [16, 262144] batch of logits in ~2 ms; bfloat16 logits
+        # as the LM head wrote them (values widened, exactly, to float32).
+        if logits.dtype not in STORAGE or logits.device.type != "cpu" or logits.dim() != 2 or \
                 logits.stride(-1) != 1 or logits.shape[-1] == 0:
             return super().row_max(logits)
         rows = logits.shape[0]
         values = torch.empty(rows, dtype=torch.float32)
         indices = torch.empty(rows, dtype=torch.int64)
         if self.lib.row_max(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), values.data_ptr(),
-                            indices.data_ptr(), torch.get_num_threads()) != 0:
+                            indices.data_ptr(), torch.get_num_threads(), STORAGE[logits.dtype]) != 0:
             raise MemoryError("row_max: no memory for its scratch")
         return values, indices
 

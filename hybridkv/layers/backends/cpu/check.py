@@ -451,7 +451,8 @@ def check_row_max(lib) -> None:
     """The greedy pick: torch's max over rows wider than one span of the
     kernel (kernels.c MAX_SPAN) with a tail past the vector width, ties
     (values rounded to bfloat16, the largest repeated in a later span),
-    a row of -inf, a row with a NaN; rows read through a stride."""
+    a row of -inf, a row with a NaN; rows read through a stride; in
+    float32 and in bfloat16 (the same values: ties stay ties)."""
     gen = torch.Generator().manual_seed(5)
     rows, cols = 6, 40_009
     x = torch.randn(rows, cols + 7, generator=gen).bfloat16().float()[:, :cols]
@@ -460,15 +461,18 @@ def check_row_max(lib) -> None:
     x[3] = float("-inf")
     x[4, 39_999] = float("nan")
     x[5, cols - 1] = 99.0  # the largest in the tail
-    values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
-    if lib.row_max(x.data_ptr(), rows, cols, x.stride(0), values.data_ptr(), indices.data_ptr(), 2) != 0:
-        raise AssertionError("row_max failed")
     expected, at = x.max(dim=-1)
-    if not torch.equal(values.nan_to_num(7.0), expected.nan_to_num(7.0)):
-        raise AssertionError("row_max's values differ from torch's max")
     ordered = ~torch.isnan(expected)
-    if not torch.equal(indices[ordered], at[ordered]):
-        raise AssertionError("row_max's indices differ from torch's max")
+    for dtype in STORAGE:
+        typed = x if dtype == torch.float32 else torch.empty(rows, cols + 3, dtype=dtype)[:, :cols].copy_(x)
+        values, indices = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+        if lib.row_max(typed.data_ptr(), rows, cols, typed.stride(0), values.data_ptr(), indices.data_ptr(), 2,
+                       STORAGE[dtype]) != 0:
+            raise AssertionError(f"row_max ({dtype}) failed")
+        if not torch.equal(values.nan_to_num(7.0), expected.nan_to_num(7.0)):
+            raise AssertionError(f"row_max's values ({dtype}) differ from torch's max")
+        if not torch.equal(indices[ordered], at[ordered]):
+            raise AssertionError(f"row_max's indices ({dtype}) differ from torch's max")
 
 
 def _check_recurrence(what: str, out, states, before, rows, lengths, step) -> None:

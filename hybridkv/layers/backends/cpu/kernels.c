@@ -1434,7 +1434,9 @@ int layer_stage(const decoder_layer *L, const paged_cache *c, const decode_rows 
 
 /* ---- the greedy pick over a step's logits.
  * values[r], indices[r] = the largest element of row r of x [rows, cols]
- * (float32, rows `stride` apart) and the first column holding it, as
+ * (storage type `dtype`, float32 or bfloat16: a bfloat16 model's logits
+ * are read as the LM head wrote them, not widened to float32 first; rows
+ * `stride` elements apart) and the first column holding it, as
  * torch's max over the last dimension gives them; a row holding a NaN
  * gets a NaN value (its index is then meaningless). A 262,144-word
  * vocabulary makes this a pass over 16 MB at batch 16, which torch's max
@@ -1445,7 +1447,7 @@ int layer_stage(const decoder_layer *L, const paged_cache *c, const decode_rows 
 #define MAX_SPAN (1 << 14)
 
 /* The best (value, first column) of x[0, n) and whether it holds a NaN. */
-static void span_max(const float *x, int64_t n, float *value, int64_t *index, int *nan)
+INLINE void span_max(const void *x, int64_t n, float *value, int64_t *index, int *nan, int t)
 {
     vec best = splat(-INFINITY);
     ivec at_best = {0}, column = {0}, unordered = {0};
@@ -1453,7 +1455,7 @@ static void span_max(const float *x, int64_t n, float *value, int64_t *index, in
         column[i] = i;
     int64_t d = 0;
     for (; d + LANES <= n; d += LANES) {
-        const vec v = load(x + d);
+        const vec v = load_as(x, d, t);
         const ivec greater = v > best; /* strictly: a lane keeps its first column of a tie */
         unordered |= v != v;
         best = select(greater, v, best);
@@ -1471,9 +1473,10 @@ static void span_max(const float *x, int64_t n, float *value, int64_t *index, in
         }
     }
     for (; d < n; d++) {
-        found_nan |= x[d] != x[d];
-        if (x[d] > b || i < 0) {
-            b = x[d];
+        const float v = get_as(x, d, t);
+        found_nan |= v != v;
+        if (v > b || i < 0) {
+            b = v;
             i = d;
         }
     }
@@ -1481,29 +1484,36 @@ static void span_max(const float *x, int64_t n, float *value, int64_t *index, in
 }
 
 /* Returns 0, or -1 where memory for the spans' results could not be had. */
-int row_max(const float *x, int64_t rows, int64_t cols, int64_t stride, float *values, int64_t *indices, int threads)
+int row_max(const void *x, int64_t rows, int64_t cols, int64_t stride, float *values, int64_t *indices, int threads,
+            int dtype)
 {
+    if (dtype != F32 && dtype != BF16)
+        return -2;
     const int64_t spans = cols <= 0 ? 1 : (cols + MAX_SPAN - 1) / MAX_SPAN;
     float *best = malloc((sizeof(float) + sizeof(int64_t) + sizeof(int)) * (size_t)(rows * spans));
     if (best == NULL)
         return -1;
-    int64_t *at = (int64_t *)(best + rows * spans);
-    int *nan = (int *)(at + rows * spans);
+    int64_t *where = (int64_t *)(best + rows * spans);
+    int *nan = (int *)(where + rows * spans);
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= PARALLEL_WORK)
     for (int64_t t = 0; t < rows * spans; t++) {
         const int64_t r = t / spans, s0 = t % spans * MAX_SPAN, n = cols - s0 < MAX_SPAN ? cols - s0 : MAX_SPAN;
-        span_max(x + r * stride + s0, n, best + t, at + t, nan + t);
-        at[t] += s0;
+        const void *span = at(x, r * stride + s0, dtype);
+        if (dtype == F32)
+            span_max(span, n, best + t, where + t, nan + t, F32);
+        else
+            span_max(span, n, best + t, where + t, nan + t, BF16);
+        where[t] += s0;
     }
     for (int64_t r = 0; r < rows; r++) {
         float b = best[r * spans];
-        int64_t i = at[r * spans];
+        int64_t i = where[r * spans];
         int any_nan = nan[r * spans];
         for (int64_t s = 1; s < spans; s++) {
             any_nan |= nan[r * spans + s];
             if (best[r * spans + s] > b) {
                 b = best[r * spans + s];
-                i = at[r * spans + s];
+                i = where[r * spans + s];
             }
         }
         values[r] = any_nan ? NAN : b;
