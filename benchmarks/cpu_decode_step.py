@@ -23,6 +23,10 @@ medians of the steady steps, where every sequence decodes):
                  (index_select), then two batched matmuls
   torch elementwise  the modules, with norms, rotary and activations as
                  torch ops
+  oneDNN LM head  the LM head's product as oneDNN's over its packed copy on
+                 every step (the engine's bfloat16 steps of up to
+                 head.MAX_ROWS rows run it in C over a tiled copy:
+                 layers/backends/cpu/head.py)
   dense LM head  the tied LM head read dense by oneDNN
 
 Workload per batch B: B prompts of 128 tokens (real text, no shared blocks),
@@ -122,16 +126,20 @@ def run(args) -> dict:
     engine.generate([work[1][0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     model = engine.worker.model
     head, packed_head = model.lm_head, getattr(model.lm_head, "packed", None)
+    head_rows = getattr(head, "max_rows", None)  # (a TiledHead's: head.py)
     native = engine.backend.name == "cpu"
     shipped_usable = modules.usable
 
-    def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False, no_stages=False):
+    def switch(layer_modules=False, gathered=False, elementwise=False, dense_head=False, no_stages=False,
+               onednn_head=False):
         """Undo the chosen parts of the shipped engine (none: as shipped)."""
         if native:
             engine.backend.decoder_rows = 0 if layer_modules or gathered or elementwise else shipped_rows
             engine.backend.decoder_stages = not no_stages
         if packed_head is not None:
             head.packed = None if dense_head else packed_head
+        if head_rows is not None:
+            head.max_rows = 0 if dense_head or onednn_head else head_rows
         modules.usable = (lambda x: False) if elementwise else shipped_usable  # the C norms, rotary, activation
         if native:  # the reference's decode groups where the kernel "cannot" read the pool
             engine.backend.attention.supports = (lambda q, cache: False) if gathered else cpu_attention_supports
@@ -140,7 +148,8 @@ def run(args) -> dict:
     shipped_rows = engine.backend.decoder_rows if native else 0
     configs = {"engine": {}, "no stages": {"no_stages": True}, "layer modules": {"layer_modules": True},
                "gathered decode": {"gathered": True},
-               "torch elementwise": {"elementwise": True}, "dense LM head": {"dense_head": True}}
+               "torch elementwise": {"elementwise": True}, "oneDNN LM head": {"onednn_head": True},
+               "dense LM head": {"dense_head": True}}
     if not native:  # no C kernels here: nothing to undo
         for name in ("no stages", "layer modules", "gathered decode", "torch elementwise"):
             configs.pop(name)
@@ -149,6 +158,8 @@ def run(args) -> dict:
         configs.pop("layer modules"), configs.pop("no stages")
     if packed_head is None or head.weight.numel() == 0:
         configs.pop("dense LM head")  # not the oneDNN path (another device or dtype): nothing to compare
+    if head_rows is None:
+        configs.pop("oneDNN LM head")  # no C head here (float32, or no bfloat16 dot product)
     steps = {(b, name): [] for b in batches for name in configs}
     first_ids = {}
     try:

@@ -82,8 +82,8 @@ def test_the_boundary_is_read_from_the_c_source(lib):
     # with the compiled library's (checked at load).
     assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
-                                  "layer_stage", "row_max", "rotate_rows", "masked_softmax", "gated_delta", "ssd",
-                                  "host_all_reduce",
+                                  "layer_stage", "row_max", "head_products", "rotate_rows", "masked_softmax",
+                                  "gated_delta", "ssd", "host_all_reduce",
                                   "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]
@@ -118,16 +118,19 @@ def library_with(lib, name: str, replace):
 
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "norm_rotary", "gated_activation", "decode_layer", "layer_stage",
-                                    "row_max", "rotate_rows", "masked_softmax", "gated_delta", "ssd"])
+                                    "row_max", "head_products", "rotate_rows", "masked_softmax", "gated_delta",
+                                    "ssd"])
 def test_the_self_test_covers_every_exported_function(lib, broken, monkeypatch):
     check.check(lib)
+    if broken == "head_products" and not lib.native_bf16_products:
+        pytest.skip("no bfloat16 dot product on this CPU: head_products refuses every call, and nothing calls it")
 
     def answering_zeros(fn):  # its first float output zeroed
         def wrong(*args):
             status = fn(*args)
             out = args[{"decode_attention": 7, "norm_rotary": 13, "gated_activation": 5, "decode_layer": 3,
                         "layer_stage": 3,
-                        "row_max": 4, "rotate_rows": 0, "masked_softmax": 9, "gated_delta": 15,
+                        "row_max": 4, "head_products": 5, "rotate_rows": 0, "masked_softmax": 9, "gated_delta": 15,
                         "ssd": 16}[broken]]
             ctypes.memset(out if isinstance(out, int) else ctypes.addressof(out), 0, 4)
             return status
@@ -190,7 +193,9 @@ def test_bfloat16_engine_runs_the_c_kernels_and_matches_the_reference_backend(tm
                                                                               monkeypatch):
     # In bfloat16 the decode attention, norms, rotary and activations run in
     # C (counted), none declined: Gemma-3's q/k norms and windows, Gemma-2's
-    # soft-capped attention. Greedy tokens equal the reference backend's up
+    # soft-capped attention; so does the tied LM head on steps of up to
+    # head.MAX_ROWS rows, where the CPU has the bfloat16 dot product (its
+    # logits among those compared). Greedy tokens equal the reference backend's up
     # to a near-tie: the two round differently (the kernel's attention keeps
     # float32 scores where the reference rounds them), so their logits
     # differ by a few bfloat16 steps, and where the reference's top two are
@@ -209,14 +214,16 @@ def test_bfloat16_engine_runs_the_c_kernels_and_matches_the_reference_backend(tm
         if name == "cpu":
             assert not [d for d in engine.stats["backend"]["declined"] if d.startswith(("C decode attention", "C norms"))]
             lib = engine.backend.lib
-            for kernel in ("decode_attention", "norm_rotary", "gated_activation"):
+            kernels = {"decode_attention", "norm_rotary", "gated_activation"} | \
+                ({"head_products"} if lib.native_bf16_products else set())
+            for kernel in kernels:
                 def counted(*args, _fn=getattr(lib, kernel), _name=kernel):
                     calls[_name] = calls.get(_name, 0) + 1
                     return _fn(*args)
                 monkeypatch.setattr(lib, kernel, counted)
         logits = record_logits(engine)
         outs = engine.generate(prompts, params, use_tqdm=False)
-        assert name == "torch" or set(calls) == {"decode_attention", "norm_rotary", "gated_activation"}
+        assert name == "torch" or set(calls) == kernels
         ids = sorted({s for s, _, _ in logits})  # the prompts' sequence ids, in order
         runs[name] = [o.outputs[0].token_ids for o in outs], {(ids.index(s), p): row for s, p, row in logits}
     (cpu, cpu_logits), (ref, ref_logits) = runs["cpu"], runs["torch"]

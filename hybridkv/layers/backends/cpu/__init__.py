@@ -76,6 +76,7 @@ class CpuBackend(Backend):
         from ...dtypes import TORCH_DTYPES
         from .attention import CODES, STORAGE
         from .decoder import max_rows, wrap_decoder_layers
+        from .head import tile_head
         from .linear import pack_linears, spare_memory
         from .modules import swap_norms_and_mlps
 
@@ -102,6 +103,7 @@ class CpuBackend(Backend):
             wrapped = wrap_decoder_layers(model, self.lib, spare_memory(), report) > 0
         self.decoder_rows = max_rows(self.lib, dtype) if wrapped else 0
         pack_linears(model, report)
+        tile_head(model, self.lib, self.decoder_rows, report)
         return report
 
     def route(self, batch) -> str:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ...kv_quant import QuantizedCache, dequantize, quantize, rotation
 from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
-from .decoder import layer_weights, tiled
+from .decoder import layer_weights, tiled, tiles
 from .modules import gated_activation, norm_rotary
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)
@@ -475,6 +475,33 @@ def check_row_max(lib) -> None:
             raise AssertionError(f"row_max's indices ({dtype}) differ from torch's max")
 
 
+def check_head_products(lib) -> None:
+    """The LM head's product over a tiled weight (head.py) against torch's
+    in float32, rounded to bfloat16: every element within one bfloat16
+    step (its sums run in another order), widths past the tiles' (k not a
+    multiple of 32, n not of 4, so the zero padding is read), one to
+    five rows (every count of rows a tile takes at once, and more); more
+    rows than it takes are refused. Nothing to check where the CPU has no
+    bfloat16 dot product (it refuses, and oneDNN runs the head)."""
+    if not lib.native_bf16_products:
+        return
+    gen = torch.Generator().manual_seed(9)
+    n, k = 38, 48
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    tiled = tiles(w)
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+        if lib.head_products(x.data_ptr(), rows, k, tiled.data_ptr(), n, out.data_ptr(), 2) != 0:
+            raise AssertionError("head_products failed")
+        expected = (x.float() @ w.float().t()).bfloat16().float()
+        if not ((out.float() - expected).abs() <= _steps(expected)).all():
+            raise AssertionError(f"head_products ({rows} rows) is more than one bfloat16 step from torch's product")
+    many = torch.zeros(65, k, dtype=torch.bfloat16)
+    if lib.head_products(many.data_ptr(), 65, k, tiled.data_ptr(), n, torch.empty(65, n).data_ptr(), 2) != -1:
+        raise AssertionError("head_products took more rows than it holds sums for")
+
+
 def _check_recurrence(what: str, out, states, before, rows, lengths, step) -> None:
     """A C recurrence's outputs `out` [R, L, ...] and states (rows `rows` of
     `states`, which held `before`) against `step(r, t, state) -> (output,
@@ -561,5 +588,6 @@ def check(lib) -> None:
         check_rotate_rows(lib)
         check_masked_softmax(lib)
         check_row_max(lib)
+        check_head_products(lib)
         check_gated_delta(lib)
         check_ssd(lib)

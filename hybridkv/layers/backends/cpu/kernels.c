@@ -1116,6 +1116,38 @@ static void layer_gated_products(const float *x, int64_t rows, int64_t k, const 
  * kernel to test. */
 const int native_bf16_products = NATIVE_BF16;
 
+/* out [rows, n] (bfloat16) = x [rows, k] (bfloat16, contiguous) times w
+ * [n, k] transposed, w in tiles (decoder.py `tiles`), each sum float32
+ * and rounded once: a bfloat16 LM head on small decode steps (head.py).
+ * Its weight is the largest a step reads (Gemma-3 270M: 335 MB of 511),
+ * and oneDNN's product read it at 13.6 GB/s on one Xeon with AMX, where
+ * these tiles stream at memory's rate (~20 GB/s there). Returns 0, -1
+ * for more than HEAD_MAX_ROWS rows, -2 where the CPU has no bfloat16 dot
+ * product (the caller runs oneDNN's). */
+#define HEAD_MAX_ROWS 64
+
+int head_products(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, void *out, int threads)
+{
+#if NATIVE_BF16
+    if (rows > HEAD_MAX_ROWS)
+        return -1;
+    const int64_t kp = tile_width(k);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j += 4) {
+        const int64_t count = n - j < 4 ? n - j : 4;
+        float sums[HEAD_MAX_ROWS * 4];
+        tile_bf16((const uint16_t *)x, rows, k, (const uint16_t *)w + j * kp, count, NULL, sums, 4);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t a = 0; a < count; a++)
+                ((uint16_t *)out)[r * n + j + a] = narrow1(sums[r * 4 + a]);
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)w, (void)n, (void)out, (void)threads;
+    return -2;
+#endif
+}
+
 /* x += norm(sub) (sub, float32, normed in place; no norm: x += sub), dim
  * elements; x of type t, rounded once per add (the residual stream as
  * the model holds it). */
