@@ -167,6 +167,17 @@ def real_gemma3_table(engines: list[str], ratios: list[str], result: str = "real
     return Table(result, real_gemma3_rows, columns)
 
 
+def bound_table(result: str) -> Table:
+    """Each engine's batch-1 run against the weights-read bound of its steps."""
+    return Table(result, lambda t: t["weights_read_bound"]["engines"], {
+        "engine": key("engine"), "weights a step reads": key("weights_mib", lambda v: f"{num(v)} MiB"),
+        "bound (memory read / weights)": key("bound_tokens_per_s", lambda v: f"{num(v, 1)} tok/s"),
+        "batch 1, prefill included": lambda r: f"{num(r['tokens_per_s'], 1)} tok/s ({100 * r['fraction']:.0f}%)",
+        "its decode steps alone": lambda r: (f"{num(r['decode_tokens_per_s'], 1)} tok/s "
+                                             f"({100 * r['decode_fraction']:.0f}%)" if "decode_fraction" in r
+                                             else "not recorded")})
+
+
 def kv_capacity_rows(t: dict) -> list[dict]:
     """One row per model and narrow dtype (those it has: no full-only row
     where every attention layer is full, or none is), then vLLM's fp8 pages
@@ -427,13 +438,9 @@ TABLES: dict[str, Table] = {
     "real-gemma3": real_gemma3_table(["hybridkv", "vllm"], ["vllm"]),
     "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm", "llama.cpp", "llama.cpp Q8_0"],
                                               ["vllm", "llama.cpp", "llama.cpp Q8_0"], "real_gemma3_bfloat16.json"),
-    "real-gemma3-bound": Table("real_gemma3_bfloat16.json", lambda t: t["weights_read_bound"]["engines"], {
-        "engine": key("engine"), "weights a step reads": key("weights_mib", lambda v: f"{num(v)} MiB"),
-        "bound (memory read / weights)": key("bound_tokens_per_s", lambda v: f"{num(v, 1)} tok/s"),
-        "batch 1, prefill included": lambda r: f"{num(r['tokens_per_s'], 1)} tok/s ({100 * r['fraction']:.0f}%)",
-        "its decode steps alone": lambda r: (f"{num(r['decode_tokens_per_s'], 1)} tok/s "
-                                             f"({100 * r['decode_fraction']:.0f}%)" if "decode_fraction" in r
-                                             else "not recorded")}),
+    "real-gemma3-bound": bound_table("real_gemma3_bfloat16.json"),
+    # The same run on a second machine (an Intel Xeon with AMX), hybridkv and vLLM.
+    "real-gemma3-bfloat16-amx": real_gemma3_table(["hybridkv", "vllm"], ["vllm"], "real_gemma3_bfloat16_amx.json"),
     "real-gemma3-engines": Table("real_gemma3.json", rows_of("engines"), {
         "engine": key("engine"), "version": lambda r: r["version"] or "not recorded",
         "settings": lambda r: ", ".join(f"{k}={v}" for k, v in {**r["env"], **r["options"]}.items()
