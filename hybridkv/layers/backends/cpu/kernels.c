@@ -1515,7 +1515,8 @@ INLINE void span_max(const void *x, int64_t n, float *value, int64_t *index, int
     *value = b, *index = i < 0 ? 0 : i, *nan = found_nan;
 }
 
-/* Returns 0, or -1 where memory for the spans' results could not be had. */
+/* Returns 0, -1 where memory for the spans' results could not be had, -2
+ * for a dtype other than float32 and bfloat16. */
 int row_max(const void *x, int64_t rows, int64_t cols, int64_t stride, float *values, int64_t *indices, int threads,
             int dtype)
 {
