@@ -339,6 +339,57 @@ def test_recurrent_hybrids_on_int8_pages_keep_float32_states_and_hit(family):
     assert tokens["torch"] == tokens["cpu"]
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+def test_int8_decodes_in_c_stay_within_their_int16_steps(dim):
+    # Rows of 64 and up read int8 pages with integer products where the CPU
+    # has AVX-512 (kernels.c dot4_codes, weigh_codes): the queries and the
+    # value weights in int16 steps, the weights stepped per block of 64
+    # keys. Over ranges of 1 to 301 keys (blocks whole, cut, odd), each
+    # output stays within what those steps can move it (check._int16_bound)
+    # of attention over the values the pages stand for.
+    from hybridkv.layers.backends.cpu import check
+    from hybridkv.layers.backends.cpu.attention import CpuAttention, CpuDecodes
+
+    lib = backend("cpu").attention.lib
+    gen = torch.Generator().manual_seed(4)
+    positions, firsts = [0, 63, 64, 200, 300, 310], [0, 0, 0, 1, 0, 150]
+    counts = [p // 4 - f // 4 + 1 for p, f in zip(positions, firsts)]
+    cache = torch.randn(sum(counts), 2, 4, 1, dim, generator=gen)  # each row's pages anywhere in the pool
+    order, pages = torch.randperm(sum(counts), generator=gen), torch.zeros(len(counts), max(counts), dtype=torch.int64)
+    for r, count in enumerate(counts):
+        pages[r, :count] = order[sum(counts[:r]):sum(counts[:r + 1])]
+    h = rotation(torch.int8, dim, "cpu")
+    codes, scales = quantize((cache * torch.logspace(-1, 1, 4)[:, None, None]) @ h, torch.int8)
+    q = torch.randn(len(positions), 4, dim, generator=gen) * torch.tensor([0.3, 1.0, 2.0, 4.0])[:, None]
+    dec = CpuDecodes(torch.arange(len(positions)), pages[None], torch.tensor(firsts), torch.tensor(positions))
+    got = CpuAttention(lib).attend_decodes(q, QuantizedCache(codes, scales), dec, 0, dim ** -0.5, None)
+    values = dequantize(codes, scales, torch.float32) @ h
+    expected = check._attention(q, values, pages, positions, firsts, dim ** -0.5, None, None)
+    bound = 1e-5 + 2e-5 * expected.abs().max() + check._int16_bound(q @ h, codes, scales, pages, positions,
+                                                                     firsts, dim ** -0.5)
+    assert ((got - expected).abs() <= bound).all()
+    # what the steps move is small beside what the int8 pages themselves hold (half a code step a row)
+    assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
+
+
+def test_int8_pages_of_wide_heads_give_the_reference_backends_tokens(tmp_path):
+    # Heads 64 wide: the C decodes over int8 pages take the integer
+    # products; greedy tokens past several 64-key blocks are the torch
+    # reference's (which reads the codes in float32).
+    from oracle import build
+
+    path = build("gemma3", str(tmp_path / "model"), sliding_window=96, head_dim=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[(7 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((150, 67, 3))]
+
+    def tokens(name):
+        engine = Engine(path, kv_cache_memory="4MiB", kv_cache_dtype="int8", progress=False, backend=name,
+                        dtype="float32")
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    assert tokens("cpu") == tokens("torch")
+
+
 def test_int8_rows_are_stored_rotated_and_read_back_unchanged():
     # The rotation is orthonormal and its own inverse: attention over
     # rotated rows with rotated queries, rotated back, is attention over

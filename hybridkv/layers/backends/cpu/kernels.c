@@ -311,6 +311,127 @@ INLINE void dot4(const float *q0, const float *q1, const float *q2, const float 
     }
 }
 
+#if defined(__AVX512BW__)
+/* int8 pages read with integer products. A key's codes widened to int16
+ * times the query rounded to int16 steps of its largest magnitude (one
+ * step per head) are summed exactly in int32, where float32 took two
+ * widening instructions and four multiply-adds per sixteen codes; the
+ * weighted sum of value rows the same way, the weights (softmax weight
+ * times the value row's scale) rounded to int16 steps of the largest in
+ * their block of I16_KEYS keys. Each rounding moves its operand by at most
+ * 1/65,534 of the largest it is stepped by, against half a code step
+ * (1/254 of the row's largest) that the int8 page itself holds. Both sums
+ * fit int32: a dot product of 512 elements at most (512 x 32,767 x 127 <
+ * 2^31), a block of 64 weighted values (64 x 32,767 x 127). AVX-512
+ * VNNI's dpwssd where the CPU has it, else madd and add (AVX-512 BW). */
+#define I16_MAX 32767.0f
+#define I16_KEYS 64
+
+static inline __m512i madd16(__m512i acc, __m512i a, __m512i b)
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* n floats as int16 steps of their largest magnitude (nearest, ties to
+ * even); returns the step (0 where every value is 0). */
+static float int16_steps(const float *x, int64_t n, int16_t *out)
+{
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float inverse = top > 0.0f ? I16_MAX / top : 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        out[i] = (int16_t)nearbyintf(x[i] * inverse);
+    return top / I16_MAX;
+}
+
+/* The int32 dot products of one key's int8 codes with four int16 query
+ * rows (dim a multiple of 32), summed across lanes together. */
+static inline void dot4_codes(const int16_t *q, const int8_t *key, int64_t dim, int32_t s[4])
+{
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 32) {
+        const __m512i k = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(key + d)));
+        a0 = madd16(a0, k, _mm512_loadu_si512(q + d));
+        a1 = madd16(a1, k, _mm512_loadu_si512(q + dim + d));
+        a2 = madd16(a2, k, _mm512_loadu_si512(q + 2 * dim + d));
+        a3 = madd16(a3, k, _mm512_loadu_si512(q + 3 * dim + d));
+    }
+    /* per 128-bit lane: [a0, a1, a2, a3] of its four elements, then the lanes added */
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    const __m256i v = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+    _mm_storeu_si128((__m128i *)s, _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+/* os[g] (dim floats, dim a multiple of 64) += the weights w[g] (n
+ * floats: softmax weights times each value row's scale) times the value
+ * rows' codes at cache + keys[i] + half_stride. In blocks of I16_KEYS keys,
+ * each block's weights as int16 steps of its own largest (a block far from
+ * where a head looks keeps steps as fine as its own weights), a pair per
+ * 32-bit word (an odd last key paired with itself under weight 0). Two
+ * keys' codes are interleaved element by element (unpack within each
+ * 128-bit lane) so that one multiply-add pairs each with its key's
+ * weight; the sums come out in that lane order and go back to element
+ * order as each block is added into os. */
+static void weigh_codes(const float *w, int64_t n, int count, const int8_t *cache, const int64_t *keys,
+                        int64_t half_stride, int64_t dim, float *const os[4])
+{
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    int16_t block[4][I16_KEYS];
+    float steps[4];
+    for (int64_t i0 = 0; i0 < n; i0 += I16_KEYS) {
+        const int64_t keys_here = n - i0 < I16_KEYS ? n - i0 : I16_KEYS, width = keys_here + (keys_here & 1);
+        for (int g = 0; g < 4; g++) {
+            steps[g] = int16_steps(w + g * n + i0, keys_here, block[g]);
+            if (width > keys_here)
+                block[g][keys_here] = 0;
+        }
+        for (int64_t d = 0; d < dim; d += 64) {
+            __m512i acc[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int j = 0; j < 4; j++)
+                    acc[g][j] = _mm512_setzero_si512();
+            for (int64_t i = 0; i < width; i += 2) {
+                const int8_t *v0 = cache + keys[i0 + i] + half_stride + d,
+                             *v1 = cache + keys[i0 + (i + 1 < keys_here ? i + 1 : i)] + half_stride + d;
+                const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v0));
+                const __m512i y0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v1));
+                const __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v0 + 32)));
+                const __m512i y1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(v1 + 32)));
+                const __m512i p[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                                      _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+                for (int g = 0; g < 4; g++) {
+                    int32_t pair;
+                    memcpy(&pair, &block[g][i], sizeof pair);
+                    const __m512i weight = _mm512_set1_epi32(pair);
+                    for (int j = 0; j < 4; j++)
+                        acc[g][j] = madd16(acc[g][j], p[j], weight);
+                }
+            }
+            for (int g = 0; g < count; g++) {
+                const __m512 s = _mm512_set1_ps(steps[g]);
+                for (int c = 0; c < 2; c++) { /* 32 elements: low and high interleavings */
+                    const __m512i lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
+                    float *o = os[g] + d + 32 * c;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi)),
+                                                        s, _mm512_loadu_ps(o)));
+                    _mm512_storeu_ps(o + 16,
+                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi)),
+                                                     s, _mm512_loadu_ps(o + 16)));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* One row and up to four of a KV head's query heads (count): scores
  * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
  * The cache's elements are of type ct (inlined once per type); for codes
@@ -321,9 +442,21 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
                          const void *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
                          int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
                          int64_t dim, float scale, float softcap, float *scores, int64_t *keys, int ct,
-                         const float *sc, const int64_t ss[3])
+                         const float *sc, const int64_t ss[3], int16_t *narrow16)
 {
     float s[4];
+    /* int8 codes with integer products (dot4_codes, weigh_codes): the
+     * queries as int16 in narrow16 ([4][dim]). */
+#if defined(__AVX512BW__)
+    const int integer = ct == I8 && narrow16 != NULL && dim % 64 == 0 && dim <= 512;
+#else
+    const int integer = 0;
+#endif
+    float steps[4];
+#if defined(__AVX512BW__)
+    for (int g = 0; integer && g < 4; g++)
+        steps[g] = int16_steps(qs[g], dim, narrow16 + g * dim);
+#endif
     const int64_t row_bytes = dim * (int64_t)size_of(ct);
     /* Each key's place in the pool (and, for codes, its scales' place),
      * found once for the row by walking its blocks: the passes below read
@@ -351,7 +484,15 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
         const char *value = at(cache, key + half_stride, ct);
         for (int64_t b = 0; b < row_bytes; b += 64)
             __builtin_prefetch(value + b);
-        dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
+#if defined(__AVX512BW__)
+        if (integer) {
+            int32_t sums[4];
+            dot4_codes(narrow16, (const int8_t *)cache + key, dim, sums);
+            for (int g = 0; g < 4; g++)
+                s[g] = (float)sums[g] * steps[g];
+        } else
+#endif
+            dot4(qs[0], qs[1], qs[2], qs[3], cache, key, dim, s, ct);
         if (is_code(ct)) {
             const float k_scale = sc[scale_at[i]];
             for (int g = 0; g < 4; g++)
@@ -391,7 +532,13 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
     int64_t d = 0;
     for (int g = 0; g < count; g++)
         memset(os[g], 0, sizeof(float) * (size_t)dim);
-    for (int64_t i0 = 0; i0 < n; i0 += key_block) {
+#if defined(__AVX512BW__)
+    if (integer) {
+        weigh_codes(scores, n, count, cache, keys, half_stride, dim, os);
+        d = dim;
+    }
+#endif
+    for (int64_t i0 = 0; i0 < n && !integer; i0 += key_block) {
         const int64_t i1 = i0 + key_block < n ? i0 + key_block : n;
         for (d = 0; d + 4 * LANES <= dim; d += 4 * LANES) {
             vec acc[4][4];
@@ -471,11 +618,14 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
      * in float32, then the keys' places (and their scales': attend_heads). */
     const int copies = dtype != F32 || rotate;
     const size_t floats = (size_t)(4 * n + (copies ? 8 * dim : 0));
-    float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(2 * n));
+    /* then, for int8 codes, the int16 queries (attend_heads) */
+    const size_t narrow = c->dtype == I8 ? (size_t)(4 * dim) : 0;
+    float *scores = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(2 * n) + sizeof(int16_t) * narrow);
     if (scores == NULL)
         return -1;
     float *wide = scores + 4 * n;
     int64_t *keys = (int64_t *)(scores + floats); /* (4n + 8dim floats: 8-byte aligned) */
+    int16_t *narrow16 = narrow ? (int16_t *)(keys + 2 * n) : NULL;
     const float *qs[4];
     float *os[4];
     float sink[4];
@@ -503,19 +653,19 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     const int64_t ss[3] = {c->scale_page_stride, c->scale_half_stride, c->scale_slot_stride};
     if (c->dtype == F32)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, F32, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, F32, sc, ss, NULL);
     else if (c->dtype == I8)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, I8, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, I8, sc, ss, narrow16);
     else if (c->dtype == E4M3)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E4M3, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E4M3, sc, ss, NULL);
     else if (c->dtype == E5M2)
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E5M2, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E5M2, sc, ss, NULL);
     else
         attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, BF16, sc, ss);
+                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, BF16, sc, ss, NULL);
     for (int g = 0; rotate && g < count; g++)
         rotate_hadamard(os[g], dim);
     if (copies)
