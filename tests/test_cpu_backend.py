@@ -363,17 +363,19 @@ def test_a_failing_build_raises_with_the_compilers_message_and_leaves_nothing(no
 
 
 @needs_compiler
-def test_the_kernels_built_without_avx512_pass_their_self_test(tmp_path):
+@pytest.mark.parametrize("flag, turned_off", [("avx512f", "avx512f"), ("avx512_vnni", "avx512vnni")])
+def test_the_kernels_built_without_avx512_pass_their_self_test(tmp_path, flag, turned_off):
     # The portable paths a CPU with AVX2 and no AVX-512 runs (bfloat16
-    # widening, int8 and float8 codes, the products): the same source built
-    # with AVX-512 turned off, held to torch like the native build.
+    # widening, int8 and float8 codes, the products), and int8 pages'
+    # integer products without VNNI (madd and add): the same source built
+    # with that turned off, held to torch like the native build.
     from dataclasses import replace
 
     from hybridkv.core import native
 
-    if "avx512f" not in native.cpu_flags().split():
-        pytest.skip("this CPU has no AVX-512: the native build already takes the portable paths")
-    portable = replace(native.CPU_KERNELS, flags=native.CPU_KERNELS.flags + ("-mno-avx512f",))
+    if flag not in native.cpu_flags().split():
+        pytest.skip(f"this CPU has no {flag}: the native build already takes the paths without it")
+    portable = replace(native.CPU_KERNELS, flags=native.CPU_KERNELS.flags + (f"-mno-{turned_off}",))
     check.check(library.Kernels(portable.build_into(tmp_path)))
 
 
