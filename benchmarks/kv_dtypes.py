@@ -124,8 +124,12 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         for pages in ("auto", "int8", "fp8_e4m3"):
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
+            free = meminfo()
             engine = Engine(model, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
                             kv_cache_memory=budget, max_num_batched_tokens=2048)
+            print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
+                  f"{free.get('MemAvailable', 0) / 2**30:.1f} GiB before the engine; declined: "
+                  f"{engine.stats['backend']['declined'] or 'nothing'}", flush=True)
             for prompt in prompts:
                 engine.add_request(prompt, params)
             start, decoding = time.perf_counter(), set()
@@ -145,12 +149,26 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         row = {"batch": batch, "context": context}
         for pages, values in times.items():
             row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
-                          "routes": dict(engines[pages].stats["backend"]["routes"])}
+                          "routes": dict(engines[pages].stats["backend"]["routes"]),
+                          "declined": list(engines[pages].stats["backend"]["declined"])}
+        # The same decode path for every dtype, or the comparison is of paths, not pages.
+        decode_routes = {pages: sorted(r for r in row[pages]["routes"] if r != "cpu:modules") for pages in engines}
+        if len({tuple(r) for r in decode_routes.values()}) > 1:
+            raise RuntimeError(f"the engines' decode steps took different paths: {decode_routes}")
         row["speedup"] = row["auto"]["step_ms"] / row["int8"]["step_ms"]
         row["speedup_fp8"] = row["auto"]["step_ms"] / row["fp8_e4m3"]["step_ms"]
         rows.append(row)
         del engines
     return {"rows": rows}
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields, in bytes (empty where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}
+    except OSError:
+        return {}
 
 
 def kv_budget_for(prompts, new_tokens: int) -> int:
