@@ -32,10 +32,10 @@ from ..swap import twin
 
 def spare_memory() -> int:
     """Bytes of memory that can be had now: Linux's MemAvailable, which
-    counts the page cache it would drop (a machine that has read a few
-    GB of weights holds them there, and free pages alone, SC_AVPHYS_PAGES,
-    then turned a second engine's one-call layers down); elsewhere the free
-    pages; 0 where the system says neither."""
+    counts the page cache the kernel would drop (a machine that has read a
+    few GB of weights holds them there; free pages alone, SC_AVPHYS_PAGES,
+    leave that out); elsewhere the free pages; 0 where the system says
+    neither."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
