@@ -449,7 +449,8 @@ def check_masked_softmax(lib) -> None:
     """A prefill tile's weights: float32 and bfloat16 scores (three query
     heads a row, 37 keys: a tail past the vector width), each row seeing
     its own keys through a strided mask (one row none: all zeros), with
-    and without soft-capping and sinks, out of place and in place; within
+    and without soft-capping, each with and without sinks (rows without a
+    soft-cap take the AVX-512 passes where built), out of place and in place; within
     one bfloat16 step of torch's float32 softmax in bfloat16 (it rounds
     once, where it writes)."""
     gen = torch.Generator().manual_seed(8)
@@ -459,7 +460,8 @@ def check_masked_softmax(lib) -> None:
         wide[r, :20 + 3 * r] = r != 2
     visible = wide[:, :keys]
     for dtype in STORAGE:
-        for softcap, sinks in ((0.0, None), (4.0, torch.randn(groups, generator=gen))):
+        sinks_of_row = torch.randn(groups, generator=gen)
+        for softcap, sinks in ((0.0, None), (0.0, sinks_of_row), (4.0, None), (4.0, sinks_of_row)):
             for in_place in (False, True):
                 scores = (torch.randn(rows, groups, keys, generator=gen) * 4).to(dtype)
                 x = scores.float() * scale

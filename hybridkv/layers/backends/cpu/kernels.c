@@ -818,9 +818,95 @@ static inline ivec visible_lanes(const uint8_t *p)
     return __builtin_convertvector(b, ivec) != 0;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* A prefill tile's softmax row in AVX-512, for rows without a soft-cap
+ * (scale > 0): the maximum of the raw scores under a mask register (times
+ * the scale after: it is positive), then each weight as 2^t for t = (score
+ * - max) x scale x log2(e), one fused multiply-subtract, as 2^n times a
+ * polynomial of the fraction (roundscale and scalef: no clamp, no integer
+ * arithmetic; hidden lanes zeroed by the mask), then the weights times the
+ * sum's inverse: about 25 instructions for 16 scores where the portable
+ * passes take about 40, which bound them (not memory). The real Gemma-3
+ * 270M's prefill of 16 x 700 tokens, these passes and the portable ones
+ * taking turns call by call: 0.45x the softmax's time in bfloat16,
+ * 0.39-0.43x in float32, ~3% of the prefill (Xeon with AMX). */
+static inline __mmask16 visible_mask(const uint8_t *p, __mmask16 lanes)
+{
+    const __m128i b = _mm_maskz_loadu_epi8(lanes, p);
+    return _mm_test_epi8_mask(b, b);
+}
+
+/* 16 scores (or the lanes given) of type st as float32 */
+INLINE __m512 scores16(const void *p, int64_t i, __mmask16 lanes, int st)
+{
+    if (st == F32)
+        return _mm512_maskz_loadu_ps(lanes, (const float *)p + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 2^t, lanes outside `keep` 0: 2^n x 2^f for n = t rounded, f in [-1/2,
+ * 1/2], 2^f = e^(f ln 2) to degree 6 (within 1.2e-7 of it). */
+static inline __m512 exp2_lanes(__m512 t, __mmask16 keep)
+{
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.000154035304f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147181f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+INLINE void masked_softmax_row_avx512(const void *scores, int64_t row, const uint8_t *visible, int64_t keys,
+                                      float scale, const float *sink, void *out, float *x, int st)
+{
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t k = 0; k < keys; k += LANES) {
+        const __mmask16 lanes = keys - k >= LANES ? 0xFFFF : (__mmask16)((1u << (keys - k)) - 1);
+        top = _mm512_mask_max_ps(top, visible_mask(visible + k, lanes), top, scores16(scores, row + k, lanes, st));
+    }
+    float best = _mm512_reduce_max_ps(top) * scale;
+    if (sink != NULL && *sink > best)
+        best = *sink;
+    if (best == -INFINITY) { /* a row that sees nothing weighs nothing */
+        memset(at(out, row, st), 0, (size_t)keys * size_of(st));
+        return;
+    }
+    const float log2e = 1.4426950408889634f;
+    const __m512 c = _mm512_set1_ps(scale * log2e), b = _mm512_set1_ps(best * log2e);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < keys; k += LANES) {
+        const __mmask16 lanes = keys - k >= LANES ? 0xFFFF : (__mmask16)((1u << (keys - k)) - 1);
+        const __m512 e = exp2_lanes(_mm512_fmsub_ps(scores16(scores, row + k, lanes, st), c, b),
+                                    visible_mask(visible + k, lanes));
+        _mm512_mask_storeu_ps(x + k, lanes, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    if (sink != NULL)
+        total += expf(*sink - best); /* the sink weighs no value */
+    const vec inverse = splat(1.0f / total);
+    int64_t k = 0;
+    for (; k + LANES <= keys; k += LANES)
+        store_as(out, row + k, load(x + k) * inverse, st);
+    for (; k < keys; k++)
+        put_as(out, row + k, x[k] * inverse[0], st);
+}
+#endif
+
 INLINE void masked_softmax_row(const void *scores, int64_t at, const uint8_t *visible, int64_t keys, float scale,
                                float softcap, const float *sink, void *out, float *x, int st)
 {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (softcap <= 0.0f && scale > 0.0f) {
+        masked_softmax_row_avx512(scores, at, visible, keys, scale, sink, out, x, st);
+        return;
+    }
+#endif
     vec top = splat(-INFINITY);
     int64_t k = 0;
     for (; k + LANES <= keys; k += LANES) {
