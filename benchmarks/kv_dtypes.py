@@ -112,6 +112,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
     (`synthetic`: token ids made up, for --quick's tiny model)."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
+    from hybridkv.layers.backends.cpu.linear import meminfo
 
     rows = []
     for batch, context in cases:
@@ -124,7 +125,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         for pages in ("auto", "int8", "fp8_e4m3"):
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
-            free = meminfo()
+            free = meminfo()  # (the backend's spare memory is its MemAvailable)
             engine = Engine(model, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
                             kv_cache_memory=budget, max_num_batched_tokens=2048)
             print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
@@ -160,15 +161,6 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         rows.append(row)
         del engines
     return {"rows": rows}
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo's fields, in bytes (empty where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}
-    except OSError:
-        return {}
 
 
 def kv_budget_for(prompts, new_tokens: int) -> int:

@@ -449,13 +449,11 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
      * queries as int16 in narrow16 ([4][dim]). */
 #if defined(__AVX512BW__)
     const int integer = ct == I8 && narrow16 != NULL && dim % 64 == 0 && dim <= 512;
-#else
-    const int integer = 0;
-#endif
     float steps[4];
-#if defined(__AVX512BW__)
     for (int g = 0; integer && g < 4; g++)
         steps[g] = int16_steps(qs[g], dim, narrow16 + g * dim);
+#else
+    const int integer = 0;
 #endif
     const int64_t row_bytes = dim * (int64_t)size_of(ct);
     /* Each key's place in the pool (and, for codes, its scales' place),

@@ -30,19 +30,24 @@ from ...linear import Linear, onednn_ops
 from ..swap import twin
 
 
+def meminfo() -> dict[str, int]:
+    """Linux's /proc/meminfo, its fields in bytes (empty elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 def spare_memory() -> int:
     """Bytes of memory that can be had now: Linux's MemAvailable, which
     counts the page cache the kernel would drop (a machine that has read a
     few GB of weights holds them there; free pages alone, SC_AVPHYS_PAGES,
     leave that out); elsewhere the free pages; 0 where the system says
     neither."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = meminfo().get("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
