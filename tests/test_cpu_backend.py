@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybridkv import Engine, SamplingParams
-from hybridkv.core import FullAttentionSpec, SlidingWindowSpec
+from hybridkv.core import ChunkedLocalSpec, FullAttentionSpec, SlidingWindowSpec
 from hybridkv.layers import backends
 from hybridkv.layers.backends import cpu
 from hybridkv.layers.backends.cpu import build, check, decoder, library
@@ -75,15 +75,57 @@ def test_decode_attention_matches_the_reference_on_a_scattered_pool(lib, spec, s
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@needs_compiler
+@pytest.mark.parametrize("spec", [FullAttentionSpec(2, 64, dtype="bfloat16"),
+                                  SlidingWindowSpec(1, 96, dtype="bfloat16", sliding_window=23),
+                                  ChunkedLocalSpec(2, 64, dtype="bfloat16", chunk_size=24)],
+                         ids=["full-gqa3", "window-gqa4", "chunked-gqa3"])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_bfloat16_prefill_chunks_on_amx_tiles_match_float32_attention(lib, spec, bs):
+    # Chunks of 37, 5 (after 21 cached keys), 70 (after 40) and 2 tokens and
+    # a decode row, in one step over a scattered bfloat16 pool whose slots
+    # past each sequence's last token are NaN (a read of one shows). Each
+    # output is within one bfloat16 step of float32 attention over the same
+    # values, plus 2^-9 of the largest value (the weights are rounded to
+    # bfloat16 before the second product, as the tiles' path rounds them).
+    if not lib.amx_prefill_attention:
+        pytest.skip("no AMX tiles on this CPU: bfloat16 prefill chunks run the tiles' path (test_backend_conformance)")
+    gen = torch.Generator().manual_seed(4)
+    cached, counts = np.array([0, 21, 40, 9, 0]), np.array([37, 5, 70, 1, 2])
+    blocks = int(-(-(cached + counts).max() // bs))
+    num_pages = 1 + len(counts) * blocks
+    cache = torch.full((num_pages, 2, bs, spec.num_kv_heads, spec.head_size), float("nan"), dtype=torch.bfloat16)
+    table = torch.zeros(1, len(counts), blocks, dtype=torch.int32)
+    order = torch.randperm(num_pages - 1, generator=gen) + 1
+    for r, n in enumerate(cached + counts):
+        table[0, r, :-(-n // bs)] = order[r * blocks:r * blocks + -(-n // bs)].to(torch.int32)
+        for p in range(n):
+            cache[table[0, r, p // bs], :, p % bs] = torch.randn(2, spec.num_kv_heads, spec.head_size,
+                                                                 generator=gen).bfloat16()
+    inputs = StepInputs.from_host(np.zeros(counts.sum(), dtype=np.int64), cached, counts, np.arange(len(counts)),
+                                  "cpu")
+    step = attention_step(inputs, table, spec, bs)
+    q_heads = spec.num_kv_heads * (3 if spec.num_kv_heads == 2 else 4)
+    q = torch.randn(int(counts.sum()), q_heads, spec.head_size, generator=gen).bfloat16()
+    ops = CpuAttention(lib)
+    meta = ops.build(step)
+    assert isinstance(meta, CpuMetadata) and meta.prefills is not None
+    got = ops.attend(q, cache, meta, 0, 0.125)
+    exact = reference.attend(q.float(), torch.nan_to_num(cache.float()), reference.build(step), 0, 0.125)
+    assert not got.isnan().any()
+    bound = check._steps(exact) + 2.0 ** -9 * torch.nan_to_num(cache.float()).abs().max()
+    assert ((got.float() - exact).abs() <= bound).all(), (got.float() - exact).abs().max()
+
+
 # -- the boundary and the self-test ------------------------------------------------
 @needs_compiler
 def test_the_boundary_is_read_from_the_c_source(lib):
     # The structs and signatures come from kernels.c; their sizes agree
     # with the compiled library's (checked at load).
-    assert set(lib.structs) == {"paged_cache", "decode_rows", "decoder_layer"}
+    assert set(lib.structs) == {"paged_cache", "decode_rows", "prefill_rows", "decoder_layer"}
     assert set(lib.functions) == {"decode_attention", "norm_rotary", "gated_activation", "decode_layer",
                                   "layer_stage", "row_max", "head_products", "rotate_rows", "masked_softmax",
-                                  "gated_delta", "ssd", "host_all_reduce",
+                                  "prefill_attention", "gated_delta", "ssd", "host_all_reduce",
                                   "struct_sizes"}
     restype, args = lib.functions["decode_attention"]
     assert restype is ctypes.c_int and args[0]._type_ is lib.structs["paged_cache"]

@@ -193,6 +193,10 @@ def test_real_gemma3_bfloat16_runs_the_c_kernels_without_fallback(engine):
     assert backend["name"] == "cpu"
     words = ("attention", "norm", "rotary", "activation", "linear", "product")
     assert [d for d in backend["declined"] if any(w in d.lower() for w in words)] == []
+    # prefill attention in one C call a layer where the CPU has AMX tiles (kernels.c `prefill_attention`)
+    amx = engine.backend.lib.amx_prefill_attention
+    assert any(d.startswith("bfloat16 prefill attention on AMX tiles") == amx for d in backend["prepared"]
+               if d.startswith("bfloat16 prefill attention"))
     routes = backend["routes"]
     print(f"\nbfloat16 routes {routes}, declined {backend['declined']}")
     assert routes and all(route.startswith("cpu:") for route in routes), routes

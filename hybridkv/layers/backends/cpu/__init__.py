@@ -2,8 +2,10 @@
 CPU step in hybridkv's C kernels (kernels.c) and oneDNN's products:
 
 * decode attention reads each query's keys where they lie in the pool
-  (attention.py); stores and prefill attention stay the reference's, but
-  for each prefill tile's softmax: one C pass (`masked_softmax`);
+  (attention.py); so does bfloat16 prefill attention on CPUs with AMX
+  (`prefill_attention`: 16 queries at a time on the tile unit); stores and
+  other prefill attention stay the reference's, but for each prefill
+  tile's softmax: one C pass (`masked_softmax`);
 * the gated delta rule (Gated DeltaNet) token by token on the states in
   place (recurrent.py); the other recurrent kinds run the reference's ops;
 * RMS norms, Gemma's q/k norm + rotary and the gated activation in one C
@@ -92,6 +94,12 @@ class CpuBackend(Backend):
         if dtype not in STORAGE:
             report.declined.append(f"C norms, rotary and activations: they read float32 and bfloat16; {dtype} runs "
                                    f"torch's")
+        if dtype == torch.bfloat16 and any(not g.recurrent for g in layout.groups):
+            report.done.append("bfloat16 prefill attention on AMX tiles, one C call a layer"
+                               if self.lib.amx_prefill_attention else
+                               "bfloat16 prefill attention in query tiles of oneDNN products and a C softmax ("
+                               + ("Linux refused AMX's tile state" if self.lib.amx_refused else
+                                  "no AMX tiles on this CPU") + ")")
         norms, mlps = swap_norms_and_mlps(model, self.lib)
         report.done.append(f"{norms} RMS norms and {mlps} gated MLPs run their elementwise work in C")
         # Before packing: a wrapped layer takes the dense weights packing drops.

@@ -47,10 +47,39 @@ class CpuDecodes:
 
 
 @dataclass
+class CpuPrefills:
+    """The step's prefill chunks as kernels.c's `prefill_attention` reads
+    them (its `prefill_rows`; the struct points into these tensors)."""
+
+    chunks: torch.Tensor  # [5, S] int64: start, count, query_pos, key_pos, keys of each chunk
+    pages: torch.Tensor  # [width, S, blocks] int64: each chunk's pages from its first key's block
+    first: torch.Tensor  # [T] int64: the first key position each row of the step reads
+
+    def rows(self, lib, column: int):
+        c = self.chunks
+        return lib.structs["prefill_rows"](c.shape[1], self.pages.shape[2], c[0].data_ptr(), c[1].data_ptr(),
+                                           c[2].data_ptr(), c[3].data_ptr(), c[4].data_ptr(),
+                                           self.pages[column].data_ptr(), self.first.data_ptr())
+
+
+def prefills(step: AttentionStep, segments: list) -> CpuPrefills | None:
+    if not segments:
+        return None
+    blocks = max(seg.pages.shape[-1] for seg in segments)
+    pages = torch.zeros(step.table.shape[0], len(segments), blocks, dtype=torch.int64)
+    for i, seg in enumerate(segments):
+        pages[:, i, :seg.pages.shape[-1]] = seg.pages
+    chunks = torch.tensor([[seg.start, seg.length, seg.query_pos, seg.key_pos, seg.pages.shape[-1] * step.block_size]
+                           for seg in segments], dtype=torch.int64).t().contiguous()
+    return CpuPrefills(chunks, pages, step.first_key.to(torch.int64).contiguous())
+
+
+@dataclass
 class CpuMetadata:
     reference: torch_attention.AttentionMetadata  # stores and prefill chunks (its `decodes` left empty)
     decodes: CpuDecodes | None
     step: AttentionStep  # for the reference's decode groups, where the kernel cannot read a pool
+    prefills: CpuPrefills | None = None  # the chunks for `prefill_attention`
 
     @cached_property
     def reference_decodes(self) -> list[torch_attention.DecodeGroup]:
@@ -80,6 +109,9 @@ class CpuAttention(AttentionOps):
     # Prefill tiles' softmax in one C pass (True), or torch's passes (False:
     # benchmarks/prefill_tiles.py compares the two).
     fused_softmax = True
+    # bfloat16 prefill chunks on AMX tiles where the kernels have them
+    # (True), or the tiles' path (False: benchmarks/prefill_tiles.py).
+    amx_prefill = True
 
     def __init__(self, lib):
         self.lib = lib
@@ -88,10 +120,10 @@ class CpuAttention(AttentionOps):
     def build(step: AttentionStep):
         if step.inputs.fixed_shape:
             return torch_attention.build(step)
+        segments = torch_attention.prefill_segments(step)
         reference = torch_attention.AttentionMetadata(step.spec, step.store_pages, step.store_offsets,
-                                                      *torch_attention.tails(step), [],
-                                                      torch_attention.prefill_segments(step))
-        return CpuMetadata(reference, decodes(step), step)
+                                                      *torch_attention.tails(step), [], segments)
+        return CpuMetadata(reference, decodes(step), step, prefills(step, segments))
 
     @staticmethod
     def store(cache, k, v, meta, column):
@@ -127,9 +159,34 @@ class CpuAttention(AttentionOps):
             out[meta.decodes.rows] = self.attend_decodes(q[meta.decodes.rows], cache, meta.decodes, column, scale,
                                                          softcap, sinks)
         ref = meta.reference
+        if ref.prefills and self.attend_prefills(q, cache, meta.prefills, column, scale, softcap, sinks, out):
+            return out
         weights = self.tile_weights if self.fused_softmax and q.dtype in STORAGE else None
         torch_attention.attend_prefills(q, cache, ref.spec, ref.prefills, column, scale, softcap, out, sinks, weights)
         return out
+
+    def attend_prefills(self, q, cache, chunks: CpuPrefills, column: int, scale: float, softcap: float | None,
+                        sinks: torch.Tensor | None, out: torch.Tensor) -> bool:
+        """The prefill chunks' rows of `out`, on AMX tiles (kernels.c
+        `prefill_attention`: bfloat16 queries and pages, heads a multiple
+        of 32 wide); False where it does not run (the caller then runs the
+        tiles' path)."""
+        if not (self.amx_prefill and self.lib.amx_prefill_attention) or q.dtype != torch.bfloat16 or \
+                isinstance(cache, QuantizedCache) or cache.dtype != torch.bfloat16 or cache.stride(-1) != 1 or \
+                cache.shape[-1] % 32 or not q.is_contiguous():
+            return False
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+        status = self.lib.prefill_attention(paged_cache(self.lib, cache), chunks.rows(self.lib, column), q.data_ptr(),
+                                            q.shape[1], scale, softcap or 0.0,
+                                            None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+                                            STORAGE[q.dtype], torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("hybridkv's CPU prefill attention could not allocate its scratch")
+        if status == -4:  # Linux refused the tiles' state: the tiles' path from now on, said in the backend's report
+            self.lib.amx_prefill_attention = False
+            self.lib.amx_refused = True
+        return status == 0
 
     def tile_weights(self, scores: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None,
                      sinks: torch.Tensor | None) -> torch.Tensor:

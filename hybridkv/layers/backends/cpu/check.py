@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kv_quant import QuantizedCache, dequantize, quantize, rotation
-from .attention import STORAGE, CpuAttention, CpuDecodes, paged_cache
+from .attention import STORAGE, CpuAttention, CpuDecodes, CpuPrefills, paged_cache
 from .decoder import layer_weights, tiled, tiles
 from .modules import gated_activation, norm_rotary
 
@@ -484,6 +484,65 @@ def check_masked_softmax(lib) -> None:
                     raise AssertionError(f"{what} is more than one bfloat16 step from torch's float32 weights")
 
 
+def check_prefill_attention(lib) -> None:
+    """Prefill chunks on AMX tiles (bfloat16): three chunks of a step, of
+    37 rows (16-row blocks whole and cut), 5 rows after 21 cached keys, and
+    1 row; a window of 23 keys (first visible keys differing inside a
+    block), six query heads over two KV heads (a batch of four and one of
+    two), heads 96 wide (six 16-wide output blocks: four and two), pages
+    scattered; with and without soft-capping and sinks. Within one bfloat16
+    step of torch's float32 attention over the same values, plus what
+    rounding the weights to bfloat16 (before the second product) can move:
+    2^-9 of the row's largest value. Where the kernels have no AMX, the
+    call must decline (-3) and leave the caller to the tiles' path."""
+    gen = torch.Generator().manual_seed(9)
+    bs, kv_heads, q_heads, dim, window = 8, 2, 6, 96, 23
+    chunks = [(0, 37, 0), (37, 5, 21), (42, 1, 9)]  # (first row of q, rows, position of the first)
+    tokens = sum(c[1] for c in chunks)
+    q = (torch.randn(tokens, q_heads, dim, generator=gen) * 0.5).bfloat16()
+    cache = torch.randn(40, 2, bs, kv_heads, dim, generator=gen).bfloat16()
+    order = torch.randperm(40, generator=gen)
+    positions, firsts, rows_pages, table, used = [], [], [], [], 0
+    for start, count, q0 in chunks:
+        key_pos = max(0, q0 - window + 1) // bs * bs
+        blocks = (q0 + count - 1) // bs - key_pos // bs + 1
+        pages = order[used:used + blocks]
+        used += blocks
+        table.append((start, count, q0, key_pos, blocks, pages))
+        for j in range(count):
+            p = q0 + j
+            f = max(0, p - window + 1) if start != 42 else 0  # the 1-row chunk reads every key (a full layer's rule)
+            positions.append(p)
+            firsts.append(f)
+            rows_pages.append(pages[f // bs - key_pos // bs:])
+    width = max(len(r) for r in rows_pages)
+    row_pages = torch.zeros(tokens, width, dtype=torch.int64)
+    for r, pages in enumerate(rows_pages):
+        row_pages[r, :len(pages)] = pages
+    blocks = max(t[4] for t in table)
+    all_pages = torch.zeros(1, len(chunks), blocks, dtype=torch.int64)
+    for i, t in enumerate(table):
+        all_pages[0, i, :t[4]] = t[5]
+    prefills = CpuPrefills(torch.tensor([t[:4] + (t[4] * bs,) for t in table], dtype=torch.int64).t().contiguous(),
+                           all_pages, torch.tensor(firsts, dtype=torch.int64))
+    sinks = torch.randn(q_heads, generator=gen) * 2
+    for softcap, sink in ((None, None), (5.0, None), (None, sinks), (5.0, sinks)):
+        what = f"prefill_attention (softcap {softcap}, {'with' if sink is not None else 'no'} sinks)"
+        out = torch.zeros_like(q)
+        ran = CpuAttention(lib).attend_prefills(q, cache, prefills, 0, 0.3, softcap, sink, out)
+        if not lib.amx_prefill_attention:  # no AMX in the build, or Linux refused its state (lib.amx_refused)
+            if ran:
+                raise AssertionError(f"{what} ran in a build without AMX tiles")
+            continue
+        if not ran:
+            raise AssertionError(f"{what} declined bfloat16 pages on a CPU with AMX tiles")
+        exact = _attention(q.float(), cache.float(), row_pages, positions, firsts, 0.3, softcap, sink)
+        far = (out.float() - exact).abs() > _steps(exact) + 2.0 ** -9 * cache.float().abs().max()
+        if far.any():
+            raise AssertionError(f"{what} is over a bfloat16 step from torch's float32 attention in "
+                                 f"{far.sum().item()} elements (by {(out.float() - exact).abs().max().item():.3g})")
+
+
 def check_row_max(lib) -> None:
     """The greedy pick: torch's max over rows wider than one span of the
     kernel (kernels.c MAX_SPAN) with a tail past the vector width, ties
@@ -624,6 +683,7 @@ def check(lib) -> None:
         check_decode_layer(lib)
         check_rotate_rows(lib)
         check_masked_softmax(lib)
+        check_prefill_attention(lib)
         check_row_max(lib)
         check_head_products(lib)
         check_gated_delta(lib)

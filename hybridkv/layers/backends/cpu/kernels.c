@@ -860,7 +860,7 @@ static inline __m512 exp2_lanes(__m512 t, __mmask16 keep)
 }
 
 INLINE void masked_softmax_row_avx512(const void *scores, int64_t row, const uint8_t *visible, int64_t keys,
-                                      float scale, const float *sink, void *out, float *x, int st)
+                                      float scale, const float *sink, void *out, float *x, int st, int ot)
 {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t k = 0; k < keys; k += LANES) {
@@ -871,7 +871,7 @@ INLINE void masked_softmax_row_avx512(const void *scores, int64_t row, const uin
     if (sink != NULL && *sink > best)
         best = *sink;
     if (best == -INFINITY) { /* a row that sees nothing weighs nothing */
-        memset(at(out, row, st), 0, (size_t)keys * size_of(st));
+        memset(at(out, row, ot), 0, (size_t)keys * size_of(ot));
         return;
     }
     const float log2e = 1.4426950408889634f;
@@ -890,18 +890,19 @@ INLINE void masked_softmax_row_avx512(const void *scores, int64_t row, const uin
     const vec inverse = splat(1.0f / total);
     int64_t k = 0;
     for (; k + LANES <= keys; k += LANES)
-        store_as(out, row + k, load(x + k) * inverse, st);
+        store_as(out, row + k, load(x + k) * inverse, ot);
     for (; k < keys; k++)
-        put_as(out, row + k, x[k] * inverse[0], st);
+        put_as(out, row + k, x[k] * inverse[0], ot);
 }
 #endif
 
+/* scores of type st in, weights of type ot out (out may be scores where the two agree) */
 INLINE void masked_softmax_row(const void *scores, int64_t at, const uint8_t *visible, int64_t keys, float scale,
-                               float softcap, const float *sink, void *out, float *x, int st)
+                               float softcap, const float *sink, void *out, float *x, int st, int ot)
 {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if (softcap <= 0.0f && scale > 0.0f) {
-        masked_softmax_row_avx512(scores, at, visible, keys, scale, sink, out, x, st);
+        masked_softmax_row_avx512(scores, at, visible, keys, scale, sink, out, x, st, ot);
         return;
     }
 #endif
@@ -930,7 +931,7 @@ INLINE void masked_softmax_row(const void *scores, int64_t at, const uint8_t *vi
         best = *sink;
     if (best == -INFINITY) { /* a row that sees nothing weighs nothing */
         for (k = 0; k < keys; k++)
-            put_as(out, at + k, 0.0f, st);
+            put_as(out, at + k, 0.0f, ot);
         return;
     }
     vec sum = {0};
@@ -949,9 +950,9 @@ INLINE void masked_softmax_row(const void *scores, int64_t at, const uint8_t *vi
         total += expf(*sink - best); /* the sink weighs no value */
     const float inverse = 1.0f / total;
     for (k = 0; k + LANES <= keys; k += LANES)
-        store_as(out, at + k, load(x + k) * inverse, st);
+        store_as(out, at + k, load(x + k) * inverse, ot);
     for (; k < keys; k++)
-        put_as(out, at + k, x[k] * inverse, st);
+        put_as(out, at + k, x[k] * inverse, ot);
 }
 
 INLINE int masked_softmax_as(const void *scores, const uint8_t *visible, int64_t mask_stride, int64_t rows,
@@ -970,7 +971,7 @@ INLINE int masked_softmax_as(const void *scores, const uint8_t *visible, int64_t
                 continue;
             }
             masked_softmax_row(scores, t * keys, visible + t / groups * mask_stride, keys, scale, softcap,
-                               sinks == NULL ? NULL : sinks + t % groups, out, x, st);
+                               sinks == NULL ? NULL : sinks + t % groups, out, x, st, st);
         }
         free(x);
     }
@@ -996,6 +997,338 @@ int masked_softmax(const void *scores, const uint8_t *visible, int64_t mask_stri
                                  threads, BF16);
     return masked_softmax_as(scores, visible, mask_stride, rows, groups, keys, scale, softcap, sinks, out, threads,
                              F32);
+}
+
+/* ---- Prefill attention on AMX tiles: each prefill chunk's queries over
+ * their keys in the pool, in one call per layer where the tiles' path
+ * (backends/reference `attend_prefills`) gathers the chunk's pages, pads
+ * them and runs two oneDNN products and a softmax per query tile and KV
+ * head, each tile scoring every key of its range (~half a tile's keys lie
+ * past the causal diagonal, more below a window's edge). Here queries go 16
+ * at a time, each block of 16 scoring only the 32-key steps its rows may
+ * see, on the CPU's tile unit (Intel AMX: a 16 x 32 bfloat16 tile times a
+ * 32 x 16 one into 16 x 16 float32 sums, one instruction).
+ *
+ * A chunk's keys and values are laid out once per call as the tile unit
+ * reads its second operand, two 16-bit elements side by side: keys as
+ * [16-key block][32-dim step][dim pair][key][2], values as [32-key
+ * step][16-dim block][key pair][dim][2] (zeros past the chunk's last
+ * query). Scores are float32 sums of bfloat16 products, never rounded; the
+ * softmax is masked_softmax_row's, each row's weights rounded once to
+ * bfloat16 (as the tiles' path rounds them) for the second product; the
+ * output is its float32 sums rounded once. */
+
+/* A step's prefill chunks as prefill_attention reads them: chunk s is the
+ * query rows start[s] .. start[s] + count[s] - 1 of q, at positions
+ * query_pos[s] and up; its keys are positions key_pos[s] .. key_pos[s] +
+ * keys[s] - 1, in pages[s * max_blocks] and on (key_pos[s] a block's first
+ * position). first[t]: the first key position query row t of q may read
+ * (its layer's read rule), the last being its own. */
+typedef struct {
+    int64_t segments, max_blocks;
+    const int64_t *start, *count, *query_pos, *key_pos, *keys, *pages, *first;
+} prefill_rows;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#include <sys/syscall.h>
+#define AMX_ATTENTION 1
+long syscall(long number, ...); /* unistd.h declares it only past strict C11 */
+
+/* Linux lends the tile registers' state to a process that asks
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); 1 once granted. */
+static int tiles_granted(void)
+{
+    static int granted = 0; /* 0: not asked yet, 1: granted, -1: refused (asking again is harmless) */
+    if (granted == 0)
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return granted == 1;
+}
+
+/* Every tile of this kernel is 16 rows of 64 bytes (palette 1). */
+static void configure_tiles(void)
+{
+    uint8_t config[64] = {1};
+    for (int i = 0; i < 8; i++) {
+        config[16 + 2 * i] = 64; /* bytes per row, little-endian 16 bits */
+        config[48 + i] = 16;     /* rows */
+    }
+    _tile_loadconfig(config);
+}
+
+/* Keys and values of KV head h, block b of 16 keys (positions key_pos + 16
+ * b and on; those from `real` on are zeros), into the tile layouts above
+ * (kp and vp: the chunk's, n * dim elements each). A key's 32-dim step is
+ * 16 pairs scattered to 16 rows; two keys' values are interleaved by one
+ * permutation per 16 dims. */
+static void pack_block(const paged_cache *c, const int64_t *pages, int64_t h, int64_t b, int64_t real,
+                       uint16_t *kp, uint16_t *vp)
+{
+    const int64_t dim = c->head_dim, bs = c->block_size, steps = dim / 32;
+    const uint16_t *base = (const uint16_t *)c->data + h * c->head_stride;
+    uint32_t *kt = (uint32_t *)(kp + b * 16 * dim); /* [steps][16 pairs][16 keys] */
+    /* values: block b is half of the 32-key step b / 2: its key pairs 8 (b % 2) .. 8 (b % 2) + 7 */
+    uint16_t *vt = vp + b / 2 * 32 * dim + b % 2 * 8 * 32;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    /* lane 2i: the first key's element i, lane 2i + 1 the second's (16 elements of each from `from`) */
+    __m512i low, high;
+    {
+        uint16_t idx[64];
+        for (int i = 0; i < 16; i++) {
+            idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
+            idx[32 + 2 * i] = (uint16_t)(16 + i), idx[32 + 2 * i + 1] = (uint16_t)(48 + i);
+        }
+        low = _mm512_loadu_si512(idx);
+        high = _mm512_loadu_si512(idx + 32);
+    }
+    const uint16_t *row[16];
+    for (int64_t n = 0; n < 16; n++) {
+        const int64_t key = b * 16 + n;
+        row[n] = key < real ? base + pages[key / bs] * c->page_stride + key % bs * c->slot_stride : NULL;
+    }
+    for (int64_t n = 0; n < 16; n++)
+        for (int64_t s = 0; s < steps; s++) {
+            const __m512i pairs = row[n] != NULL ? _mm512_loadu_si512(row[n] + s * 32) : _mm512_setzero_si512();
+            _mm512_i32scatter_epi32(kt + s * 256 + n, rows, pairs, 4);
+        }
+    for (int64_t n = 0; n < 16; n += 2) {
+        const uint16_t *v0 = row[n] != NULL ? row[n] + c->half_stride : NULL;
+        const uint16_t *v1 = row[n + 1] != NULL ? row[n + 1] + c->half_stride : NULL;
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512i a = v0 != NULL ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+            const __m512i z = v1 != NULL ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + (d / 16) * 512 + (n / 2) * 32, _mm512_permutex2var_epi16(a, low, z));
+            _mm512_storeu_si512(vt + (d / 16 + 1) * 512 + (n / 2) * 32, _mm512_permutex2var_epi16(a, high, z));
+        }
+    }
+}
+
+/* Scores of two query heads' rows (qa, qz: 16 x dim bfloat16 in 32-dim
+ * steps of 16 x 32, 1 KB each; qz NULL: one head) against two 16-key
+ * blocks of kp (`kblock` and the next), into sa and sz (16 rows `stride`
+ * floats apart, 32 columns): four sums of two loaded rows and two loaded
+ * columns, no register loaded while a product still reads it. */
+static void score_blocks(const uint16_t *qa, const uint16_t *qz, int64_t dim, const uint16_t *kblock, float *sa,
+                         float *sz, int64_t stride)
+{
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t s = 0; s < dim / 32; s++) {
+        _tile_loadd(2, kblock + s * 512, 64);
+        _tile_loadd(3, kblock + 16 * dim + s * 512, 64);
+        _tile_loadd(0, qa + s * 512, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (qz != NULL) {
+            _tile_loadd(1, qz + s * 512, 64);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, sa, stride * 4);
+    _tile_stored(5, sa + 16, stride * 4);
+    if (qz != NULL) {
+        _tile_stored(6, sz, stride * 4);
+        _tile_stored(7, sz + 16, stride * 4);
+    }
+}
+
+/* oa, oz (16 x dim float32 each) = weights wa, wz (16 x n bfloat16, n a
+ * multiple of 32, rows n apart; wz NULL: one head) x the values of vp's
+ * 32-key steps from `step0`, 32 dims at a time (four sums again). */
+static void weigh_values(const uint16_t *wa, const uint16_t *wz, int64_t n, const uint16_t *vp, int64_t step0,
+                         int64_t dim, float *oa, float *oz)
+{
+    for (int64_t d = 0; d < dim; d += 32) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t k = 0; k < n; k += 32) {
+            const uint16_t *v = vp + (step0 + k / 32) * 32 * dim + d / 16 * 512;
+            _tile_loadd(2, v, 64);
+            _tile_loadd(3, v + 512, 64);
+            _tile_loadd(0, wa + k, n * 2);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (wz != NULL) {
+                _tile_loadd(1, wz + k, n * 2);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        _tile_stored(4, oa + d, dim * 4);
+        _tile_stored(5, oa + d + 16, dim * 4);
+        if (wz != NULL) {
+            _tile_stored(6, oz + d, dim * 4);
+            _tile_stored(7, oz + d + 16, dim * 4);
+        }
+    }
+}
+
+/* One work item: the 16 query rows from `row0` of chunk s, query heads g0 ..
+ * g0 + heads - 1 of KV head h. Scratch (the thread's): qb 4 x 16 x dim
+ * bfloat16, scores 4 x 16 x width floats, weights 4 x 16 x width bfloat16,
+ * visible 16 x width bytes, x width floats, o 2 x 16 x dim floats. */
+static void attend_rows(const paged_cache *c, const prefill_rows *p, int64_t s, int64_t row0, int64_t h,
+                        int64_t groups, int64_t g0, int heads, const uint16_t *q, int64_t q_heads, float scale,
+                        float softcap, const float *sinks, uint16_t *out, const uint16_t *kp, const uint16_t *vp,
+                        uint16_t *qb, float *scores, uint16_t *weights, uint8_t *visible, float *x, float *o)
+{
+    const int64_t dim = c->head_dim, start = p->start[s] + row0, key_pos = p->key_pos[s];
+    const int64_t rows = p->count[s] - row0 < 16 ? p->count[s] - row0 : 16;
+    /* the 32-key steps any of these rows sees: from the first row's first key to the last row */
+    int64_t lo = p->first[start] - key_pos;
+    for (int64_t i = 1; i < rows; i++)
+        lo = p->first[start + i] - key_pos < lo ? p->first[start + i] - key_pos : lo;
+    lo = lo / 32 * 32;
+    const int64_t hi = (p->query_pos[s] + row0 + rows - 1 - key_pos) / 32 * 32 + 32, n = hi - lo;
+    /* each head's rows as the tiles read them: [32-dim step][16 rows][32] */
+    for (int g = 0; g < heads; g++)
+        for (int64_t i = 0; i < 16; i++)
+            for (int64_t d = 0; d < dim; d += 32) {
+                uint16_t *dst = qb + g * 16 * dim + d * 16 + i * 32;
+                if (i < rows)
+                    memcpy(dst, q + ((start + i) * q_heads + h * groups + g0 + g) * dim + d, 64);
+                else
+                    memset(dst, 0, 64);
+            }
+    for (int g = 0; g < heads; g += 2) {
+        const int two = g + 1 < heads;
+        for (int64_t b = lo / 16; b < hi / 16; b += 2)
+            score_blocks(qb + g * 16 * dim, two ? qb + (g + 1) * 16 * dim : NULL, dim, kp + b * 16 * dim,
+                         scores + g * 16 * n + b * 16 - lo, scores + (g + 1) * 16 * n + b * 16 - lo, n);
+    }
+    for (int64_t i = 0; i < 16; i++) {
+        uint8_t *vis = visible + i * n;
+        memset(vis, 0, (size_t)n);
+        if (i < rows) {
+            const int64_t a = p->first[start + i] - key_pos - lo, z = p->query_pos[s] + row0 + i - key_pos - lo;
+            memset(vis + a, 1, (size_t)(z - a + 1));
+        }
+    }
+    for (int g = 0; g < heads; g++) {
+        const float *sink = sinks != NULL ? sinks + h * groups + g0 + g : NULL;
+        for (int64_t i = 0; i < 16; i++) {
+            if (i < rows)
+                masked_softmax_row(scores + (g * 16 + i) * n, 0, visible + i * n, n, scale, softcap, sink,
+                                   weights + (g * 16 + i) * n, x, F32, BF16);
+            else
+                memset(weights + (g * 16 + i) * n, 0, sizeof(uint16_t) * n);
+        }
+    }
+    for (int g = 0; g < heads; g += 2) {
+        const int two = g + 1 < heads;
+        weigh_values(weights + g * 16 * n, two ? weights + (g + 1) * 16 * n : NULL, n, vp, lo / 32, dim, o,
+                     o + 16 * dim);
+        for (int k = 0; k <= two; k++)
+            for (int64_t i = 0; i < rows; i++)
+                copy_as(o + (k * 16 + i) * dim, F32, out + ((start + i) * q_heads + h * groups + g0 + g + k) * dim,
+                        BF16, dim);
+    }
+}
+#else
+#define AMX_ATTENTION 0
+#endif
+
+/* Whether prefill_attention was built (this CPU has AMX's bfloat16 tiles). */
+const int amx_prefill_attention = AMX_ATTENTION;
+
+/* Prefill chunks' attention (`prefill_rows`) on AMX tiles: q [tokens,
+ * q_heads, head_dim] bfloat16 (contiguous), the pool's pages bfloat16,
+ * out like q (only the chunks' rows written); scale, softcap (<= 0: none)
+ * and sinks (float32 [q_heads] or NULL) as decode_attention takes them.
+ * Returns 0; -1 where scratch memory could not be had; -3 where it cannot
+ * run: no AMX in this build, other dtypes, or a head_dim that is no
+ * multiple of 32; -4 where Linux refused the tiles' state (the caller then
+ * runs the tiles' path). */
+int prefill_attention(const paged_cache *cache, const prefill_rows *p, const void *q, int64_t q_heads, float scale,
+                      float softcap, const float *sinks, void *out, int dtype, int threads)
+{
+#if AMX_ATTENTION
+    const int64_t dim = cache->head_dim, heads = cache->kv_heads, groups = q_heads / heads;
+    if (dtype != BF16 || cache->dtype != BF16 || dim % 32 != 0 || dim > 1024)
+        return -3;
+    if (!tiles_granted())
+        return -4;
+    /* each chunk's packed keys and values: n = its keys up to its last query, in 32s */
+    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(p->segments + 1)), width = 32, blocks = 0;
+    if (offset == NULL)
+        return -1;
+    offset[0] = 0;
+    for (int64_t s = 0; s < p->segments; s++) {
+        const int64_t n = (p->query_pos[s] + p->count[s] - p->key_pos[s] + 31) / 32 * 32;
+        offset[s + 1] = offset[s] + n * dim * heads;
+        width = n > width ? n : width;
+        blocks += n / 16 * heads;
+    }
+    uint16_t *packed = malloc(sizeof(uint16_t) * (size_t)(2 * offset[p->segments] + 1));
+    if (packed == NULL) {
+        free(offset);
+        return -1;
+    }
+    const int64_t batches = (groups + 3) / 4;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        /* keys and values laid out, block by block */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < blocks; j++) {
+            int64_t s = 0, k = j;
+            while (k >= (offset[s + 1] - offset[s]) / dim / 16) /* blocks of chunk s, over its heads */
+                k -= (offset[s + 1] - offset[s]) / dim / 16, s++;
+            const int64_t n = (offset[s + 1] - offset[s]) / dim / heads, h = k / (n / 16), b = k % (n / 16);
+            const int64_t real = p->query_pos[s] + p->count[s] - p->key_pos[s];
+            uint16_t *kp = packed + 2 * offset[s] + 2 * h * n * dim;
+            pack_block(cache, p->pages + s * p->max_blocks, h, b, real < p->keys[s] ? real : p->keys[s], kp,
+                       kp + n * dim);
+        }
+        const size_t bytes = sizeof(uint16_t) * (size_t)(64 * dim) + (sizeof(float) * 64 + sizeof(uint16_t) * 64 +
+                             16 + sizeof(float)) * (size_t)width + sizeof(float) * (size_t)(32 * dim);
+        char *scratch = malloc(bytes);
+        failed |= scratch == NULL;
+        if (scratch != NULL)
+            configure_tiles();
+        /* then every chunk's 16-row blocks, KV heads and up to 4 of their query heads */
+        int64_t items = 0;
+        for (int64_t s = 0; s < p->segments; s++)
+            items += (p->count[s] + 15) / 16;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t j = 0; j < items; j++) {
+            for (int64_t hb = 0; hb < heads * batches; hb++) {
+                if (scratch == NULL)
+                    continue;
+                int64_t s = 0, block = j;
+                while (block >= (p->count[s] + 15) / 16)
+                    block -= (p->count[s] + 15) / 16, s++;
+                const int64_t h = hb / batches, g0 = hb % batches * 4, n = (offset[s + 1] - offset[s]) / dim / heads;
+                const uint16_t *kp = packed + 2 * offset[s] + 2 * h * n * dim;
+                uint16_t *qb = (uint16_t *)scratch;
+                float *scores = (float *)(qb + 64 * dim);
+                uint16_t *weights = (uint16_t *)(scores + 64 * width);
+                float *o = (float *)(weights + 64 * width);
+                float *x = o + 32 * dim;
+                uint8_t *visible = (uint8_t *)(x + width);
+                attend_rows(cache, p, s, block * 16, h, groups, g0, (int)(groups - g0 < 4 ? groups - g0 : 4), q,
+                            q_heads, scale, softcap, sinks, out, kp, kp + n * dim, qb, scores, weights, visible, x,
+                            o);
+            }
+        }
+        if (scratch != NULL)
+            _tile_release();
+        free(scratch);
+    }
+    free(packed);
+    free(offset);
+    return failed ? -1 : 0;
+#else
+    (void)cache, (void)p, (void)q, (void)q_heads, (void)scale, (void)softcap, (void)sinks, (void)out, (void)dtype,
+        (void)threads;
+    return -3;
+#endif
 }
 
 /* The float32 norm the decoder layer runs on its scratch rows. */
@@ -1985,5 +2318,6 @@ void struct_sizes(int64_t *out)
 {
     out[0] = (int64_t)sizeof(paged_cache);
     out[1] = (int64_t)sizeof(decode_rows);
-    out[2] = (int64_t)sizeof(decoder_layer);
+    out[2] = (int64_t)sizeof(prefill_rows);
+    out[3] = (int64_t)sizeof(decoder_layer);
 }

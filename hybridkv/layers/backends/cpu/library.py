@@ -92,6 +92,9 @@ class Kernels:
             setattr(self, name, fn)
         # Whether bfloat16 products run on the CPU's dot product (kernels.c's constant of that name).
         self.native_bf16_products = bool(ctypes.c_int.in_dll(self.lib, "native_bf16_products").value)
+        # Whether bfloat16 prefill attention runs on AMX tiles (kernels.c's `amx_prefill_attention`).
+        self.amx_prefill_attention = bool(ctypes.c_int.in_dll(self.lib, "amx_prefill_attention").value)
+        self.amx_refused = False  # set where Linux refused the tiles' state (attention.py)
         sizes = (ctypes.c_int64 * len(self.structs))()
         self.lib.struct_sizes(sizes)
         for (name, struct), size in zip(self.structs.items(), sizes):
