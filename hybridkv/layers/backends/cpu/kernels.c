@@ -1424,13 +1424,56 @@ static inline float activation1(float x, int kind)
     return x / (1.0f + expf(-y));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* `activation` in AVX-512 without a division: sigmoid(y) = 1 / (1 + e^-y),
+ * e^-y as exp_nonpositive takes it (2^n e^r, ln 2 in two parts, e^r to
+ * r^6; roundscale and scalef here) for -y held within +-87 (the sigmoid
+ * then within 1e-38 of 0 or 1 past it), the reciprocal from rcp14 refined
+ * by one Newton step, x / d corrected by its residual. A division's
+ * throughput bound the portable code: the real Gemma-3 270M's gated
+ * activations over a 2,048-token prefill step took 1.2-1.3x as long on a
+ * Xeon with AMX. */
+static inline vec activation_avx512(vec v, int kind)
+{
+    const __m512 x = (__m512)v;
+    __m512 y = x;
+    if (kind != 0)
+        y = _mm512_mul_ps(_mm512_set1_ps(1.5957691216f),
+                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(x, x), x), _mm512_set1_ps(0.044715f), x));
+    const __m512 z = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), y), _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), z);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.0f));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    /* x / d: the quotient corrected by its residual (two fused operations),
+     * as a division rounds it but in rare last bits; a bit off decides a
+     * bfloat16 rounding where the value lies on a tie (SiLU(5.9375)) */
+    const __m512 q = _mm512_mul_ps(x, inv);
+    return (vec)_mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, x), inv, q);
+}
+#define ACTIVATION activation_avx512
+#else
+#define ACTIVATION activation
+#endif
+
 /* One row of gated_activation, of type t: the activation rounded to t
  * before the product, as torch's two ops round. */
 INLINE void gated_row(const void *g, const void *u, void *o, int64_t inter, int kind, int t)
 {
     int64_t j = 0;
     for (; j + LANES <= inter; j += LANES)
-        store_as(o, j, rounded_as(activation(load_as(g, j, t), kind), t) * load_as(u, j, t), t);
+        store_as(o, j, rounded_as(ACTIVATION(load_as(g, j, t), kind), t) * load_as(u, j, t), t);
     for (; j < inter; j++)
         put_as(o, j, rounded1_as(activation1(get_as(g, j, t), kind), t) * get_as(u, j, t), t);
 }
