@@ -1,12 +1,15 @@
-"""Prefill attention in query tiles against one masked call per chunk, and
-the tiles' softmax in one C pass against torch's passes.
+"""Prefill attention in query tiles against one masked call per chunk, the
+tiles' softmax in one C pass against torch's passes, and (bfloat16 on a
+CPU with AMX) the C kernel on the tile unit against the tiles.
 
 The torch attention reference (layers/backends/reference/attention.py) cuts a long
 prefill chunk into query tiles that score only the keys they may read; on
 the cpu backend each tile's softmax is one pass of a C kernel
-(`masked_softmax`) where torch makes four. This script prefills the same
-prompts with the engine each way, interleaved in one process (these
-machines are noisy), and prints the best time of each.
+(`masked_softmax`) where torch makes four, and in bfloat16 where the CPU
+has AMX every chunk of a layer is one call of `prefill_attention`
+(kernels.c). This script prefills the same prompts with the engine each
+way, interleaved in one process (these machines are noisy), and prints the
+best time of each.
 
     python -m benchmarks.prefill_tiles                  # tiny-gemma3 and small-gemma3
     python -m benchmarks.prefill_tiles --models gemma3-270m   # the real model: 16 prompts of 700 tokens
@@ -49,8 +52,10 @@ def run(args) -> dict:
     print(f"{num} prompts of 100-1000 tokens (gemma3-270m: 16 of 700), prefill + 1 token, {args.dtype}, "
           f"{args.threads} threads, best of {repeat}")
     print(f"{'model':<14} {'one call s':>11} {'tiles, torch softmax s':>23} {'query tiles s':>14} "
-          f"{'tiles x':>8} {'C softmax x':>12}")
-    configs = (("one", one_call, True), ("torch softmax", tiled, False), ("tiles", tiled, True))
+          f"{'tiles x':>8} {'C softmax x':>12} {'AMX kernel s':>13} {'AMX x':>6}")
+    # (name, tiles, C softmax, AMX kernel)
+    configs = (("one", one_call, True, False), ("torch softmax", tiled, False, False), ("tiles", tiled, True, False),
+               ("amx", tiled, True, True))
     rows = []
     try:
         for model in models:
@@ -63,26 +68,40 @@ def run(args) -> dict:
                                 max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
                 prompts = prompts_for("random", num, engine.vocab_size)
             ops = engine.backend.attention
-            fused = getattr(ops, "fused_softmax", None)  # the cpu backend's switch (None: another backend)
+            fused = getattr(ops, "fused_softmax", None)  # the cpu backend's switches (None: another backend)
+            amx = fused is not None and args.dtype == "bfloat16" and ops.lib.amx_prefill_attention
             params = SamplingParams(temperature=0.0, max_tokens=1)
-            best = {name: float("inf") for name, _, _ in configs}
+            if amx:  # a first run says whether the kernel takes this model (heads a multiple of 32 wide)
+                calls = ops.amx_prefill_calls
+                engine.generate(prompts[:1], params, use_tqdm=False)
+                amx = ops.amx_prefill_calls > calls
+            runs = [c for c in configs if amx or not c[3]]
+            best = {c[0]: float("inf") for c in runs}
             for round_ in range(repeat):
                 # Reversed every other round: a fixed order lets this VM's drift favour one.
-                for name, tiles, c_softmax in configs if round_ % 2 == 0 else configs[::-1]:
+                for name, tiles, c_softmax, on_tiles in runs if round_ % 2 == 0 else runs[::-1]:
                     attention.query_tiles = tiles
                     if fused is not None:
-                        ops.fused_softmax = c_softmax
+                        ops.fused_softmax, ops.amx_prefill = c_softmax, on_tiles
+                    calls = getattr(ops, "amx_prefill_calls", 0)
                     start = time.perf_counter()
                     engine.generate(prompts, params, use_tqdm=False)
                     best[name] = min(best[name], time.perf_counter() - start)
+                    if (getattr(ops, "amx_prefill_calls", 0) > calls) != on_tiles:
+                        raise RuntimeError(f"{model}: the {name!r} runs {'did not take' if on_tiles else 'took'} "
+                                           f"the AMX kernel")
             if fused is not None:
-                ops.fused_softmax = fused
+                ops.fused_softmax, ops.amx_prefill = fused, True
             one, torch_softmax, tiles = best["one"], best["torch softmax"], best["tiles"]
+            row = {"model": model, "prompts": len(prompts), "dtype": args.dtype, "backend": engine.backend.name,
+                   "one_call_s": one, "torch_softmax_s": torch_softmax, "query_tiles_s": tiles,
+                   "speedup": one / tiles, "c_softmax_speedup": torch_softmax / tiles}
+            if amx:
+                row.update(amx_s=best["amx"], amx_speedup=tiles / best["amx"])
             print(f"{model:<14} {one:>11.2f} {torch_softmax:>23.2f} {tiles:>14.2f} {one / tiles:>7.2f}x "
-                  f"{torch_softmax / tiles:>11.2f}x")
-            rows.append({"model": model, "prompts": len(prompts), "dtype": args.dtype, "backend": engine.backend.name,
-                         "one_call_s": one, "torch_softmax_s": torch_softmax, "query_tiles_s": tiles,
-                         "speedup": one / tiles, "c_softmax_speedup": torch_softmax / tiles})
+                  f"{torch_softmax / tiles:>11.2f}x " +
+                  (f"{best['amx']:>13.2f} {tiles / best['amx']:>5.2f}x" if amx else f"{'not run':>13}"))
+            rows.append(row)
     finally:
         attention.query_tiles = tiled
     return {"models": rows}

@@ -435,6 +435,13 @@ TABLES: dict[str, Table] = {
         "speedup": key("speedup", times),
         "tiles, torch's softmax": lambda r: seconds(r["torch_softmax_s"]) if "torch_softmax_s" in r else "not run",
         "C softmax": lambda r: times(r["c_softmax_speedup"]) if "c_softmax_speedup" in r else "not run"}),
+    # bfloat16 prefill attention on AMX tiles (kernels.c prefill_attention) against the tiles' path, on a Xeon.
+    "prefill-amx": Table("prefill_tiles_gemma3_270m_bfloat16_amx.json", rows_of("models"), {
+        "model": key("model"), "dtype": key("dtype"), "prompts": key("prompts"),
+        "query tiles (oneDNN products, C softmax)": key("query_tiles_s", seconds),
+        "AMX kernel": lambda r: seconds(r["amx_s"]) if "amx_s" in r else "not run",
+        "speedup": lambda r: times(r["amx_speedup"]) if "amx_speedup" in r else "-",
+        "one masked call": key("one_call_s", seconds)}),
     "real-gemma3": real_gemma3_table(["hybridkv", "vllm"], ["vllm"]),
     "real-gemma3-bfloat16": real_gemma3_table(["hybridkv", "vllm", "llama.cpp", "llama.cpp Q8_0"],
                                               ["vllm", "llama.cpp", "llama.cpp Q8_0"], "real_gemma3_bfloat16.json"),

@@ -112,6 +112,7 @@ class CpuAttention(AttentionOps):
     # bfloat16 prefill chunks on AMX tiles where the kernels have them
     # (True), or the tiles' path (False: benchmarks/prefill_tiles.py).
     amx_prefill = True
+    amx_prefill_calls = 0  # layers' prefill chunks it ran (benchmarks/prefill_tiles.py checks its runs took it)
 
     def __init__(self, lib):
         self.lib = lib
@@ -186,6 +187,7 @@ class CpuAttention(AttentionOps):
         if status == -4:  # Linux refused the tiles' state: the tiles' path from now on, said in the backend's report
             self.lib.amx_prefill_attention = False
             self.lib.amx_refused = True
+        self.amx_prefill_calls += status == 0
         return status == 0
 
     def tile_weights(self, scores: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None,
