@@ -16,7 +16,11 @@ int8 and fp8_e4m3 pages, the engines resident and stepped in turns (4 steps
 each, `--repeat` rounds), every sequence decoding: at batch 64 with
 4,096-token contexts (the pages, not the weights, are most of what such a
 step reads: 3 full layers reading every token, 15 sliding ones 512) and at
-batch 1 with a 128-token prompt. Medians of the steps' times.
+batch 1 with a 128-token prompt. Medians of the steps' times. With
+`--weights bfloat16` the same over bfloat16 weights (what a CPU with
+AVX-512 BF16 or AMX runs), float32 pages then beside bfloat16 and int8
+ones: the float32 weights' LM head alone is 21.5 GFLOP a batch-64 step, a
+part no page dtype changes.
 
 Capacity: requests of 1K, 4K and 32K tokens that fit an 80 GiB budget
 (layout.max_requests: pages held, the planner's rounding included) with
@@ -30,6 +34,7 @@ and groups its code makes (vllm_replay.max_requests).
 
     python -m benchmarks.kv_dtypes             # ~25 min on 2 cores (the prefill of 64 x 4,096 tokens, three times)
     python -m benchmarks.kv_dtypes --parts speed       # writes kv_dtypes_speed.json
+    python -m benchmarks.kv_dtypes --parts speed --weights bfloat16   # kv_dtypes_speed_bfloat16.json
     python -m benchmarks.kv_dtypes --parts capacity --python-vllm '~/.cache/hybridkv-peers/vllm/bin/python'
                                                # kv_dtypes_capacity.json in seconds (quoted: the result's
                                                # command keeps the ~, not the home directory)
@@ -107,9 +112,12 @@ def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
     return {"rows": rows}
 
 
-def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False) -> dict:
+def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False,
+          weights: str = "float32") -> dict:
     """(batch, context) -> step times over float32, int8 and fp8_e4m3 pages
-    (`synthetic`: token ids made up, for --quick's tiny model)."""
+    (and bfloat16 ones under bfloat16 weights; `synthetic`: token ids made
+    up, for --quick's tiny model). Rows name float32 pages "auto" under
+    float32 weights, as the engine's default."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu.linear import meminfo
@@ -122,11 +130,12 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
         params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
         engines = {}
-        for pages in ("auto", "int8", "fp8_e4m3"):
+        # (under bfloat16 weights no fp8 engine: a fourth engine's 64 x 4,096 tokens did not fit 24 GiB)
+        for pages in ("auto", "int8", "fp8_e4m3") if weights == "float32" else ("float32", "bfloat16", "int8"):
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
-            engine = Engine(model, dtype="float32", kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
+            engine = Engine(model, dtype=weights, kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
                             kv_cache_memory=budget, max_num_batched_tokens=2048)
             print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
                   f"{free.get('MemAvailable', 0) / 2**30:.1f} GiB before the engine; declined: "
@@ -147,7 +156,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
                     t = time.perf_counter()
                     engine.step()
                     times[pages].append(time.perf_counter() - t)
-        row = {"batch": batch, "context": context}
+        row = {"batch": batch, "context": context, "weights": weights}
         for pages, values in times.items():
             row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
                           "routes": dict(engines[pages].stats["backend"]["routes"]),
@@ -156,8 +165,13 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         decode_routes = {pages: sorted(r for r in row[pages]["routes"] if r != "cpu:modules") for pages in engines}
         if len({tuple(r) for r in decode_routes.values()}) > 1:
             raise RuntimeError(f"the engines' decode steps took different paths: {decode_routes}")
-        row["speedup"] = row["auto"]["step_ms"] / row["int8"]["step_ms"]
-        row["speedup_fp8"] = row["auto"]["step_ms"] / row["fp8_e4m3"]["step_ms"]
+        wide = row["auto" if weights == "float32" else "float32"]["step_ms"]
+        row["speedup"] = wide / row["int8"]["step_ms"]
+        if "fp8_e4m3" in row:
+            row["speedup_fp8"] = wide / row["fp8_e4m3"]["step_ms"]
+        if "bfloat16" in row:
+            row["speedup_bf16"] = wide / row["bfloat16"]["step_ms"]
+            row["int8_over_bf16"] = row["bfloat16"]["step_ms"] / row["int8"]["step_ms"]
         rows.append(row)
         del engines
     return {"rows": rows}
@@ -274,12 +288,16 @@ def arguments(parser) -> None:
                         help=f"which of {', '.join(PARTS)} to run (default all; accuracy and speed need the model)")
     parser.add_argument("--python-vllm", default=None, metavar="PATH",
                         help="a Python with vLLM installed, for capacity's vLLM column (default: this one, if it has)")
+    parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
+                        help="the speed part's weights (and activations)")
 
 
 def result_file(args) -> str:
     """kv_dtypes.json, or kv_dtypes_capacity.json / kv_dtypes_speed.json
     for a run of that part alone."""
     parts = args.parts.split(",")
+    if parts == ["speed"] and args.weights != "float32":
+        return f"kv_dtypes_speed_{args.weights}.json"
     return f"kv_dtypes_{parts[0]}.json" if parts in (["capacity"], ["speed"]) else "kv_dtypes.json"
 
 
@@ -334,12 +352,16 @@ def run(args) -> dict:
     if "speed" not in parts:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
-    print("\nDecode steps, float32 weights:")
-    tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick)
+    print(f"\nDecode steps, {args.weights} weights:")
+    tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights)
     for row in tables["speed"]["rows"]:
-        print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {row['auto']['step_ms']:.1f} ms, "
-              f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x), "
-              f"fp8_e4m3 pages {row['fp8_e4m3']['step_ms']:.1f} ms ({row['speedup_fp8']:.2f}x)")
+        wide = row["auto" if args.weights == "float32" else "float32"]
+        print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {wide['step_ms']:.1f} ms, " +
+              (f"bfloat16 pages {row['bfloat16']['step_ms']:.1f} ms ({row['speedup_bf16']:.2f}x), "
+               if "bfloat16" in row else "") +
+              f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x)" +
+              (f", fp8_e4m3 pages {row['fp8_e4m3']['step_ms']:.1f} ms ({row['speedup_fp8']:.2f}x)"
+               if "fp8_e4m3" in row else ""))
     return tables
 
 

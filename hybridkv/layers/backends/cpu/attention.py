@@ -79,12 +79,17 @@ class CpuMetadata:
     reference: torch_attention.AttentionMetadata  # stores and prefill chunks (its `decodes` left empty)
     decodes: CpuDecodes | None
     step: AttentionStep  # for the reference's decode groups, where the kernel cannot read a pool
-    prefills: CpuPrefills | None = None  # the chunks for `prefill_attention`
 
     @cached_property
     def reference_decodes(self) -> list[torch_attention.DecodeGroup]:
         """Built on first need, once for all the group's layers."""
         return torch_attention.decode_group_list(self.step)
+
+    @cached_property
+    def prefills(self) -> CpuPrefills | None:
+        """The chunks for `prefill_attention`, built on first need (a
+        bfloat16 step on a CPU with AMX), once for all the group's layers."""
+        return prefills(self.step, self.reference.prefills)
 
 
 def decodes(step: AttentionStep) -> CpuDecodes | None:
@@ -121,10 +126,10 @@ class CpuAttention(AttentionOps):
     def build(step: AttentionStep):
         if step.inputs.fixed_shape:
             return torch_attention.build(step)
-        segments = torch_attention.prefill_segments(step)
         reference = torch_attention.AttentionMetadata(step.spec, step.store_pages, step.store_offsets,
-                                                      *torch_attention.tails(step), [], segments)
-        return CpuMetadata(reference, decodes(step), step, prefills(step, segments))
+                                                      *torch_attention.tails(step), [],
+                                                      torch_attention.prefill_segments(step))
+        return CpuMetadata(reference, decodes(step), step)
 
     @staticmethod
     def store(cache, k, v, meta, column):
