@@ -1045,7 +1045,10 @@ static int tiles_granted(void)
     return granted == 1;
 }
 
-/* Every tile of this kernel is 16 rows of 64 bytes (palette 1). */
+/* Every tile of this kernel is 16 rows of 64 bytes (palette 1). Loaded per
+ * call in each thread and released after: oneDNN's AMX products in the
+ * same (torch's) threads read the loaded configuration back before each
+ * use and load theirs where it differs, so neither side trusts the other's. */
 static void configure_tiles(void)
 {
     uint8_t config[64] = {1};
