@@ -493,8 +493,8 @@ def check_prefill_attention(lib) -> None:
     scattered; with and without soft-capping and sinks. Within one bfloat16
     step of torch's float32 attention over the same values, plus what
     rounding the weights to bfloat16 (before the second product) can move:
-    2^-9 of the row's largest value. Where the kernels have no AMX, the
-    call must decline (-3) and leave the caller to the tiles' path."""
+    2^-9 of the largest value in the pool. Where the kernels have no AMX,
+    the call must decline and leave the caller to the tiles' path."""
     gen = torch.Generator().manual_seed(9)
     bs, kv_heads, q_heads, dim, window = 8, 2, 6, 96, 23
     chunks = [(0, 37, 0), (37, 5, 21), (42, 1, 9)]  # (first row of q, rows, position of the first)
@@ -511,7 +511,7 @@ def check_prefill_attention(lib) -> None:
         table.append((start, count, q0, key_pos, blocks, pages))
         for j in range(count):
             p = q0 + j
-            f = max(0, p - window + 1) if start != 42 else 0  # the 1-row chunk reads every key (a full layer's rule)
+            f = max(0, p - window + 1) if start != 42 else 0  # each row's first key is the caller's: this one, 0
             positions.append(p)
             firsts.append(f)
             rows_pages.append(pages[f // bs - key_pos // bs:])
