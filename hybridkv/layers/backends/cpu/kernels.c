@@ -1435,7 +1435,8 @@ static inline float activation1(float x, int kind)
  * by one Newton step, x / d corrected by its residual. A division's
  * throughput bound the portable code: the real Gemma-3 270M's gated
  * activations over a 2,048-token prefill step took 1.2-1.3x as long on a
- * Xeon with AMX. */
+ * Xeon with AMX. (Not exp2_lanes of -y log2(e): that product's rounding
+ * moves e^-y by up to ~4e-7 at |y| ~ 10, enough to turn bfloat16 ties.) */
 static inline vec activation_avx512(vec v, int kind)
 {
     const __m512 x = (__m512)v;
