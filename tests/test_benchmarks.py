@@ -148,6 +148,15 @@ def test_prefill_tiles_quick(tmp_path):
     assert data["models"] and all(row["one_call_s"] > 0 and row["query_tiles_s"] > 0 for row in data["models"])
 
 
+def test_decode_attention_quick(tmp_path):
+    # (the baseline: the committed kernels.c, built beside this tree's; both must give the same outputs)
+    text, data = run("decode_attention", tmp_path, "--baseline", "HEAD")
+    assert "GB/s" in text
+    cases = data["cases"]
+    assert {row["dtype"] for row in cases} == {"float32", "bfloat16", "int8"}
+    assert all(row["this"]["ms"] > 0 and row["baseline"]["gb_per_s"] > 0 and row["speedup"] > 0 for row in cases)
+
+
 def test_hybrid_prefix_quick(tmp_path):
     text, data = run("hybrid_prefix", tmp_path)
     [row] = data["budgets"]

@@ -187,6 +187,43 @@ def check_decode_attention(lib) -> None:
             if (got - expected).abs().max() > 1e-5 + 1e-5 * expected.abs().max():
                 raise AssertionError(f"{what}, {codes_dtype} pages) differs by "
                                      f"{(got - expected).abs().max().item():.3g}")
+    check_decode_chunks(lib)
+
+
+def check_decode_chunks(lib) -> None:
+    """Rows past two of attend_heads' chunks (kernels.c DECODE_CHUNK, 256
+    keys): 1,300 keys, and 700 from position 100 (a window), each row's
+    largest scores planted in its last chunk (what the earlier chunks
+    summed is rescaled) or its first (nothing is), float32 and int8 pages,
+    with and without sinks and soft-capping."""
+    gen = torch.Generator().manual_seed(12)
+    positions, firsts = [1299, 799, 1299, 799], [0, 100, 0, 100]
+    bs, dim = 16, 64
+    cache = torch.randn(1 + 4 * 82, 2, bs, 1, dim, generator=gen)
+    pages = torch.zeros(4, 82, dtype=torch.int64)
+    for r, (p, f) in enumerate(zip(positions, firsts)):
+        count = p // bs - f // bs + 1
+        pages[r, :count] = 1 + r * 82 + torch.randperm(count, generator=gen)
+    q = torch.randn(len(positions), 4, dim, generator=gen)
+    # a key along the query: the row's largest scores, far past the others (e^(their difference) overflows float32)
+    for r, near in enumerate((1290, 790, 5, 105)):
+        cache[pages[r, near // bs - firsts[r] // bs], 0, near % bs, 0] = q[r].mean(0) * 40
+    dec = CpuDecodes(torch.arange(len(positions)), pages[None], torch.tensor(firsts), torch.tensor(positions))
+    sinks = torch.randn(4, generator=gen) * 2
+    hadamard = rotation(torch.int8, dim, "cpu")
+    codes, scales = quantize(cache @ hadamard, torch.int8)
+    for softcap, sink in ((None, None), (30.0, sinks)):
+        what = (f"decode_attention over rows of 1,300 and 700 keys (softcap {softcap}, "
+                f"{'with' if sink is not None else 'no'} sinks")
+        got = CpuAttention(lib).attend_decodes(q, cache, dec, 0, 0.3, softcap, sink)
+        _close(got, _attention(q, cache, pages, positions, firsts, 0.3, softcap, sink), what + ")")
+        got = CpuAttention(lib).attend_decodes(q, QuantizedCache(codes, scales), dec, 0, 0.3, softcap, sink)
+        expected = _attention(q, dequantize(codes, scales, torch.float32) @ hadamard, pages, positions, firsts, 0.3,
+                              softcap, sink)
+        bound = 1e-5 + 2e-5 * expected.abs().max() + _int16_bound(q @ hadamard, codes, scales, pages, positions,
+                                                                   firsts, 0.3)
+        if ((got - expected).abs() > bound).any():
+            raise AssertionError(f"{what}, int8 pages) differs by {(got - expected).abs().max().item():.3g}")
 
 
 def check_norm_rotary(lib) -> None:
