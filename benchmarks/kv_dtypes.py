@@ -113,11 +113,14 @@ def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
 
 
 def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False,
-          weights: str = "float32") -> dict:
+          weights: str = "float32", reverse: bool = False) -> dict:
     """(batch, context) -> step times over float32, int8 and fp8_e4m3 pages
     (and bfloat16 ones under bfloat16 weights; `synthetic`: token ids made
     up, for --quick's tiny model). Rows name float32 pages "auto" under
-    float32 weights, as the engine's default."""
+    float32 weights, as the engine's default. The engines are made in that
+    order (`reverse`: the other way round): which engine is made first moves
+    its steps by up to ~20% on a VM, so a run in each order tells the pages
+    from the order."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu.linear import meminfo
@@ -131,7 +134,8 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
         engines = {}
         # (under bfloat16 weights no fp8 engine: a fourth engine's 64 x 4,096 tokens did not fit 24 GiB)
-        for pages in ("auto", "int8", "fp8_e4m3") if weights == "float32" else ("float32", "bfloat16", "int8"):
+        order = ("auto", "int8", "fp8_e4m3") if weights == "float32" else ("float32", "bfloat16", "int8")
+        for pages in order[::-1] if reverse else order:
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
@@ -156,7 +160,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
                     t = time.perf_counter()
                     engine.step()
                     times[pages].append(time.perf_counter() - t)
-        row = {"batch": batch, "context": context, "weights": weights}
+        row = {"batch": batch, "context": context, "weights": weights, "made": list(engines)}
         for pages, values in times.items():
             row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
                           "routes": dict(engines[pages].stats["backend"]["routes"]),
@@ -290,14 +294,17 @@ def arguments(parser) -> None:
                         help="a Python with vLLM installed, for capacity's vLLM column (default: this one, if it has)")
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
                         help="the speed part's weights (and activations)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="the speed part's engines made in the reverse order (result file *_reversed.json)")
 
 
 def result_file(args) -> str:
     """kv_dtypes.json, or kv_dtypes_capacity.json / kv_dtypes_speed.json
     for a run of that part alone."""
     parts = args.parts.split(",")
-    if parts == ["speed"] and args.weights != "float32":
-        return f"kv_dtypes_speed_{args.weights}.json"
+    if parts == ["speed"] and (args.weights != "float32" or args.reverse):
+        return f"kv_dtypes_speed{'' if args.weights == 'float32' else '_' + args.weights}" \
+               f"{'_reversed' if args.reverse else ''}.json"
     return f"kv_dtypes_{parts[0]}.json" if parts in (["capacity"], ["speed"]) else "kv_dtypes.json"
 
 
@@ -353,7 +360,8 @@ def run(args) -> dict:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
     print(f"\nDecode steps, {args.weights} weights:")
-    tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights)
+    tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights,
+                            reverse=args.reverse)
     for row in tables["speed"]["rows"]:
         wide = row["auto" if args.weights == "float32" else "float32"]
         print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {wide['step_ms']:.1f} ms, " +

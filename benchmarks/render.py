@@ -248,8 +248,11 @@ TABLES: dict[str, Table] = {
         "int8 / float32": key("speedup", times),
         "fp8_e4m3 pages": lambda r: f"{num(r['fp8_e4m3']['step_ms'], 1)} ms ({num(r['fp8_e4m3']['tokens_per_s'])} tok/s)",
         "fp8_e4m3 / float32": key("speedup_fp8", times)}),
-    # The same over bfloat16 weights (--weights bfloat16): float32 pages against bfloat16 and int8 ones.
-    "kv-dtypes-speed-bfloat16": Table("kv_dtypes_speed_bfloat16.json", lambda t: t["speed"]["rows"], {
+    # The same over bfloat16 weights (--weights bfloat16): float32 pages against bfloat16 and int8 ones,
+    # the engines made in each order (--reverse).
+    "kv-dtypes-speed-bfloat16": Table(("kv_dtypes_speed_bfloat16.json", "kv_dtypes_speed_bfloat16_reversed.json"),
+                                      lambda *runs: [row for t in runs for row in t["speed"]["rows"]], {
+        "engines made": lambda r: ", ".join(r.get("made", ("float32", "bfloat16", "int8"))),
         "batch": key("batch"), "context": key("context", num),
         **{f"{pages} pages": (lambda pages: lambda r: f"{num(r[pages]['step_ms'], 1)} ms "
                                                       f"({num(r[pages]['tokens_per_s'])} tok/s)")(pages)

@@ -131,6 +131,7 @@ def test_kv_dtypes_quick(tmp_path):
     assert rows["int8"]["positions"] == 2 * 79 and abs(rows["int8"]["perplexity_change"]) < 0.05
     speed = data["speed"]["rows"]
     assert [r["batch"] for r in speed] == [2] and speed[0]["int8"]["step_ms"] > 0 and speed[0]["fp8_e4m3"]["step_ms"] > 0
+    assert speed[0]["made"] == ["auto", "int8", "fp8_e4m3"]  # (--reverse: the other way round)
 
 
 def test_kv_int8_options_quick(tmp_path):
