@@ -539,8 +539,9 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
             if (best > top[g]) { /* what the earlier chunks summed, against the new maximum */
                 const float rescale = expf(top[g] - best);
                 total[g] *= rescale;
-                for (int64_t j = 0; j < dim && c0 > 0; j++)
-                    os[g][j] *= rescale;
+                if (c0 > 0) /* (nothing summed yet in the first) */
+                    for (int64_t j = 0; j < dim; j++)
+                        os[g][j] *= rescale;
                 top[g] = best;
             }
             vec sum = {0};
