@@ -438,9 +438,9 @@ static void weigh_codes(const float *w, int64_t n, int64_t stride, int count, co
  * I16_KEYS; a chunk's key and value rows (512 KB of float32 rows 256 wide)
  * and the next one's stay in a core's L2. On 64 rows of one KV head 256
  * wide (benchmarks/decode_attention.py, a Xeon's 2 cores): 4,096 keys
- * 1.21x faster than passes over every key in int8, 1.33x in float32, 1.42x
- * in bfloat16; rows of 512 keys were no faster in chunks, so rows of up
- * to two chunks go whole. */
+ * 1.32x faster than passes over every key in float32, 1.39-1.42x in
+ * bfloat16, 1.21x in int8; rows of 512 keys were no faster in chunks, so
+ * rows of up to two chunks go whole. */
 #define DECODE_CHUNK 256
 
 /* One row and up to four of a KV head's query heads (count): scores
