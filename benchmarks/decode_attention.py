@@ -39,13 +39,13 @@ def arguments(parser) -> None:
 
 def baseline_build(revision: str, folder: str) -> Path:
     """kernels.c at `revision`, built as build.py builds it, into `folder`."""
-    from hybridkv.core.native import CPU_KERNELS
+    from hybridkv.core.native import CPU_KERNELS, NativeLibrary
 
     source = subprocess.run(["git", "show", f"{revision}:hybridkv/layers/backends/cpu/kernels.c"], check=True,
                             cwd=harness.ROOT, capture_output=True, text=True).stdout
     path = Path(folder) / "kernels.c"
     path.write_text(source)
-    baseline = type(CPU_KERNELS)(path, CPU_KERNELS.flags, CPU_KERNELS.cache_name, Path(folder), CPU_KERNELS.libs)
+    baseline = NativeLibrary(path, CPU_KERNELS.flags, CPU_KERNELS.cache_name, Path(folder), CPU_KERNELS.libs)
     return baseline.build_into(Path(folder))
 
 

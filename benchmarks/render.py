@@ -446,7 +446,6 @@ TABLES: dict[str, Table] = {
         "speedup": key("speedup", times),
         "tiles, torch's softmax": lambda r: seconds(r["torch_softmax_s"]) if "torch_softmax_s" in r else "not run",
         "C softmax": lambda r: times(r["c_softmax_speedup"]) if "c_softmax_speedup" in r else "not run"}),
-    # bfloat16 prefill attention on AMX tiles (kernels.c prefill_attention) against the tiles' path, on a Xeon.
     # The CPU's decode attention over long rows, this build beside a baseline revision's.
     "decode-attention": Table("decode_attention.json", rows_of("cases"), {
         "pages": key("dtype"), "keys a row reads": key("keys", num), "rows": key("rows"),
@@ -454,6 +453,7 @@ TABLES: dict[str, Table] = {
         "baseline": lambda r: (f"{num(r['baseline']['ms'], 2)} ms ({num(r['baseline']['gb_per_s'], 1)} GB/s)"
                                if "baseline" in r else "not run"),
         "speedup": lambda r: times(r["speedup"]) if "speedup" in r else "-"}),
+    # bfloat16 prefill attention on AMX tiles (kernels.c prefill_attention) against the tiles' path, on a Xeon.
     "prefill-amx": Table("prefill_tiles_gemma3_270m_bfloat16_amx.json", rows_of("models"), {
         "model": key("model"), "dtype": key("dtype"), "prompts": key("prompts"),
         "query tiles (oneDNN products, C softmax)": key("query_tiles_s", seconds),
