@@ -511,9 +511,10 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
                     __builtin_prefetch(value + b);
             }
             if (i + chunk < n) {
-                const char *next = at(cache, keys[i + chunk], ct);
+                const char *next = at(cache, keys[i + chunk], ct),
+                           *value = at(cache, keys[i + chunk] + half_stride, ct);
                 for (int64_t b = 0; b < row_bytes; b += 64)
-                    __builtin_prefetch(next + b), __builtin_prefetch(next + half_stride * (int64_t)size_of(ct) + b);
+                    __builtin_prefetch(next + b), __builtin_prefetch(value + b);
             }
 #if defined(__AVX512BW__)
             if (integer) {
