@@ -16,7 +16,14 @@ int8 and fp8_e4m3 pages, the engines resident and stepped in turns (4 steps
 each, `--repeat` rounds), every sequence decoding: at batch 64 with
 4,096-token contexts (the pages, not the weights, are most of what such a
 step reads: 3 full layers reading every token, 15 sliding ones 512) and at
-batch 1 with a 128-token prompt. Medians of the steps' times. With
+batch 1 with a 128-token prompt. Medians of the steps' times. Beside the
+batch-64 engines, made before them and stepped in the same turns, a floor:
+the same batch over int8 pages with 128-token prompts, a step that reads
+next to no pages. No page dtype can make the long contexts' step faster
+than that, so the float32 pages' step over the floor's ("ceiling") is the
+most any narrow page can give there (over bfloat16 weights: beside three
+float32 weights' engines a fourth does not find the memory to wrap its
+layers here, and its steps would take another path). With
 `--weights bfloat16` the same over bfloat16 weights (what a CPU with
 AVX-512 BF16 or AMX runs), float32 pages then beside bfloat16 and int8
 ones: the float32 weights' LM head alone is 21.5 GFLOP a batch-64 step, a
@@ -58,6 +65,7 @@ import time
 from benchmarks import harness
 
 MODELS = os.path.join(harness.ROOT, "models")
+FLOOR_CONTEXT = 128  # tokens of the speed part's floor (at most a quarter of the case's context)
 CONTEXTS = (1024, 4096, 32768)
 BUDGET = "80GiB"
 NARROW = {"int8": "int8", "int8 full only": {"full_attention": "int8"},
@@ -113,34 +121,45 @@ def accuracy(gguf: str, prompts: list[list[int]], configs: dict) -> dict:
 
 
 def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool = False,
-          weights: str = "float32", reverse: bool = False) -> dict:
+          weights: str = "float32", reverse: bool = False, floor: bool = False) -> dict:
     """(batch, context) -> step times over float32, int8 and fp8_e4m3 pages
     (and bfloat16 ones under bfloat16 weights; `synthetic`: token ids made
     up, for --quick's tiny model). Rows name float32 pages "auto" under
     float32 weights, as the engine's default. The engines are made in that
-    order (`reverse`: the other way round): which engine is made first moves
-    its steps by up to ~20% on a VM, so a run in each order tells the pages
-    from the order."""
+    order (`reverse`: the other way round), after the floor (`floor`, where
+    the batch is more than one: see the module's docstring): which engine is made
+    first moves its steps by up to ~20% on a VM, so a run in each order
+    tells the pages from the order."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu.linear import meminfo
 
+    def prompts_of(batch: int, context: int) -> list[list[int]]:
+        if synthetic:
+            return [[(7 * i + 3 * j) % 200 + 3 for j in range(context)] for i in range(batch)]
+        return batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
+
     rows = []
     for batch, context in cases:
-        if synthetic:
-            prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(context)] for i in range(batch)]
-        else:
-            prompts = batch_prompts(batch, context) if batch * 3 + context < 3000 else long_prompts(batch, context)
         params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
         engines = {}
-        # (under bfloat16 weights no fp8 engine: a fourth engine's 64 x 4,096 tokens did not fit 24 GiB)
+        # (under bfloat16 weights no fp8 engine: a fourth engine's 64 x 4,096 tokens did not fit 24 GiB;
+        # the floor's few pages do)
         order = ("auto", "int8", "fp8_e4m3") if weights == "float32" else ("float32", "bfloat16", "int8")
-        for pages in order[::-1] if reverse else order:
+        if reverse:
+            order = order[::-1]
+        # The floor first, in either order, while memory is free: made after the long contexts' engines
+        # it may not find the memory to wrap its layers, and its steps would take another path.
+        floor_context = min(FLOOR_CONTEXT, context // 4)
+        if floor and batch > 1:
+            order = ("floor", *order)
+        for pages in order:
+            prompts = prompts_of(batch, floor_context if pages == "floor" else context)
             # room for every prompt's float32 pages at once
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
-            engine = Engine(model, dtype=weights, kv_cache_dtype=pages, max_num_seqs=batch, progress=False,
-                            kv_cache_memory=budget, max_num_batched_tokens=2048)
+            engine = Engine(model, dtype=weights, kv_cache_dtype="int8" if pages == "floor" else pages,
+                            max_num_seqs=batch, progress=False, kv_cache_memory=budget, max_num_batched_tokens=2048)
             print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
                   f"{free.get('MemAvailable', 0) / 2**30:.1f} GiB before the engine; declined: "
                   f"{engine.stats['backend']['declined'] or 'nothing'}", flush=True)
@@ -149,8 +168,8 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             start, decoding = time.perf_counter(), set()
             while len(decoding) < batch:  # every prompt computed: each has its first token
                 decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-            print(f"  batch {batch}, {context} tokens, {pages} pages: prefill {time.perf_counter() - start:.1f} s",
-                  flush=True)
+            print(f"  batch {batch}, {len(prompts[0])} tokens, {pages} pages: prefill "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
             engine.step()
             engines[pages] = engine
         times = {pages: [] for pages in engines}
@@ -176,6 +195,9 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         if "bfloat16" in row:
             row["speedup_bf16"] = wide / row["bfloat16"]["step_ms"]
             row["int8_over_bf16"] = row["bfloat16"]["step_ms"] / row["int8"]["step_ms"]
+        if "floor" in row:
+            row["floor"]["context"] = floor_context
+            row["ceiling"] = wide / row["floor"]["step_ms"]
         rows.append(row)
         del engines
     return {"rows": rows}
@@ -360,8 +382,11 @@ def run(args) -> dict:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
     print(f"\nDecode steps, {args.weights} weights:")
+    # The floor over bfloat16 weights (and --quick's tiny model): under float32 weights, a fourth engine
+    # beside three with 64 x 4,096 tokens' pools found too little memory free to wrap its layers, and its
+    # steps took another path than theirs.
     tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights,
-                            reverse=args.reverse)
+                            reverse=args.reverse, floor=args.weights == "bfloat16" or args.quick)
     for row in tables["speed"]["rows"]:
         wide = row["auto" if args.weights == "float32" else "float32"]
         print(f"batch {row['batch']:>3}, {row['context']:>5} tokens: float32 pages {wide['step_ms']:.1f} ms, " +
@@ -369,7 +394,9 @@ def run(args) -> dict:
                if "bfloat16" in row else "") +
               f"int8 pages {row['int8']['step_ms']:.1f} ms ({row['speedup']:.2f}x)" +
               (f", fp8_e4m3 pages {row['fp8_e4m3']['step_ms']:.1f} ms ({row['speedup_fp8']:.2f}x)"
-               if "fp8_e4m3" in row else ""))
+               if "fp8_e4m3" in row else "") +
+              (f"; floor (int8 pages, {row['floor']['context']} tokens) {row['floor']['step_ms']:.1f} ms: "
+               f"no page dtype beyond {row['ceiling']:.2f}x" if "floor" in row else ""))
     return tables
 
 

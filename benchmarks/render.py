@@ -258,7 +258,12 @@ TABLES: dict[str, Table] = {
                                                       f"({num(r[pages]['tokens_per_s'])} tok/s)")(pages)
            for pages in ("float32", "bfloat16", "int8")},
         "bfloat16 / float32": key("speedup_bf16", times), "int8 / float32": key("speedup", times),
-        "int8 / bfloat16": key("int8_over_bf16", times)}),
+        "int8 / bfloat16": key("int8_over_bf16", times),
+        # The floor (int8 pages at short contexts, stepped beside the others) and the most any page dtype
+        # could gain over float32 pages: their step over the floor's. Rows without one (batch 1): "-".
+        "floor": lambda r: f"{num(r['floor']['step_ms'], 1)} ms ({num(r['floor']['context'])} tokens)"
+                           if "floor" in r else "-",
+        "float32 / floor": lambda r: times(r["ceiling"]) if "ceiling" in r else "-"}),
     "kv-dtypes-accuracy": Table("kv_dtypes.json", lambda t: t["accuracy"]["rows"], {
         "pages": key("config"), "dtypes": lambda r: ", ".join(r["pages"]), "positions": key("positions", num),
         "top-1 agreement": key("top1_agreement", lambda v: pct(v, 2)),

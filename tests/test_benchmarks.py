@@ -131,7 +131,10 @@ def test_kv_dtypes_quick(tmp_path):
     assert rows["int8"]["positions"] == 2 * 79 and abs(rows["int8"]["perplexity_change"]) < 0.05
     speed = data["speed"]["rows"]
     assert [r["batch"] for r in speed] == [2] and speed[0]["int8"]["step_ms"] > 0 and speed[0]["fp8_e4m3"]["step_ms"] > 0
-    assert speed[0]["made"] == ["auto", "int8", "fp8_e4m3"]  # (--reverse: the other way round)
+    assert speed[0]["made"] == ["floor", "auto", "int8", "fp8_e4m3"]  # (--reverse: the floor, then the other way round)
+    # The floor: int8 pages at a quarter of the 64-token context, in the same turns; the ceiling its ratio.
+    assert speed[0]["floor"]["context"] == 16 and speed[0]["ceiling"] == speed[0]["auto"]["step_ms"] / speed[0]["floor"]["step_ms"]
+    assert "floor (int8 pages, 16 tokens)" in text
 
 
 def test_kv_int8_options_quick(tmp_path):
