@@ -21,9 +21,11 @@ batch-64 engines, made before them and stepped in the same turns, a floor:
 the same batch over int8 pages with 128-token prompts, a step that reads
 next to no pages. No page dtype can make the long contexts' step faster
 than that, so the float32 pages' step over the floor's ("ceiling") is the
-most any narrow page can give there (over bfloat16 weights: beside three
-float32 weights' engines a fourth does not find the memory to wrap its
-layers here, and its steps would take another path). With
+most any narrow page can give there, if the engines beside it step as
+such engines do elsewhere (stepped over bfloat16 weights only: under
+float32 weights a fourth engine beside three long contexts' pools is one
+too many, and with those pools narrowed the floor stepped slower than
+them; docs/kv_dtypes.md). With
 `--weights bfloat16` the same over bfloat16 weights (what a CPU with
 AVX-512 BF16 or AMX runs), float32 pages then beside bfloat16 and int8
 ones: the float32 weights' LM head alone is 21.5 GFLOP a batch-64 step, a
@@ -126,10 +128,10 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
     (and bfloat16 ones under bfloat16 weights; `synthetic`: token ids made
     up, for --quick's tiny model). Rows name float32 pages "auto" under
     float32 weights, as the engine's default. The engines are made in that
-    order (`reverse`: the other way round), after the floor (`floor`, where
-    the batch is more than one: see the module's docstring): which engine is made
-    first moves its steps by up to ~20% on a VM, so a run in each order
-    tells the pages from the order."""
+    order (`reverse`: the other way round), after the floor (`floor`,
+    where the batch is more than one: see the module's docstring): which
+    engine is made first moves its steps by up to ~20% on a VM, so a run in
+    each order tells the pages from the order."""
     from benchmarks.real_gemma3 import batch_prompts
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu.linear import meminfo
@@ -382,9 +384,10 @@ def run(args) -> dict:
         return tables
     cases = [(2, 64)] if args.quick else [(1, 128), (64, 4096)]
     print(f"\nDecode steps, {args.weights} weights:")
-    # The floor over bfloat16 weights (and --quick's tiny model): under float32 weights, a fourth engine
-    # beside three with 64 x 4,096 tokens' pools found too little memory free to wrap its layers, and its
-    # steps took another path than theirs.
+    # The floor over bfloat16 weights (and --quick's tiny model): under float32 weights, whichever of four
+    # engines came after three with 64 x 4,096 tokens' pools found too little memory free to wrap its
+    # layers (its steps took another path), and with those pools narrowed the floor stepped slower than
+    # the long contexts' engines beside it, which is not understood (docs/kv_dtypes.md).
     tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights,
                             reverse=args.reverse, floor=args.weights == "bfloat16" or args.quick)
     for row in tables["speed"]["rows"]:
