@@ -68,7 +68,7 @@ def steady_steps(engine, prompts, new_tokens) -> tuple[list[float], list[int]]:
             tokens[out.request_id] = out.outputs[0].token_ids
             started.add(out.request_id)
             finished |= out.finished
-        if steady and not finished:
+        if steady and not finished and len(outputs) == len(ids):  # (none finished in an earlier step)
             times.append(elapsed)
     return times, list(tokens[ids[0]])
 

@@ -67,6 +67,7 @@ import time
 from benchmarks import harness
 
 MODELS = os.path.join(harness.ROOT, "models")
+PREFILL_TOKENS = 2048  # the speed part's max_num_batched_tokens
 FLOOR_CONTEXT = 128  # tokens of the speed part's floor (at most a quarter of the case's context)
 CONTEXTS = (1024, 4096, 32768)
 BUDGET = "80GiB"
@@ -143,7 +144,11 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
 
     rows = []
     for batch, context in cases:
-        params = SamplingParams(temperature=0.0, max_tokens=8 + 8 * repeat + 8, ignore_eos=True)
+        # A prompt computed early decodes while the later ones are computed (2,048 tokens a step), and one
+        # that reached max_tokens there would leave the timed steps with fewer than `batch` sequences: room
+        # for every step of the prefill, the untimed one and the timed ones.
+        prefill_steps = -(-batch * context // PREFILL_TOKENS) + batch
+        params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + 4 * repeat + 8, ignore_eos=True)
         engines = {}
         # (under bfloat16 weights no fp8 engine: a fourth engine's 64 x 4,096 tokens did not fit 24 GiB;
         # the floor's few pages do)
@@ -161,7 +166,8 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
             engine = Engine(model, dtype=weights, kv_cache_dtype="int8" if pages == "floor" else pages,
-                            max_num_seqs=batch, progress=False, kv_cache_memory=budget, max_num_batched_tokens=2048)
+                            max_num_seqs=batch, progress=False, kv_cache_memory=budget,
+                            max_num_batched_tokens=PREFILL_TOKENS)
             print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
                   f"{free.get('MemAvailable', 0) / 2**30:.1f} GiB before the engine; declined: "
                   f"{engine.stats['backend']['declined'] or 'nothing'}", flush=True)
@@ -179,8 +185,11 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             for pages, engine in engines.items():
                 for _ in range(4):
                     t = time.perf_counter()
-                    engine.step()
+                    outputs = engine.step()
                     times[pages].append(time.perf_counter() - t)
+                    if len(outputs) != batch or any(o.finished for o in outputs):
+                        raise RuntimeError(f"{pages} pages: a timed step decoded {len(outputs)} sequences, "
+                                           f"not {batch} (one finished or was preempted)")
         row = {"batch": batch, "context": context, "weights": weights, "made": list(engines)}
         for pages, values in times.items():
             row[pages] = {"step_ms": 1e3 * statistics.median(values), "tokens_per_s": batch / statistics.median(values),
