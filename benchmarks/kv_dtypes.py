@@ -21,11 +21,12 @@ batch-64 engines, made before them and stepped in the same turns, a floor:
 the same batch over int8 pages with 128-token prompts, a step that reads
 next to no pages. No page dtype can make the long contexts' step faster
 than that, so the float32 pages' step over the floor's ("ceiling") is the
-most any narrow page can give there, if the engines beside it step as
-such engines do elsewhere (stepped over bfloat16 weights only: under
-float32 weights a fourth engine beside three long contexts' pools is one
-too many, and with those pools narrowed the floor stepped slower than
-them; docs/kv_dtypes.md). With
+most any narrow page can give there (stepped over bfloat16 weights only:
+under float32 weights, four engines' weights beside three long contexts'
+pools leave the last engine made too little memory to wrap its layers).
+A timed step that decodes fewer than the batch stops the run: a prompt
+computed early decodes while later ones are, and must not finish before
+the timed steps end. With
 `--weights bfloat16` the same over bfloat16 weights (what a CPU with
 AVX-512 BF16 or AMX runs), float32 pages then beside bfloat16 and int8
 ones: the float32 weights' LM head alone is 21.5 GFLOP a batch-64 step, a
@@ -395,8 +396,7 @@ def run(args) -> dict:
     print(f"\nDecode steps, {args.weights} weights:")
     # The floor over bfloat16 weights (and --quick's tiny model): under float32 weights, whichever of four
     # engines came after three with 64 x 4,096 tokens' pools found too little memory free to wrap its
-    # layers (its steps took another path), and with those pools narrowed the floor stepped slower than
-    # the long contexts' engines beside it, which is not understood (docs/kv_dtypes.md).
+    # layers (its steps took another path, which the route check refuses).
     tables["speed"] = speed(gguf, cases, args.repeat, synthetic=args.quick, weights=args.weights,
                             reverse=args.reverse, floor=args.weights == "bfloat16" or args.quick)
     for row in tables["speed"]["rows"]:
