@@ -145,9 +145,10 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
 
     rows = []
     for batch, context in cases:
-        # A prompt computed early decodes while the later ones are computed (2,048 tokens a step), and one
-        # that reached max_tokens there would leave the timed steps with fewer than `batch` sequences: room
-        # for every step of the prefill, the untimed one and the timed ones.
+        # A prompt computed early decodes while the later ones are computed (2,048 tokens a step, those
+        # decoding among them: hence `batch` steps more), and one that reached max_tokens there would leave
+        # the timed steps with fewer than `batch` sequences: room for every step of the prefill, the untimed
+        # one and the timed ones.
         prefill_steps = -(-batch * context // PREFILL_TOKENS) + batch
         params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + 4 * repeat + 8, ignore_eos=True)
         engines = {}

@@ -530,7 +530,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
                            *value = at(cache, keys[i + chunk] + half_stride, ct);
                 for (int64_t b = 0; b < row_bytes; b += 64)
                     __builtin_prefetch(next + b), __builtin_prefetch(value + b);
-                if (is_code(ct)) /* its K and V scales (a line holds 16 keys' of each) */
+                if (is_code(ct)) /* its K and V scales (a line holds several keys' each) */
                     __builtin_prefetch(sc + scale_at[i + chunk]), __builtin_prefetch(sc + scale_at[i + chunk] + ss[1]);
             }
 #if defined(__AVX512BW__)
