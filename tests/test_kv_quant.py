@@ -318,6 +318,57 @@ def test_layers_cut_into_uneven_pieces_attend_as_whole_ones(backend_name, tmp_pa
     assert logprobs == pytest.approx(whole_logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])  # Triton's kernels: its self-test (triton/check.py)
+def test_scales_in_pages_of_their_own_attend_as_scales_beside_their_codes(backend_name, tmp_path, monkeypatch):
+    # int8 full layers whose codes and scales the layout puts in different
+    # pages of a block (core/layout.py `scales_apart`: gpt-oss-20b's page
+    # of least rounding): six layers of three KV heads, codes four heads to
+    # a page (pieces cut where one ends), scales 16 to a page (two pages);
+    # every store and read finds each piece's scales through their own
+    # column, and the tokens and logprobs are whole layers'.
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    import hybridkv.core.layout as layout_module
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=8,
+                              num_attention_heads=6, num_key_value_heads=3, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=8, max_position_embeddings=512,
+                              layer_types=["sliding_attention"] + ["full_attention"] * 3 + ["sliding_attention"]
+                              + ["full_attention"] * 3)
+    Gemma3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    page = 2 * 16 * 16 * 4  # one float32 sliding head's block: four int8 heads' codes, 16 heads' scales
+    modes = [layout_module.PACKED, layout_module.SCALES_APART]
+
+    def run(apart: bool):
+        with monkeypatch.context() as m:
+            if apart:
+                m.setattr(layout_module, "_packed_heads_page", lambda attn, states: (page, modes))
+            else:
+                m.setattr(layout_module, "PACKING_SLACK", float("inf"))
+            engine = Engine(str(tmp_path), kv_cache_memory="4MiB", progress=False, dtype="float32",
+                            backend=backend_name, kv_cache_dtype={"full_attention": "int8"})
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+        prompt = [(5 * j) % 200 + 3 for j in range(40)]
+        out = engine.generate([prompt], params, use_tqdm=False)[0]
+        # a hit reads the stored codes and scales (prompt logprobs read none)
+        again = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert again.metrics.num_cached_tokens > 0 and again.outputs[0].token_ids == out.outputs[0].token_ids
+        logprobs = [next(iter(p.values())) for p in out.prompt_logprobs[1:]]
+        return engine.layout, out.outputs[0].token_ids, logprobs
+
+    layout, tokens, logprobs = run(apart=True)
+    whole, whole_tokens, whole_logprobs = run(apart=False)
+    full = layout.groups[1]
+    assert full.scales_apart and full.pages_per_block == 5 + 2  # 18 heads: 5 pages of codes, 2 of scales
+    assert [len(layout.layer_views[f"model.layers.{i}"].places) for i in (1, 2, 3)] == [1, 2, 2]
+    assert {c for i in range(8) if i % 4 for c, _ in layout.layer_views[f"model.layers.{i}"].scale_runs} == {5, 6}
+    assert not any(g.scales_apart for g in whole.groups)
+    assert tokens == whole_tokens
+    assert logprobs == pytest.approx(whole_logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("family", ["tiny-qwen3-next", "tiny-nemotron-h"])
 def test_recurrent_hybrids_on_int8_pages_keep_float32_states_and_hit(family):
     # Gated DeltaNet and Mamba-2 beside int8 attention pages: the states
@@ -417,3 +468,9 @@ def test_the_page_dtype_is_part_of_the_cache_identity():
                                "int8 again": "int8"}.items()}
     assert ids["int8"] == ids["int8 again"]
     assert len({ids[n] for n in ("auto", "int8", "fp8", "full int8")}) == 4
+    # the same pages with the scales apart from their codes (core/layout.py) are another format
+    from dataclasses import replace
+
+    layout = plan_layout(with_kv_cache_dtype(specs, "int8"), 1 << 20, block_size=4)
+    apart = replace(layout, groups=tuple(replace(g, scales_apart=True) for g in layout.groups))
+    assert kv_identity(["weights"], "float32", apart) != ids["int8"]

@@ -64,9 +64,17 @@ def _check_views(layout):
             else:  # the layer's heads in pieces, in order, each whole in one page
                 assert sum(heads for _, _, heads in view.places) == group.spec.num_kv_heads
                 assert all(0 < heads <= group.heads_per_page for _, _, heads in view.places)
-                assert len(view.places) <= -(-group.spec.num_kv_heads // group.heads_per_page) + 1 <= 5
+                # cut where a page of codes ends (and one of scales, where they lie apart)
+                most = -(-group.spec.num_kv_heads // group.heads_per_page) + 1 + group.scales_apart
+                assert len(view.places) <= most <= 6
+            assert len(view.scale_runs) == (len(view.places) if group.scales_apart else 0)
+            head = group.code_head_bytes if group.scales_apart else group.head_bytes
             for column, offset, heads in view.places:
-                size = heads * group.head_bytes if heads else group.layer_bytes
+                size = heads * head if heads else group.layer_bytes
+                assert offset + size <= page
+                spans.append((column * page + offset, column * page + offset + size))
+            for (column, offset), (_, _, heads) in zip(view.scale_runs, view.places):
+                size = heads * (group.head_bytes - group.code_head_bytes)
                 assert offset + size <= page
                 spans.append((column * page + offset, column * page + offset + size))
         spans.sort()
@@ -95,6 +103,9 @@ def test_int8_full_layers_beside_bfloat16_windows_lose_little_to_rounding(config
         assert [g.heads_per_page for g in layout.groups] == [2, 0]
     if config == "gemma-2-27b":
         assert [(g.kind, g.heads_per_page) for g in layout.groups] == [("sliding_window", 0), ("full", 31)]
+    if config == "gpt-oss-20b":  # pages of three sliding heads, six int8 heads' codes or 96 heads' scales
+        assert [(g.heads_per_page, g.scales_apart) for g in layout.groups] == [(3, False), (6, True)]
+        assert all(layout.group_rounding_bytes(g) == 0 for g in layout.groups)
     _check_views(layout)
     # One dtype everywhere: exact pages, layers whole.
     assert all(g.heads_per_page == 0 for g in plan_layout(with_kv_cache_dtype(specs, "int8"), "80GiB").groups)
@@ -163,3 +174,28 @@ def test_the_planner_picks_the_block_size_where_none_is_asked_for():
     assert asked.block_size == 16 and asked.block_size_why == "asked for"
     with pytest.raises(ValueError, match="block_size"):
         plan_layout(hybrid, "16MiB", block_size=0)
+
+
+def test_scales_apart_cut_pieces_where_a_page_of_codes_or_of_scales_ends(monkeypatch):
+    # A page that no number of code heads fills (1,152 B: two 512-B heads'
+    # codes, nine 128-B heads' scales): each piece's codes lie in one page
+    # and its scales in one page of their own, after every code page.
+    import hybridkv.core.layout as layout_module
+
+    specs = {f"f{i}": FullAttentionSpec(3, 16, dtype="int8") for i in range(5)}
+    monkeypatch.setattr(layout_module, "_choose_page_size",
+                        lambda attn, states: (1152, [layout_module.SCALES_APART]))
+    layout = plan_layout(specs, 1 << 20)
+    group = layout.groups[0]
+    assert group.scales_apart and group.code_head_bytes == 512 and group.pages_per_block == 8 + 2
+    _check_views(layout)
+    heads = [0]
+    for i in range(5):
+        view = layout.layer_views[f"f{i}"]
+        for (column, offset, count), (scale_column, scale_offset) in zip(view.places, view.scale_runs):
+            first = heads[-1]
+            assert (column, offset // 512) == divmod(first, 2)
+            assert (scale_column - 8, scale_offset // 128) == divmod(first, 9)
+            assert first // 2 == (first + count - 1) // 2 and first // 9 == (first + count - 1) // 9
+            heads.append(first + count)
+    assert heads[-1] == 15

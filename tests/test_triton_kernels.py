@@ -646,7 +646,8 @@ H, G, D, BS = 16, 2, 128, 16  # Gemma-3-27B: 16 KV heads, 2 query heads each, he
 for dt in ("bf16", "fp32"):
     p = "*" + dt
     prec = "ieee" if dt == "fp32" else "tf32"
-    strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1)
+    strides = dict(s_cp=2 * 2 * BS * H * D, s_ckv=BS * H * D, s_cs=H * D, s_ch=D, s_cd=1, s_tr=512, s_tb=1,
+                   s_tsc=5 * 256 * 512)  # (the scales' table: five planes on, where they lie apart)
     qo = dict(s_qt=H * G * D, s_qh=D, s_qd=1, s_ot=H * G * D, s_oh=D, s_od=1)
     scale_strides = dict(s_sp=2 * 2 * BS * H, s_skv=BS * H, s_ss=H, s_sh=1)
     common = dict(q_ptr=p, out_ptr=p, cache_ptr=p, table_ptr="*i64", table_rows_ptr="*i64", first_ptr="*i64",
@@ -678,7 +679,7 @@ for dt in ("bf16", "fp32"):
                 DIM_PAD=D, BLOCK_M=32, BLOCK_N=64, PRECISION="tf32", DOT_16=False, CODES=True), num_warps=8)
     for code_max, mantissa, bias in ((127.0, 0, 0), (448.0, 3, 7), (57344.0, 2, 15)):
         compile(ops._store_codes_kernel, dict(k_ptr=p, v_ptr=p, codes_ptr="*u8", scales_ptr="*fp32",
-                slot_ptr="*i64", s_kt=H * D, s_kh=D, s_kd=1, s_vt=H * D, s_vh=D, s_vd=1, num_heads=H, **strides,
+                slot_ptr="*i64", scale_slot_ptr="*i64", s_kt=H * D, s_kh=D, s_kd=1, s_vt=H * D, s_vh=D, s_vd=1, num_heads=H, **strides,
                 **scale_strides), dict(BLOCK_SIZE=BS, HEAD_DIM=D, HEADS_TILE=16, DIM_PAD=D, CODE_MAX=code_max,
                 MANTISSA=mantissa, BIAS=bias))
     compile(ops._combine_splits_kernel, dict(out_ptr=p, rows_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",

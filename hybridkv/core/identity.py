@@ -114,7 +114,8 @@ def kv_identity(weights: list, dtype: str, layout: KVCacheLayout, extra: str = "
     model: a 32-byte digest."""
     h = hashlib.sha256(f"hybridkv-kv-v{format_version}".encode())
     groups = [(repr(g.spec), g.layer_names, g.block_size, g.pages_per_block,
-               *(("heads_per_page", g.heads_per_page) if g.heads_per_page else ()))
+               *(("heads_per_page", g.heads_per_page) if g.heads_per_page else ()),
+               *(("scales_apart",) if g.scales_apart else ()))
               for g in layout.groups]
     h.update(json.dumps([VERSION, weights, dtype, layout.page_size_bytes, layout.block_size, repr(groups)])
              .encode())

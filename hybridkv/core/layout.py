@@ -59,6 +59,12 @@ class KVCacheGroup:
     # rounding between groups of different dtypes need not hold whole
     # layer blocks: LayerView.runs).
     heads_per_page: int = 0
+    # Quantized, heads packed: True where the group's scales lie in pages
+    # of their own, the block's last ones, after every layer's codes (each
+    # piece's scales in one page: LayerView.scale_runs), so that pages
+    # sized to 16-bit heads split the codes exactly (a code head is half a
+    # bfloat16 one; codes with their scales fit no power of two).
+    scales_apart: bool = False
 
     @property
     def kind(self) -> str:
@@ -79,6 +85,12 @@ class KVCacheGroup:
         """Attention: bytes of one KV head's share of a layer's block."""
         return self.layer_bytes // self.spec.num_kv_heads
 
+    @property
+    def code_head_bytes(self) -> int:
+        """Attention: bytes of one KV head's K/V elements in a layer's
+        block (a quantized layer's codes, without their scales)."""
+        return self.spec.code_bytes(self.block_size) // self.spec.num_kv_heads
+
 
 @dataclass(frozen=True)
 class LayerView:
@@ -90,6 +102,9 @@ class LayerView:
     in pieces instead, in head order: (column, offset, heads), each piece
     laid out as a block of that many heads, whole in one page (`column`
     and `offset` are the first's).
+    Where its group keeps scales apart (`scales_apart`), the runs hold the
+    codes and `scale_runs` the (column, offset) of each piece's scales,
+    `[2, block_size, heads]` float32 in one page.
     Mamba: the layer's state parts start at byte `offset` of the block's
     pages taken as one byte string (a state may straddle pages);
     `part_offsets` are relative to `offset`.
@@ -101,6 +116,7 @@ class LayerView:
     offset: int
     part_offsets: tuple[int, ...] = ()
     runs: tuple[tuple[int, int, int], ...] = ()
+    scale_runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def places(self) -> tuple[tuple[int, int, int], ...]:
@@ -192,7 +208,8 @@ class KVCacheLayout:
         groups = tuple(KVCacheGroup(**{**g, "spec": spec(g["spec"]), "layer_names": tuple(g["layer_names"])})
                        for g in data["groups"])
         views = {name: LayerView(**{**v, "part_offsets": tuple(v["part_offsets"]),
-                                    "runs": tuple(tuple(p) for p in v.get("runs", ()))})
+                                    "runs": tuple(tuple(p) for p in v.get("runs", ())),
+                                    "scale_runs": tuple(tuple(p) for p in v.get("scale_runs", ()))})
                  for name, v in data["layer_views"].items()}
         return cls(groups, data["page_size_bytes"], data["num_pages"], data["block_size"], data["memory_bytes"],
                    views)
@@ -204,7 +221,8 @@ class KVCacheLayout:
             f"block size {self.block_size} tokens ({self.block_size_why})"
         ]
         for g in self.groups:
-            shares = f" (KV heads {g.heads_per_page} to a page)" if g.heads_per_page else ""
+            shares = f" (KV heads {g.heads_per_page} to a page{', scales apart' if g.scales_apart else ''})" \
+                if g.heads_per_page else ""
             lines.append(
                 f"  group {g.index}: {g.kind:<14} {_spec_brief(g.spec):<42} {g.num_layers:3d} layers{shares}, "
                 f"{g.pages_per_block} page(s)/block, rounding {self.group_rounding_bytes(g):,} B/block"
@@ -292,48 +310,84 @@ def _least_rounding_page(pieces: list[tuple[int, int, tuple[int, ...]]], state_b
     return min((rounding(p), p) for p in candidates)
 
 
-def _packed_heads_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[bool]]:
-    """(page, whether each attention group packs heads) of least rounding
-    (_least_rounding_page), for attention groups `attn` (spec, layers,
-    block size) whose blocks no page splits exactly. Packing a group's KV
-    heads lets a page sized to another group's blocks hold its layers with
-    little left over, a layer cut where a page ends (Gemma-3-4B, int8 full
-    layers beside bfloat16 sliding ones: pages of one int8 layer, each
-    holding half a sliding layer's heads, round 1.5% of a sliding block and
-    none of a full one, where pages of whole layers round a fifth of every
-    full block; Gemma-2-27B: 31 heads of its int8 full layers to a page of
-    one bfloat16 sliding layer round 0.3%, whole layers 2-3%). Within
-    PACKING_SLACK of the least rounding, the fewest packed groups."""
-    options = [[False, True] if spec.num_kv_heads > 1 and spec.block_bytes(bs) // spec.num_kv_heads % ALIGN == 0
-               else [False] for spec, _, bs in attn]
+# How a group's blocks lie in pages (_packed_heads_page): whole layers; KV
+# heads packed; KV heads packed, a quantized group's codes in pages apart
+# from its scales.
+WHOLE, PACKED, SCALES_APART = 0, 1, 2
+
+
+def _modes(spec: AttentionSpec, block_size: int) -> list[int]:
+    """The ways this group's blocks may lie in pages: heads packed where
+    each head's share keeps ALIGN; scales apart where codes and scales
+    each do too."""
+    heads = spec.num_kv_heads
+    modes = [WHOLE]
+    if heads > 1 and spec.block_bytes(block_size) // heads % ALIGN == 0:
+        modes.append(PACKED)
+    codes = spec.code_bytes(block_size) // heads
+    if spec.quantized and codes % ALIGN == 0 and (spec.block_bytes(block_size) // heads - codes) % ALIGN == 0:
+        modes.append(SCALES_APART)
+    return modes
+
+
+def _pieces(spec: AttentionSpec, layers: int, block_size: int, mode: int) -> list[tuple[int, int]]:
+    """(bytes of one piece, pieces in the group's block) of each kind of
+    piece a group's blocks hold in `mode`, none straddling a page."""
+    heads, block = spec.num_kv_heads, spec.block_bytes(block_size)
+    if mode == WHOLE:
+        return [(block, layers)]
+    if mode == PACKED:
+        return [(block // heads, layers * heads)]
+    codes = spec.code_bytes(block_size) // heads
+    return [(codes, layers * heads), (block // heads - codes, layers * heads)]
+
+
+def _packed_heads_page(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
+    """(page, how each attention group's blocks lie: WHOLE, PACKED or
+    SCALES_APART) of least rounding (_least_rounding_page), for attention
+    groups `attn` (spec, layers, block size) whose blocks no page splits
+    exactly. Packing a group's KV heads lets a page sized to another
+    group's blocks hold its layers with little left over, a layer cut
+    where a page ends (Gemma-3-4B, int8 full layers beside bfloat16
+    sliding ones: pages of one int8 layer, each holding half a sliding
+    layer's heads, round 1.5% of a sliding block and none of a full one,
+    where pages of whole layers round a fifth of every full block;
+    Gemma-2-27B: 31 heads of its int8 full layers to a page of one
+    bfloat16 sliding layer round 0.3%, whole layers 2-3%). Scales apart
+    round less where the codes alone split such a page (gpt-oss-20b, int8
+    full layers beside bfloat16 sliding ones, 64-wide heads: pages of
+    three sliding heads, six int8 heads' codes or 96 heads' scales, none
+    left over, where codes with their scales round 6% of a sliding
+    block). Within PACKING_SLACK of the least rounding, the fewest packed
+    groups (scales apart counting two)."""
+    options = [_modes(spec, bs) for spec, _, bs in attn]
     held = [tuple(_attention_blocks_held(spec, block_size, n, 1) for n in JUDGED_LENGTHS)
             for spec, _, block_size in attn]
-    tried = []  # (packed groups, rounding, page, packing per group)
-    for packing in itertools.product(*options):
-        pieces = [(spec.block_bytes(block_size) // (spec.num_kv_heads if packed else 1),
-                   layers * (spec.num_kv_heads if packed else 1), h)
-                  for (spec, layers, block_size), packed, h in zip(attn, packing, held)]
-        smallest = max((-(-spec.num_kv_heads // MAX_PIECES) * (spec.block_bytes(block_size) // spec.num_kv_heads)
-                        for (spec, _, block_size), packed in zip(attn, packing) if packed), default=0)
+    tried = []  # (cost, rounding, page, mode per group)
+    for modes in itertools.product(*options):
+        pieces = [(size, count, h) for (spec, layers, bs), mode, h in zip(attn, modes, held)
+                  for size, count in _pieces(spec, layers, bs, mode)]
+        smallest = max((-(-spec.num_kv_heads // MAX_PIECES) * _pieces(spec, 1, bs, mode)[0][0]
+                        for (spec, _, bs), mode in zip(attn, modes) if mode != WHOLE), default=0)
         rounding, page = _least_rounding_page(pieces, state_bytes, smallest)
-        tried.append((sum(packing), rounding, page, list(packing)))
+        tried.append((sum(modes), rounding, page, list(modes)))
     least = min(rounding for _, rounding, _, _ in tried)
-    _, _, page, packing = min(t for t in tried if t[1] <= least + PACKING_SLACK)
-    return page, packing
+    _, _, page, modes = min(t for t in tried if t[1] <= least + PACKING_SLACK)
+    return page, modes
 
 
-def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[bool]]:
-    """(page, whether each attention group packs heads): the largest page
-    that splits attention blocks exactly into whole per-layer blocks and
-    rounds each recurrent state by at most MAX_STATE_ROUNDING; where none
-    splits them exactly, the page of least rounding, a group's heads packed
-    where that rounds less. `attn`: per attention group, (spec, layers,
-    block size)."""
+def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: list[int]) -> tuple[int, list[int]]:
+    """(page, how each attention group's blocks lie: _packed_heads_page):
+    the largest page that splits attention blocks exactly into whole
+    per-layer blocks and rounds each recurrent state by at most
+    MAX_STATE_ROUNDING; where none splits them exactly, the page of least
+    rounding, a group's heads packed (its scales apart) where that rounds
+    less. `attn`: per attention group, (spec, layers, block size)."""
 
     def rounding_ok(page: int) -> bool:
         return all(_round_up(s, page) - s <= MAX_STATE_ROUNDING * s for s in state_bytes)
 
-    whole_layers = [False] * len(attn)
+    whole_layers = [WHOLE] * len(attn)
     if attn:
         unit = reduce(math.lcm, [spec.block_bytes(bs) for spec, _, bs in attn])
         whole = reduce(math.gcd, [spec.block_bytes(bs) * layers for spec, layers, bs in attn])
@@ -353,6 +407,38 @@ def _choose_page_size(attn: list[tuple[AttentionSpec, int, int]], state_bytes: l
         if rounding_ok(page):
             return page, whole_layers
     return ALIGN, whole_layers
+
+
+def _pack_heads(spec: AttentionSpec, names: list[str], block_size: int, page: int, scales_apart: bool,
+                index: int, views: dict) -> tuple[int, int]:
+    """Views of a group whose KV heads are packed (`heads_per_page`), its
+    layers' heads one stream cut where a page ends; with `scales_apart`
+    the codes so and the scales in pages after them, a piece cut where
+    either page ends. Returns (heads per page, pages per block)."""
+    heads = spec.num_kv_heads
+    total = len(names) * heads
+    block_head = spec.block_bytes(block_size) // heads
+    head = spec.code_bytes(block_size) // heads if scales_apart else block_head
+    per_page = page // head
+    code_pages = -(-total // per_page)
+    scale_head = block_head - head
+    scales_per_page = page // scale_head if scales_apart else 0
+    ends = set(range(per_page, total, per_page)) | set(range(heads, total, heads))
+    if scales_apart:
+        ends |= set(range(scales_per_page, total, scales_per_page))
+    cuts = sorted(ends | {0, total})
+    for i, name in enumerate(names):
+        runs, scale_runs = [], []
+        for first, end in zip(cuts, cuts[1:]):
+            if i * heads <= first < (i + 1) * heads:
+                column, slot = divmod(first, per_page)
+                runs.append((column, slot * head, end - first))
+                if scales_apart:
+                    column, slot = divmod(first, scales_per_page)
+                    scale_runs.append((code_pages + column, slot * scale_head))
+        views[name] = LayerView(name, index, runs[0][0], runs[0][1], runs=tuple(runs), scale_runs=tuple(scale_runs))
+    scale_pages = -(-total // scales_per_page) if scales_apart else 0
+    return per_page, code_pages + scale_pages
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -437,21 +523,13 @@ def plan_layout(
 
     groups, views = [], {}
     for index, (spec, names) in enumerate(by_spec.items()):
-        heads_per_page = 0
+        heads_per_page, mode = 0, WHOLE
         if spec.kind in ATTENTION_KINDS:
             layer_bytes = spec.block_bytes(block_size)
-            if next(packing):
-                heads, head_bytes = spec.num_kv_heads, layer_bytes // spec.num_kv_heads
-                heads_per_page = page // head_bytes
-                pages = -(-len(names) * heads // heads_per_page)
-                for i, name in enumerate(names):
-                    runs, first = [], i * heads  # the layer's heads in the group's stream of them
-                    while first < (i + 1) * heads:
-                        column, slot = divmod(first, heads_per_page)
-                        count = min((i + 1) * heads - first, heads_per_page - slot)
-                        runs.append((column, slot * head_bytes, count))
-                        first += count
-                    views[name] = LayerView(name, index, runs[0][0], runs[0][1], runs=tuple(runs))
+            mode = next(packing)
+            if mode != WHOLE:
+                heads_per_page, pages = _pack_heads(spec, names, block_size, page, mode == SCALES_APART, index,
+                                                    views)
             else:
                 per_page = max(1, page // layer_bytes)
                 pages = -(-len(names) // per_page)
@@ -464,7 +542,7 @@ def plan_layout(
             for i, name in enumerate(names):
                 views[name] = LayerView(name, index, 0, i * layer_bytes, part_offsets)
         groups.append(KVCacheGroup(index, spec, tuple(names), block_size, pages,
-                                   layer_bytes * len(names), layer_bytes, heads_per_page))
+                                   layer_bytes * len(names), layer_bytes, heads_per_page, mode == SCALES_APART))
 
     num_pages = memory // page
     smallest = 1 + sum(g.pages_per_block for g in groups)

@@ -35,21 +35,28 @@ class KVBuffers:
         pool; for a quantized layer its codes so and its scales [pages, 2,
         block_size, kv_heads] (kv_quant.py). Where the layout packs the
         group's heads (LayerView.runs), piece `piece` of the layer's block:
-        its heads only, laid out alike, in its own page column. Made when
-        asked (a few view ops), so that a traced or captured step has the
-        pool as its one cache input rather than many aliased views."""
+        its heads only, laid out alike, in its own page column; where it
+        keeps the group's scales apart, they are read through the table of
+        their own column (`QuantizedCache.scale_column`). Made when asked
+        (a few view ops), so that a traced or captured step has the pool as
+        its one cache input rather than many aliased views."""
         view = self.layout.layer_views[layer_name]
         group = self.layout.groups[view.group]
         spec = group.spec
         _, offset, heads = view.places[piece]
         heads = heads or spec.num_kv_heads
-        raw = self.pool[:, offset:offset + heads * group.head_bytes]
         shape = (self.pool.shape[0], 2, group.block_size, heads)
         if not spec.quantized:
+            raw = self.pool[:, offset:offset + heads * group.head_bytes]
             return raw.view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size)
-        codes = spec.code_bytes(group.block_size) // spec.num_kv_heads * heads
-        return QuantizedCache(raw[:, :codes].view(TORCH_DTYPES[spec.dtype]).view(*shape, spec.head_size),
-                              raw[:, codes:].view(torch.float32).view(shape))
+        codes = group.code_head_bytes * heads
+        if group.scales_apart:
+            scale_column, scale_offset = view.scale_runs[piece]
+            scales = self.pool[:, scale_offset:scale_offset + (group.head_bytes - group.code_head_bytes) * heads]
+        else:
+            scale_column, scales = None, self.pool[:, offset + codes:offset + heads * group.head_bytes]
+        return QuantizedCache(self.pool[:, offset:offset + codes].view(TORCH_DTYPES[spec.dtype]).view(
+            *shape, spec.head_size), scales.view(torch.float32).view(shape), scale_column=scale_column)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write after a fork: whole pages, every layer on them."""

@@ -1,6 +1,8 @@
 """Quantized KV pages: a layer's K and V rows stored as 8-bit codes with one
 float32 scale per token and head (value = code * scale), the scales in the
-same page as the codes, after them (core/specs.py `code_bytes`).
+same page as the codes, after them (core/specs.py `code_bytes`), or, where
+the layout keeps a group's scales apart (core/layout.py `scales_apart`), in
+pages of their own of the same block.
 
 The scale of a row is its largest magnitude over the type's largest code
 (core/dtypes.py QUANTIZED_KV_MAX: 127 for int8, 448 for float8_e4m3fn,
@@ -59,13 +61,20 @@ class QuantizedCache:
     # and output (`rotation`); False in the view an implementation reads
     # once it has (`unrotated`).
     rotate: bool = True
+    # The page column of the block whose table gives the scales' pages,
+    # where they lie apart from the codes; None: the codes' own pages.
+    scale_column: int | None = None
+
+    def scales_at(self, column: int) -> int:
+        """The table column of the scales of pages read through `column`."""
+        return column if self.scale_column is None else self.scale_column
 
     @property
     def rotation(self) -> torch.Tensor | None:
         return rotation(self.codes.dtype, self.codes.shape[-1], self.codes.device) if self.rotate else None
 
     def unrotated(self) -> "QuantizedCache":
-        return QuantizedCache(self.codes, self.scales, rotate=False)
+        return QuantizedCache(self.codes, self.scales, rotate=False, scale_column=self.scale_column)
 
     @property
     def dtype(self) -> torch.dtype:

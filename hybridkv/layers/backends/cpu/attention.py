@@ -158,7 +158,7 @@ class CpuAttention(AttentionOps):
         out = torch.empty_like(q)
         if meta.decodes is not None and not self.supports(q, cache):
             for group in meta.reference_decodes:
-                keys, values = torch_attention.gather(cache, group.pages[column])
+                keys, values = torch_attention.gather(cache, group.pages, column)
                 out[group.rows] = torch_attention.attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype),
                                                                  group.mask, scale, softcap, sinks)
         elif meta.decodes is not None:
@@ -235,8 +235,11 @@ class CpuAttention(AttentionOps):
         pages = dec.pages[column]
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
+        apart = {}
+        if isinstance(cache, QuantizedCache) and cache.scale_column is not None:  # the scales' own pages
+            apart["scale_pages"] = dec.pages[cache.scale_column].data_ptr()
         rows = self.lib.structs["decode_rows"](rows=q.shape[0], max_blocks=pages.shape[1], pages=pages.data_ptr(),
-                                               first=dec.first.data_ptr(), last=dec.last.data_ptr())
+                                               first=dec.first.data_ptr(), last=dec.last.data_ptr(), **apart)
         status = self.lib.decode_attention(paged_cache(self.lib, cache), rows, q.data_ptr(), q.shape[1], scale,
                                            softcap or 0.0, None if sinks is None else sinks.data_ptr(),
                                            out.data_ptr(), STORAGE[q.dtype], torch.get_num_threads())

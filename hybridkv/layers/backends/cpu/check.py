@@ -395,6 +395,9 @@ def check_decode_layer(lib) -> None:
         pool, cos, sin = cache.to(dtype), cos.to(dtype), sin.to(dtype)
         if codes is not None:
             pool = QuantizedCache(*pool_codes)
+            if codes == torch.int8:
+                _check_scales_apart(lib, layer, pool, rows, pages, first, last, store, store_offsets, x.to(dtype),
+                                    cos, sin)
         # The whole layer in one call, then in its three parts (a tensor-parallel
         # rank's, here with nothing to add between them: one rank's sums are whole),
         # then in stages.
@@ -444,6 +447,32 @@ def check_decode_layer(lib) -> None:
                 raise AssertionError(f"{what} is over two bfloat16 steps from torch's float32 result")
             for page, slot in written:
                 _bf16_near(pool[page, :, slot], expected_cache[page, :, slot], "decode_layer's K/V store (bfloat16)")
+
+
+def _check_scales_apart(lib, layer, pool, rows, pages, first, last, store, offsets, x, cos, sin) -> None:
+    """decode_layer over codes whose scales lie in pages of their own
+    (core/layout.py `scales_apart`): the scales moved to other pages, named
+    by decode_rows' scale_pages and store_scale_pages, give the output and
+    stores the layer gives with them beside their codes, bit for bit."""
+    moved = torch.roll(torch.arange(pool.scales.shape[0]), 5)  # page p's scales on page moved[p]
+    apart = QuantizedCache(pool.codes.clone(), torch.zeros_like(pool.scales))
+    apart.scales[moved] = pool.scales
+    beside = QuantizedCache(pool.codes.clone(), pool.scales.clone())
+    scale_pages, store_scales = moved[pages].contiguous(), moved[store].contiguous()
+    apart_rows = lib.structs["decode_rows"](rows=rows.rows, max_blocks=rows.max_blocks, pages=pages.data_ptr(),
+                                            first=first.data_ptr(), last=last.data_ptr(), store_pages=store.data_ptr(),
+                                            store_offsets=offsets.data_ptr(), scale_pages=scale_pages.data_ptr(),
+                                            store_scale_pages=store_scales.data_ptr())
+    outs = []
+    for cache, how in ((beside, rows), (apart, apart_rows)):
+        got = x.clone()
+        if lib.decode_layer(layer, paged_cache(lib, cache), how, got.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            None, 0, torch.get_num_threads()) != 0:
+            raise AssertionError("decode_layer failed to allocate")
+        outs.append(got)
+    if not (torch.equal(*outs) and torch.equal(beside.codes, apart.codes) and
+            torch.equal(beside.scales, apart.scales[moved])):
+        raise AssertionError("decode_layer reads or writes scales apart from their codes (scale_pages) wrongly")
 
 
 def _stages(lib, layer, cache, rows, x, cos, sin, w, qkv_bias, q_width: int, inter: int) -> None:

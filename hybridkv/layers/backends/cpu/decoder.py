@@ -160,16 +160,21 @@ class GroupRows:
     pages: torch.Tensor  # [width, R, blocks] int64 (attention.CpuDecodes)
     first: torch.Tensor  # [R] int64
     last: torch.Tensor  # [R] int64
-    structs: dict = field(default_factory=dict)  # column -> kernels.c's decode_rows, made once per step
+    structs: dict = field(default_factory=dict)  # columns -> kernels.c's decode_rows, made once per step
 
-    def rows(self, lib, column: int):
-        made = self.structs.get(column)
+    def rows(self, lib, column: int, scale_column: int | None = None):
+        """kernels.c's decode_rows through the pages of `column` (and the
+        scales' of `scale_column`, where quantized pages keep them apart)."""
+        made = self.structs.get((column, scale_column))
         if made is None:
             pages = self.pages[column]
-            made = self.structs[column] = lib.structs["decode_rows"](
+            apart = {} if scale_column is None else {
+                "scale_pages": self.pages[scale_column].data_ptr(),
+                "store_scale_pages": self.store_pages[scale_column].data_ptr()}
+            made = self.structs[column, scale_column] = lib.structs["decode_rows"](
                 rows=pages.shape[0], max_blocks=pages.shape[1], pages=pages.data_ptr(), first=self.first.data_ptr(),
                 last=self.last.data_ptr(), store_pages=self.store_pages[column].data_ptr(),
-                store_offsets=self.offsets.data_ptr())
+                store_offsets=self.offsets.data_ptr(), **apart)
         return made
 
 
@@ -252,6 +257,13 @@ class CpuDecoderLayer(nn.Module):
             self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
         return self._cache[1]
 
+    @property
+    def scale_column(self) -> int | None:
+        """Where the layer's scales lie in pages apart from its codes, their
+        column (`QuantizedCache.scale_column`; known once `cache` ran)."""
+        cache = self._cache[2]
+        return cache.scale_column if isinstance(cache, QuantizedCache) else None
+
     def forward(self, x: torch.Tensor, cos_sin, batch) -> torch.Tensor:
         step = batch.route_state
         if not isinstance(step, CpuDecodeStep):
@@ -261,8 +273,9 @@ class CpuDecoderLayer(nn.Module):
         cos, sin = cos_sin
         if not x.dtype == cos.dtype == sin.dtype == self.dtype:
             raise ValueError(f"the C decoder layer reads {self.dtype}; got {x.dtype}, cos and sin {cos.dtype}")
-        rows = step.groups[self.group].rows(self.lib, self.column)
-        call = (self.weights, self.cache(step.buffers), rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        cache = self.cache(step.buffers)
+        rows = step.groups[self.group].rows(self.lib, self.column, self.scale_column)
+        call = (self.weights, cache, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr())
         if step.stages:
             return self._stages(x, call, step.threads)
         if self.ranks.world == 1:

@@ -458,11 +458,14 @@ static void weigh_codes(const float *w, int64_t n, int64_t stride, int count, co
 /* One row and up to four of a KV head's query heads (count): scores
  * [4][n] is scratch; sink[g] is head g's sink logit (-INFINITY: none).
  * The cache's elements are of type ct (inlined once per type); for codes
- * codes, `sc` is the head's scales and `ss` their page, half and slot
- * strides: a key's score is its codes' dot product times its K scale, a
- * value's weight its softmax weight times its V scale. */
+ * codes, `sc` is the head's scales, `scale_pages` the row's pages that hold
+ * them (its `row_pages` where they follow the codes in a page) and `ss`
+ * their page, half and slot strides: a key's score is its codes' dot
+ * product times its K scale, a value's weight its softmax weight times its
+ * V scale. */
 INLINE void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
-                         const void *cache, const int64_t *row_pages, int64_t lo, int64_t n, int64_t block0,
+                         const void *cache, const int64_t *row_pages, const int64_t *scale_pages, int64_t lo,
+                         int64_t n, int64_t block0,
                          int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
                          int64_t dim, float scale, float softcap, float *scores, int64_t *keys, int ct,
                          const float *sc, const int64_t ss[3], int16_t *narrow16)
@@ -487,7 +490,7 @@ INLINE void attend_heads(const float *const qs[4], float *const os[4], const flo
     for (int64_t i = 0, b = lo / block_size - block0, at_slot = lo % block_size; i < n; i++) {
         keys[i] = row_pages[b] * page_stride + at_slot * slot_stride;
         if (is_code(ct))
-            scale_at[i] = row_pages[b] * ss[0] + at_slot * ss[2];
+            scale_at[i] = scale_pages[b] * ss[0] + at_slot * ss[2];
         if (++at_slot == block_size)
             at_slot = 0, b++;
     }
@@ -657,11 +660,14 @@ typedef struct {
  * (inclusive; last is the query's own position) through pages[r] (its
  * pages from the block holding its first key, max_blocks per row). A
  * decoder layer also stores each row's new K/V at (store_pages[r],
- * store_offsets[r]); attention alone leaves those NULL. */
+ * store_offsets[r]); attention alone leaves those NULL. Codes whose scales
+ * lie in pages of their own (core/layout.py `scales_apart`): scale_pages
+ * and store_scale_pages name those, alike; NULL: the codes' pages. */
 typedef struct {
     int64_t rows, max_blocks;
     const int64_t *pages, *first, *last;
     const int64_t *store_pages, *store_offsets;
+    const int64_t *scale_pages, *store_scale_pages;
 } decode_rows;
 
 static void rotate_hadamard(float *x, int64_t n);
@@ -713,23 +719,29 @@ static int attend_row(const void *q, const paged_cache *c, const decode_rows *d,
     }
     const void *head = at(c->data, h * c->head_stride, (int)c->dtype);
     const int64_t *row_pages = d->pages + r * d->max_blocks;
+    const int64_t *scale_pages = (d->scale_pages != NULL ? d->scale_pages : d->pages) + r * d->max_blocks;
     const float *sc = c->scales != NULL ? c->scales + h * c->scale_head_stride : NULL;
     const int64_t ss[3] = {c->scale_page_stride, c->scale_half_stride, c->scale_slot_stride};
     if (c->dtype == F32)
-        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, F32, sc, ss, NULL);
+        attend_heads(qs, os, sink, count, head, row_pages, scale_pages, lo, n, lo / block_size, block_size,
+                     c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, F32, sc, ss,
+                     NULL);
     else if (c->dtype == I8)
-        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, I8, sc, ss, narrow16);
+        attend_heads(qs, os, sink, count, head, row_pages, scale_pages, lo, n, lo / block_size, block_size,
+                     c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, I8, sc, ss,
+                     narrow16);
     else if (c->dtype == E4M3)
-        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E4M3, sc, ss, NULL);
+        attend_heads(qs, os, sink, count, head, row_pages, scale_pages, lo, n, lo / block_size, block_size,
+                     c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E4M3, sc, ss,
+                     NULL);
     else if (c->dtype == E5M2)
-        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E5M2, sc, ss, NULL);
+        attend_heads(qs, os, sink, count, head, row_pages, scale_pages, lo, n, lo / block_size, block_size,
+                     c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, E5M2, sc, ss,
+                     NULL);
     else
-        attend_heads(qs, os, sink, count, head, row_pages, lo, n, lo / block_size, block_size, c->page_stride,
-                     c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, BF16, sc, ss, NULL);
+        attend_heads(qs, os, sink, count, head, row_pages, scale_pages, lo, n, lo / block_size, block_size,
+                     c->page_stride, c->half_stride, c->slot_stride, dim, scale, softcap, scores, keys, BF16, sc, ss,
+                     NULL);
     for (int g = 0; rotate && g < count; g++)
         rotate_hadamard(os[g], dim);
     if (copies)
@@ -1909,6 +1921,7 @@ static void attention_between(const decoder_layer *L, const paged_cache *c, cons
     const int64_t rows = d->rows, block_size = c->block_size, page_stride = c->page_stride;
     const int64_t half_stride = c->half_stride, slot_stride = c->slot_stride, head_stride = c->head_stride;
     const int64_t *store_pages = d->store_pages, *store_offsets = d->store_offsets;
+    const int64_t *store_scale_pages = d->store_scale_pages != NULL ? d->store_scale_pages : store_pages;
     const int t = (int)L->dtype, ct = (int)c->dtype;
     const size_t row_bytes = size_of(ct) * (size_t)L->head_dim;
     const int64_t dim = L->head_dim, heads = L->q_heads + L->kv_heads;
@@ -1947,7 +1960,7 @@ static void attention_between(const decoder_layer *L, const paged_cache *c, cons
         for (int64_t head = 0; head < L->kv_heads; head++) {
             const int64_t slot0 = page + store_offsets[r] * slot_stride + head * head_stride;
             if (is_code(ct)) {
-                float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
+                float *scales = (float *)c->scales + store_scale_pages[r] * c->scale_page_stride +
                                 store_offsets[r] * c->scale_slot_stride + head * c->scale_head_stride;
                 quantize_row(k + head * dim, dim, (uint8_t *)c->data + slot0, scales, ct);
                 quantize_row(v + head * dim, dim, (uint8_t *)c->data + slot0 + half_stride,
@@ -1960,7 +1973,7 @@ static void attention_between(const decoder_layer *L, const paged_cache *c, cons
                 memset(at(c->data, page + s * slot_stride + head * head_stride, ct), 0, row_bytes);
                 memset(at(c->data, page + half_stride + s * slot_stride + head * head_stride, ct), 0, row_bytes);
                 if (is_code(ct)) {
-                    float *scales = (float *)c->scales + store_pages[r] * c->scale_page_stride +
+                    float *scales = (float *)c->scales + store_scale_pages[r] * c->scale_page_stride +
                                     s * c->scale_slot_stride + head * c->scale_head_stride;
                     scales[0] = scales[c->scale_half_stride] = 0.0f;
                 }

@@ -200,7 +200,8 @@ def store(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attention
         if h is not None:  # int8 rows are stored rotated (kv_quant.py)
             k, v = k.float() @ h, v.float() @ h
         (k, k_scales), (v, v_scales) = quantize(k, cache.dtype), quantize(v, cache.dtype)
-        store(cache.scales.unsqueeze(-1), k_scales.unsqueeze(-1), v_scales.unsqueeze(-1), meta, column)
+        store(cache.scales.unsqueeze(-1), k_scales.unsqueeze(-1), v_scales.unsqueeze(-1), meta,
+              cache.scales_at(column))
         cache = cache.codes
     if meta.tail_pages is not None:
         # A device zero, not the literal: a Python scalar becomes a CPU tensor
@@ -257,17 +258,20 @@ def attend_decodes(q, k, v, mask, scale, softcap, sinks=None):
     return torch.matmul(probs, v.transpose(1, 2)).view(rows, q.shape[1], dim)  # [R, H, G, D] -> [R, Hq, D]
 
 
-def gather(cache: torch.Tensor | QuantizedCache, pages: torch.Tensor):
-    """K and V rows of `pages` ([..., blocks]) as [..., blocks * block_size,
-    kv_heads, head_dim] each: one row copy per page (index_select), no more
-    (a quantized layer's: its codes and scales gathered, then widened to
-    float32)."""
+def gather(cache: torch.Tensor | QuantizedCache, pages: torch.Tensor, column: int):
+    """K and V rows of `pages[column]` (`pages` [width, ..., blocks], per
+    page column) as [..., blocks * block_size, kv_heads, head_dim] each: one
+    row copy per page (index_select), no more (a quantized layer's: its
+    codes and scales, the scales through their own column where they lie
+    apart, gathered, then widened to float32)."""
     if isinstance(cache, QuantizedCache):
-        (k, v), (k_scales, v_scales) = gather(cache.codes, pages), gather(cache.scales.unsqueeze(-1), pages)
+        k, v = gather(cache.codes, pages, column)
+        k_scales, v_scales = gather(cache.scales.unsqueeze(-1), pages, cache.scales_at(column))
         return (dequantize(k, k_scales.squeeze(-1), torch.float32),
                 dequantize(v, v_scales.squeeze(-1), torch.float32))
     num_pages, _, bs, heads, dim = cache.shape
     rows = cache.view(num_pages, 2, bs * heads * dim)
+    pages = pages[column]
     flat = pages.reshape(-1)
     shape = (*pages.shape[:-1], pages.shape[-1] * bs, heads, dim)
     return (rows[:, 0].index_select(0, flat).view(shape), rows[:, 1].index_select(0, flat).view(shape))
@@ -327,7 +331,7 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, column
         return rotated(attend(rotated(q, h), cache.unrotated(), meta, column, scale, softcap, sinks), h)
     out = torch.empty_like(q)
     for group in meta.decodes:
-        keys, values = gather(cache, group.pages[column])  # [R, L, H, D]
+        keys, values = gather(cache, group.pages, column)  # [R, L, H, D]
         out[group.rows] = attend_decodes(q[group.rows], keys.to(q.dtype), values.to(q.dtype), group.mask, scale,
                                           softcap, sinks)
     attend_prefills(q, cache, meta.spec, meta.prefills, column, scale, softcap, out, sinks)
@@ -340,7 +344,7 @@ def attend_prefills(q: torch.Tensor, cache: torch.Tensor, spec, prefills: list[P
     """The prefill chunks' part of `attend`, into `out`; `weights`: as
     `_attend_products` takes it (CPU tiles only)."""
     for seg in prefills:
-        keys, values = gather(cache, seg.pages[column])  # [L, H, D]
+        keys, values = gather(cache, seg.pages, column)  # [L, H, D]
         keys, values, mask = keys.to(q.dtype), values.to(q.dtype), seg.mask
         if q.device.type == "cpu":  # key ranges padded to few distinct lengths (linear.product_nt)
             columns = -(-keys.shape[0] // KEY_BUCKET) * KEY_BUCKET

@@ -78,7 +78,8 @@ class TritonAttention(AttentionOps):
             h = cache.rotation
             if h is not None:
                 k, v = rotated(k, h), rotated(v, h)
-            self.ops.store_codes(cache.codes, cache.scales, k, v, meta.slots[column])
+            self.ops.store_codes(cache.codes, cache.scales, k, v, meta.slots[column],
+                                 meta.slots[cache.scales_at(column)])
             return
         self.ops.store_kv(cache, k, v, meta.slots[column])
 
@@ -94,7 +95,8 @@ class TritonAttention(AttentionOps):
         if chunks is not None:
             self.ops.paged_prefill_attention(out, q, cache, chunks.starts, chunks.lengths, step.table[column],
                                              chunks.table_rows, step.inputs.positions, step.first_key,
-                                             max_length=chunks.longest, scale=scale, softcap=softcap, sinks=sinks)
+                                             max_length=chunks.longest, scale=scale, softcap=softcap, sinks=sinks,
+                                             scale_tables=scale_table(step, cache, column))
         return out
 
 
@@ -108,4 +110,13 @@ def attend_decodes(ops, out, q, cache, step: AttentionStep, column: int, scale, 
     width = (cache.codes if isinstance(cache, QuantizedCache) else cache).element_size()
     ops.paged_decode_attention(out, q, cache, tokens, table, decodes.table_rows, positions[tokens],
                                step.first_key[tokens], scale=scale, softcap=softcap, sinks=sinks, splits=splits,
-                               block_n=decode_block_n(step.spec.kind, cache.shape[4], width))
+                               block_n=decode_block_n(step.spec.kind, cache.shape[4], width),
+                               scale_tables=scale_table(step, cache, column))
+
+
+def scale_table(step: AttentionStep, cache, column: int) -> torch.Tensor | None:
+    """The table column of a quantized layer's scales where they lie in
+    pages of their own (kv_quant.QuantizedCache.scale_column), else None."""
+    if isinstance(cache, QuantizedCache) and cache.scale_column is not None:
+        return step.table[cache.scale_column]
+    return None

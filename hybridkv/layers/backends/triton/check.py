@@ -93,6 +93,33 @@ def _check_attention(ops, device) -> None:
             error = (out.float() - ref).abs().max().item()
             if not error < _TOLERANCE:
                 raise AssertionError(f"decode attention ({spec.kind}, {dtype} pages) differs by {error}")
+        _check_scales_apart(ops, q, quantize(cache, torch.int8), table, rows, positions, spec, scale, sink)
+
+
+def _check_scales_apart(ops, q, pool, table, rows, positions, spec, scale, sink) -> None:
+    """Scales in pages of their own (core/layout.py `scales_apart`): moved
+    to other pages, read through a second plane of the table, decode and
+    prefill attention give what they give beside the codes, bit for bit."""
+    codes, scales = pool
+    moved = torch.roll(torch.arange(scales.shape[0], device=scales.device), 5)  # page p's scales on page moved[p]
+    apart = torch.zeros_like(scales)
+    apart[moved] = scales
+    planes = torch.stack([table, moved[table]])
+    for where in ("decode", "prefill"):
+        out, got = torch.empty_like(q), torch.empty_like(q)
+        for cache, tables, scale_tables, into in ((QuantizedCache(codes, scales), table, None, out),
+                                                  (QuantizedCache(codes, apart), planes[0], planes[1], got)):
+            if where == "decode":
+                ops.paged_decode_attention(into, q, cache, rows, tables, rows, positions,
+                                           spec.first_visible(positions), scale=scale, sinks=sink,
+                                           scale_tables=scale_tables)
+            else:  # each request's last query as a segment of one
+                ones = torch.ones_like(rows)
+                ops.paged_prefill_attention(into, q, cache, rows, ones, tables, rows, positions,
+                                            spec.first_visible(positions), max_length=1, scale=scale, sinks=sink,
+                                            scale_tables=scale_tables)
+        if not torch.equal(out, got):
+            raise AssertionError(f"{where} attention ({spec.kind}) reads scales apart from their codes wrongly")
 
 
 def _check_store(ops, device) -> None:
@@ -120,6 +147,14 @@ def _check_store(ops, device) -> None:
                 if slot >= 0 and not (torch.equal(codes[page, half, at].view(torch.uint8), want_codes.view(torch.uint8))
                                       and torch.equal(scales[page, half, at], want_scales)):
                     raise AssertionError(f"store_codes ({dtype}) differs from kv_quant's codes")
+    # scales in pages of their own (core/layout.py `scales_apart`): the same codes, the scales on those pages
+    codes, scales = torch.zeros(8, 2, 16, 2, 32, dtype=torch.int8, device=device), torch.zeros(8, 2, 16, 2,
+                                                                                              device=device)
+    apart_codes, apart = torch.zeros_like(codes), torch.zeros_like(scales)
+    ops.store_codes(codes, scales, k, v, slots)
+    ops.store_codes(apart_codes, apart, k, v, slots, torch.where(slots >= 0, (slots + 48) % 128, slots))
+    if not (torch.equal(codes, apart_codes) and torch.equal(torch.roll(scales, 3, 0), apart)):
+        raise AssertionError("store_codes writes scales apart from their codes to the wrong slots")
 
 
 def _check_mamba(ops, device) -> None:

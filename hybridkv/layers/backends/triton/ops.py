@@ -137,7 +137,7 @@ def _float8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _store_codes_kernel(k_ptr, v_ptr, codes_ptr, scales_ptr, slot_ptr,
+def _store_codes_kernel(k_ptr, v_ptr, codes_ptr, scales_ptr, slot_ptr, scale_slot_ptr,
                         s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
                         s_cp, s_ckv, s_cs, s_ch, s_cd,
                         s_sp, s_skv, s_ss, s_sh,
@@ -148,18 +148,22 @@ def _store_codes_kernel(k_ptr, v_ptr, codes_ptr, scales_ptr, slot_ptr,
     """One program per (token, tile of KV heads): K and V rows to their slot
     as 8-bit codes and a float32 scale each (kv_quant.py's quantize: scale =
     the row's largest magnitude / CODE_MAX; int8 codes where MANTISSA is 0,
-    else float8 with that many mantissa bits; codes written as their bits)."""
+    else float8 with that many mantissa bits; codes written as their bits).
+    The scales go to the slots `scale_slot_ptr` names (the codes' own where
+    they share pages; the same offset in a block, another page where the
+    layout keeps them apart)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         page = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
+        scale_page = tl.load(scale_slot_ptr + t) // BLOCK_SIZE
         h = tl.program_id(1) * HEADS_TILE + tl.arange(0, HEADS_TILE)
         d = tl.arange(0, DIM_PAD)
         h_ok = h < num_heads
         mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
         dst = codes_ptr + page * s_cp + offset * s_cs + h[:, None] * s_ch + d[None, :] * s_cd
-        scale_dst = scales_ptr + page * s_sp + offset * s_ss + h * s_sh
+        scale_dst = scales_ptr + scale_page * s_sp + offset * s_ss + h * s_sh
         for half in tl.static_range(2):
             if half == 0:
                 x = tl.load(k_ptr + t * s_kt + h[:, None] * s_kh + d[None, :] * s_kd, mask=mask, other=0.0)
@@ -183,11 +187,12 @@ _CODES = {torch.int8: (127.0, 0, 0), torch.float8_e4m3fn: (448.0, 3, 7), torch.f
 
 
 def store_codes(codes: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                slots: torch.Tensor) -> None:
+                slots: torch.Tensor, scale_slots: torch.Tensor | None = None) -> None:
     """Write K and V rows (`[tokens, kv_heads, head_dim]`, already rotated
     where the page type is) into a quantized layer's `codes` (`[pages, 2,
     block_size, kv_heads, head_dim]`, int8 or float8) and `scales`
-    (`[pages, 2, block_size, kv_heads]`, float32) at `slots` (-1: skipped)."""
+    (`[pages, 2, block_size, kv_heads]`, float32) at `slots` (-1: skipped),
+    the scales at `scale_slots` where they lie in pages of their own."""
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
@@ -195,7 +200,8 @@ def store_codes(codes: torch.Tensor, scales: torch.Tensor, k: torch.Tensor, v: t
     dim_pad = _pow2(dim)
     heads_tile = min(_pow2(heads), max(1, 4096 // dim_pad))
     grid = (tokens, triton.cdiv(heads, heads_tile))
-    _store_codes_kernel[grid](k, v, codes.view(torch.uint8), scales, slots, *k.stride(), *v.stride(),
+    _store_codes_kernel[grid](k, v, codes.view(torch.uint8), scales, slots,
+                              slots if scale_slots is None else scale_slots, *k.stride(), *v.stride(),
                               *codes.stride(), *scales.stride(), heads, BLOCK_SIZE=codes.shape[2], HEAD_DIM=dim,
                               HEADS_TILE=heads_tile, DIM_PAD=dim_pad, CODE_MAX=code_max, MANTISSA=mantissa,
                               BIAS=bias)
@@ -211,6 +217,17 @@ def _pages(cache) -> tuple[torch.Tensor, torch.Tensor, tuple, bool]:
     return cache, cache, (0, 0, 0, 0), False
 
 
+def _scale_shift(tables: torch.Tensor, scale_tables: torch.Tensor | None) -> int:
+    """Elements from a row of the codes' table to the same row of the
+    scales' (planes of one table: the block's page columns); 0 where the
+    scales share the codes' pages."""
+    if scale_tables is None:
+        return 0
+    if scale_tables.stride() != tables.stride() or scale_tables.dtype != tables.dtype:
+        raise ValueError("the scales' table must be another plane of the codes' table (same strides and dtype)")
+    return (scale_tables.data_ptr() - tables.data_ptr()) // tables.element_size()
+
+
 def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The sinks as the kernels read them (float32, one per query head), or
     a stand-in pointer they never read (HAS_SINKS off)."""
@@ -222,7 +239,7 @@ def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
+def _key_tile_scores(q, table_row, s_tb, s_tsc, n, ok, cache_ptr, kv_head, d, d_ok, s_cp, s_cs, s_ch, s_cd,
                      scales_ptr, s_sp, s_ss, s_sh,
                      scale, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      PRECISION: tl.constexpr, DOT_16: tl.constexpr, CODES: tl.constexpr):
@@ -233,12 +250,16 @@ def _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok, s_c
     in the same type), accumulating in float32; else K is widened to
     float32 first. CODES: the cache holds 8-bit codes, each key's score
     their dot product times its scale (scales [pages, 2, block_size,
-    kv_heads], float32)."""
+    kv_heads], float32), their pages `s_tsc` elements on from the codes'
+    in the table (_scale_shift)."""
     page = tl.load(table_row + (n // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
     kv_ptrs = (cache_ptr + page[:, None] * s_cp + (n % BLOCK_SIZE)[:, None] * s_cs + kv_head * s_ch
                + d[None, :] * s_cd)
     kv_mask = ok[:, None] & d_ok[None, :]
-    scale_ptrs = scales_ptr + page * s_sp + (n % BLOCK_SIZE) * s_ss + kv_head * s_sh
+    scale_page = page
+    if CODES:
+        scale_page = tl.load(table_row + s_tsc + (n // BLOCK_SIZE) * s_tb, mask=ok, other=0).to(tl.int64)
+    scale_ptrs = scales_ptr + scale_page * s_sp + (n % BLOCK_SIZE) * s_ss + kv_head * s_sh
     k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
     if DOT_16:
         s = tl.dot(q, tl.trans(k)) * scale
@@ -298,7 +319,7 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
                          s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                          s_cp, s_ckv, s_cs, s_ch, s_cd,
                          s_sp, s_skv, s_ss, s_sh,
-                         s_tr, s_tb,
+                         s_tr, s_tb, s_tsc,
                          HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
@@ -337,7 +358,8 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
-        s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d, d_ok,
+        s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, s_tsc, n, ok, cache_ptr, kv_head, d,
+                                                           d_ok,
                                                            s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss, s_sh,
                                                            scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION, False,
                                                            CODES)
@@ -385,7 +407,8 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
                            tables: torch.Tensor, table_rows: torch.Tensor, query_pos: torch.Tensor,
                            first_key: torch.Tensor, *, scale: float, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, splits: int = 1, block_n: int = 64,
-                           num_warps: int | None = None, num_stages: int | None = None) -> None:
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           scale_tables: torch.Tensor | None = None) -> None:
     """Attention of one query token per request through its block table.
 
     q, out: `[tokens, q_heads, head_dim]`; request i's query is row
@@ -395,6 +418,8 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
     outside the range may be anything, the null page included: they are not
     read. Writes `out[rows]`. `sinks` (`[q_heads]`, float32): attention
     sinks, one more logit per query head in the softmax's denominator.
+    `scale_tables`: a quantized layer's scales' column of the same table,
+    where they lie in pages of their own (None: the codes' pages).
 
     splits > 1 divides each request's keys among that many programs
     (flash-decoding) and adds a small combining kernel; block_n (a power of
@@ -425,6 +450,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Tens
         q, out, pages, rows, tables, table_rows, query_pos, first_key, _sinks(sinks, q), part_acc, part_m, part_l,
         scales, float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *pages.stride(), *scale_strides, *tables.stride(),
+        _scale_shift(tables, scale_tables),
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(pages.dtype),
         CODES=codes, **_launch(num_warps, num_stages))
@@ -441,7 +467,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
                           s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                           s_cp, s_ckv, s_cs, s_ch, s_cd,
                           s_sp, s_skv, s_ss, s_sh,
-                          s_tr, s_tb,
+                          s_tr, s_tb, s_tsc,
                           HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -479,7 +505,7 @@ def _paged_prefill_kernel(q_ptr, out_ptr, cache_ptr, start_ptr, len_ptr, table_p
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             ok = (n >= lo) & (n <= hi) & (n // BLOCK_SIZE < max_blocks)
-            s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, n, ok, cache_ptr, kv_head, d,
+            s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, s_tsc, n, ok, cache_ptr, kv_head, d,
                                                                d_ok, s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss,
                                                                s_sh, scale, softcap, HAS_SOFTCAP, BLOCK_SIZE,
                                                                PRECISION, DOT_16, CODES)
@@ -498,7 +524,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
                             softcap: float | None = None, sinks: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            dot_16bit: bool | None = None) -> None:
+                            dot_16bit: bool | None = None, scale_tables: torch.Tensor | None = None) -> None:
     """Attention of segments of consecutive query tokens (prefill chunks,
     also after cached tokens; a mixed batch's decodes are segments of one).
 
@@ -510,7 +536,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
     queries and block_n keys per tile (powers of two, at least 16). `dot_16bit` (16-bit caches, compiled kernels
     only; the default there): the dots take Q, K, P and V in the cache's
     16-bit type, float32 accumulation, instead of widening to float32 tiles
-    first.
+    first. `scale_tables` as `paged_decode_attention`'s.
     """
     pages, scales, scale_strides, codes = _pages(cache)
     if dot_16bit is None:
@@ -546,6 +572,7 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, cache: torch.Ten
         q, out, pages, starts, lengths, tables, table_rows, positions, first_key, _sinks(sinks, q), scales,
         float(scale), float(softcap or 0.0), tables.shape[1],
         *q.stride(), *out.stride(), *pages.stride(), *scale_strides, *tables.stride(),
+        _scale_shift(tables, scale_tables),
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, BLOCK_SIZE=bs, GROUP=q_heads // kv_heads,
         HEAD_DIM=dim, DIM_PAD=_pow2(dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=_dot_precision(pages.dtype), DOT_16=dot_16bit, CODES=codes, **_launch(num_warps, num_stages))
