@@ -465,10 +465,9 @@ static void weigh_codes(const float *w, int64_t n, int64_t stride, int count, co
  * V scale. */
 INLINE void attend_heads(const float *const qs[4], float *const os[4], const float sink[4], int64_t count,
                          const void *cache, const int64_t *row_pages, const int64_t *scale_pages, int64_t lo,
-                         int64_t n, int64_t block0,
-                         int64_t block_size, int64_t page_stride, int64_t half_stride, int64_t slot_stride,
-                         int64_t dim, float scale, float softcap, float *scores, int64_t *keys, int ct,
-                         const float *sc, const int64_t ss[3], int16_t *narrow16)
+                         int64_t n, int64_t block0, int64_t block_size, int64_t page_stride, int64_t half_stride,
+                         int64_t slot_stride, int64_t dim, float scale, float softcap, float *scores, int64_t *keys,
+                         int ct, const float *sc, const int64_t ss[3], int16_t *narrow16)
 {
     float s[4];
     /* int8 codes with integer products (dot4_codes, weigh_codes): the
