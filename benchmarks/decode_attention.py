@@ -90,7 +90,8 @@ def run(args) -> dict:
     builds = {"this": current}
     scratch = tempfile.TemporaryDirectory()
     if args.baseline:
-        builds["baseline"] = library.Kernels(baseline_build(args.baseline, scratch.name))
+        builds["baseline"] = library.Kernels(baseline_build(args.baseline, scratch.name),
+                                             Path(scratch.name) / "kernels.c")  # read by its own structs
     rows, keys = (4, 512) if args.quick else (args.rows, 4096)
     cases = [(dtype, window) for dtype in DTYPES for window in (None, 512, 128)]
     out = []

@@ -80,8 +80,11 @@ def read_functions(source: str, structs: dict) -> dict[str, tuple]:
 class Kernels:
     """The loaded library: its functions (typed) and its structs by C name."""
 
-    def __init__(self, path: Path):
-        source = build.SOURCE.read_text()
+    def __init__(self, path: Path, source: Path | None = None):
+        """`source`: the kernels.c `path` was built from (default: this
+        tree's), whose structs and signatures it is read by (a benchmark's
+        build of an earlier revision takes its own)."""
+        source = (source or build.SOURCE).read_text()
         self.path = path
         self.structs = read_structs(source)
         self.lib = ctypes.CDLL(str(path))
