@@ -44,6 +44,7 @@ and groups its code makes (vllm_replay.max_requests).
 
     python -m benchmarks.kv_dtypes             # ~25 min on 2 cores (the prefill of 64 x 4,096 tokens, three times)
     python -m benchmarks.kv_dtypes --parts speed       # writes kv_dtypes_speed.json
+    python -m benchmarks.kv_dtypes --parts speed --reverse   # kv_dtypes_speed_reversed.json
     python -m benchmarks.kv_dtypes --parts speed --weights bfloat16   # kv_dtypes_speed_bfloat16.json
     python -m benchmarks.kv_dtypes --parts capacity --python-vllm '~/.cache/hybridkv-peers/vllm/bin/python'
                                                # kv_dtypes_capacity.json in seconds (quoted: the result's
@@ -164,10 +165,13 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             order = ("floor", *order)
         for pages in order:
             prompts = prompts_of(batch, floor_context if pages == "floor" else context)
-            # room for every prompt's float32 pages at once
-            budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens)
+            # room for every prompt's pages at once, in the engine's own page dtype: a pool sized for
+            # float32 pages would leave an engine of narrow ones too little memory to pack its LM head
+            # (its products would then read it dense: another path)
+            kv_cache_dtype = "int8" if pages == "floor" else pages
+            budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens, weights, kv_cache_dtype)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
-            engine = Engine(model, dtype=weights, kv_cache_dtype="int8" if pages == "floor" else pages,
+            engine = Engine(model, dtype=weights, kv_cache_dtype=kv_cache_dtype,
                             max_num_seqs=batch, progress=False, kv_cache_memory=budget,
                             max_num_batched_tokens=PREFILL_TOKENS)
             print(f"  {pages} pages: memory free {free.get('MemFree', 0) / 2**30:.1f} GiB, available "
@@ -201,6 +205,9 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         decode_routes = {pages: sorted(r for r in row[pages]["routes"] if r != "cpu:modules") for pages in engines}
         if len({tuple(r) for r in decode_routes.values()}) > 1:
             raise RuntimeError(f"the engines' decode steps took different paths: {decode_routes}")
+        declined = {pages: row[pages]["declined"] for pages in engines}
+        if len({tuple(d) for d in declined.values()}) > 1:  # (a module one engine could not wrap or pack)
+            raise RuntimeError(f"the engines declined different things: {declined}")
         wide = row["auto" if weights == "float32" else "float32"]["step_ms"]
         row["speedup"] = wide / row["int8"]["step_ms"]
         if "fp8_e4m3" in row:
@@ -216,10 +223,19 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
     return {"rows": rows}
 
 
-def kv_budget_for(prompts, new_tokens: int) -> int:
-    from benchmarks.real_gemma3 import kv_budget
+def kv_budget_for(prompts, new_tokens: int, weights: str, kv_cache_dtype: str) -> int:
+    """Bytes for every prompt's KV at once in pages of `kv_cache_dtype`
+    ("auto": the weights' dtype), and a little more (real_gemma3.kv_budget
+    for float32 pages)."""
+    from benchmarks.real_gemma3 import converted_dir
+    from hybridkv.core import plan_layout
+    from hybridkv.core.hf_config import load_config, specs_from_config
+    from hybridkv.core.specs import with_kv_cache_dtype
 
-    return kv_budget(prompts, new_tokens)
+    specs = with_kv_cache_dtype(specs_from_config(load_config(converted_dir()), dtype=weights), kv_cache_dtype)
+    layout = plan_layout(specs, 1 << 30)
+    pages = len(prompts) * layout.pages_per_request(max(len(p) for p in prompts) + new_tokens, chunk=1024)
+    return (pages + 64) * layout.page_size_bytes
 
 
 def long_prompts(n: int, length: int) -> list[list[int]]:

@@ -241,7 +241,11 @@ TABLES: dict[str, Table] = {
     "kv-dtypes-capacity": Table("kv_dtypes_capacity.json", kv_capacity_rows, {
         "model": key("model"), "pages": key("pages"),
         **{f"{c:,} tokens": kv_capacity_cell(c) for c in (1024, 4096, 32768)}}),
-    "kv-dtypes-speed": Table("kv_dtypes_speed.json", lambda t: t["speed"]["rows"], {
+    # float32 weights, the engines made in each order (--reverse)
+    "kv-dtypes-speed": Table(("kv_dtypes_speed.json", "kv_dtypes_speed_reversed.json"),
+                             lambda *runs: [row for t in runs for row in t["speed"]["rows"]], {
+        "engines made": lambda r: ", ".join({"auto": "float32"}.get(m, m)
+                                            for m in r.get("made", ("auto", "int8", "fp8_e4m3"))),
         "batch": key("batch"), "context": key("context", num),
         "float32 pages": lambda r: f"{num(r['auto']['step_ms'], 1)} ms ({num(r['auto']['tokens_per_s'])} tok/s)",
         "int8 pages": lambda r: f"{num(r['int8']['step_ms'], 1)} ms ({num(r['int8']['tokens_per_s'])} tok/s)",
