@@ -135,7 +135,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
     where the batch is more than one: see the module's docstring): which
     engine is made first moves its steps by up to ~20% on a VM, so a run in
     each order tells the pages from the order."""
-    from benchmarks.real_gemma3 import batch_prompts
+    from benchmarks.real_gemma3 import batch_prompts, kv_budget
     from hybridkv import Engine, SamplingParams
     from hybridkv.layers.backends.cpu.linear import meminfo
 
@@ -169,7 +169,7 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
             # float32 pages would leave an engine of narrow ones too little memory to pack its LM head
             # (its products would then read it dense: another path)
             kv_cache_dtype = "int8" if pages == "floor" else pages
-            budget = 64 * 2**20 if synthetic else kv_budget_for(prompts, params.max_tokens, weights, kv_cache_dtype)
+            budget = 64 * 2**20 if synthetic else kv_budget(prompts, params.max_tokens, weights, kv_cache_dtype)
             free = meminfo()  # (the backend's spare memory is its MemAvailable)
             engine = Engine(model, dtype=weights, kv_cache_dtype=kv_cache_dtype,
                             max_num_seqs=batch, progress=False, kv_cache_memory=budget,
@@ -221,21 +221,6 @@ def speed(model: str, cases: list[tuple[int, int]], repeat: int, synthetic: bool
         rows.append(row)
         del engines
     return {"rows": rows}
-
-
-def kv_budget_for(prompts, new_tokens: int, weights: str, kv_cache_dtype: str) -> int:
-    """Bytes for every prompt's KV at once in pages of `kv_cache_dtype`
-    ("auto": the weights' dtype), and a little more (real_gemma3.kv_budget
-    for float32 pages)."""
-    from benchmarks.real_gemma3 import converted_dir
-    from hybridkv.core import plan_layout
-    from hybridkv.core.hf_config import load_config, specs_from_config
-    from hybridkv.core.specs import with_kv_cache_dtype
-
-    specs = with_kv_cache_dtype(specs_from_config(load_config(converted_dir()), dtype=weights), kv_cache_dtype)
-    layout = plan_layout(specs, 1 << 30)
-    pages = len(prompts) * layout.pages_per_request(max(len(p) for p in prompts) + new_tokens, chunk=1024)
-    return (pages + 64) * layout.page_size_bytes
 
 
 def long_prompts(n: int, length: int) -> list[list[int]]:

@@ -153,13 +153,16 @@ def weights_read_bound(dtype: str, threads: int, batch_1: dict, decode_1: dict |
     return bound
 
 
-def kv_budget(prompts, new_tokens: int) -> int:
+def kv_budget(prompts, new_tokens: int, dtype: str = "float32", kv_cache_dtype: str = "auto") -> int:
     """Bytes for every prompt's KV at once, and a little more: a cache
-    sized to the work, as a server would size it to its load."""
+    sized to the work, as a server would size it to its load (pages of
+    `kv_cache_dtype`; "auto": the model's `dtype`)."""
     from hybridkv.core import plan_layout
     from hybridkv.core.hf_config import load_config, specs_from_config
+    from hybridkv.core.specs import with_kv_cache_dtype
 
-    layout = plan_layout(specs_from_config(load_config(converted_dir()), dtype="float32"), 1 << 30)
+    specs = specs_from_config(load_config(converted_dir()), dtype=dtype)
+    layout = plan_layout(with_kv_cache_dtype(specs, kv_cache_dtype), 1 << 30)
     pages = len(prompts) * layout.pages_per_request(max(len(p) for p in prompts) + new_tokens, chunk=1024)
     return (pages + 64) * layout.page_size_bytes
 
