@@ -245,6 +245,8 @@ class CpuDecoderLayer(nn.Module):
             tiled=int(tiled(lib, self.dtype)),
             **{name: None if t is None else t.data_ptr() for name, t in self.tensors.items()})
         self._cache: tuple | None = None  # (pool, the layer's paged_cache) of the last step
+        # The column of its scales where its quantized pages keep them apart (set with its cache).
+        self.scale_column: int | None = None
 
     def cache(self, buffers):
         """The layer's `paged_cache` (made once per pool)."""
@@ -255,14 +257,8 @@ class CpuDecoderLayer(nn.Module):
                 raise ValueError(f"the C decoder layer writes float32, bfloat16, int8 or float8 K/V; {self.layer_name}'s "
                                  f"cache is {cache.dtype}")
             self._cache = (buffers.pool, paged_cache(self.lib, cache), cache)
+            self.scale_column = cache.scale_column if isinstance(cache, QuantizedCache) else None
         return self._cache[1]
-
-    @property
-    def scale_column(self) -> int | None:
-        """Where the layer's scales lie in pages apart from its codes, their
-        column (`QuantizedCache.scale_column`; known once `cache` ran)."""
-        cache = self._cache[2]
-        return cache.scale_column if isinstance(cache, QuantizedCache) else None
 
     def forward(self, x: torch.Tensor, cos_sin, batch) -> torch.Tensor:
         step = batch.route_state

@@ -359,8 +359,7 @@ def _paged_decode_kernel(q_ptr, out_ptr, cache_ptr, rows_ptr, table_ptr, table_r
         n = n0 + tl.arange(0, BLOCK_N)
         ok = (n >= lo) & (n < stop) & (n // BLOCK_SIZE < max_blocks)
         s, kv_ptrs, kv_mask, scale_ptrs = _key_tile_scores(q, table_row, s_tb, s_tsc, n, ok, cache_ptr, kv_head, d,
-                                                           d_ok,
-                                                           s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss, s_sh,
+                                                           d_ok, s_cp, s_cs, s_ch, s_cd, scales_ptr, s_sp, s_ss, s_sh,
                                                            scale, softcap, HAS_SOFTCAP, BLOCK_SIZE, PRECISION, False,
                                                            CODES)
         s = tl.where(ok[None, :], s, float("-inf"))
